@@ -1,0 +1,1 @@
+"""pd: a prefill/decode disaggregated LLM server."""
