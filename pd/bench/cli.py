@@ -1,0 +1,41 @@
+"""`pd-bench SUBCOMMAND ...`: benchmarks that start what they measure and print figures.
+
+Each subcommand lives in its own module `pd.bench.<name>` exposing
+`add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "engine": "decode tokens/s of a --role both worker at 1, 8 and 32 streams",
+    "transfer": "KV pull throughput: ours vs bare NIXL vs memcpy",
+    "router": "router overhead vs direct, at concurrency 1 and 64",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pd-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        try:
+            module = importlib.import_module(f"pd.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"pd.bench.{name}":
+                raise
+            continue
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    args = parser.parse_args(argv)
+    module = getattr(args, "_module", None)
+    if module is None:
+        parser.error(f"benchmark {args.command!r} is not available in this build")
+    return module.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
