@@ -1,0 +1,386 @@
+"""The wire protocol shared by router and workers, defined once.
+
+- OpenAI-style errors (`APIError` -> `{"error": {"message", "type", "code", "param"}}`).
+- Parsed and validated OpenAI requests (`CompletionRequest`, `ChatCompletionRequest`).
+- `WorkerLoad`: the load a worker reports in `/health`, read by the router's policies.
+- `KVTransferParams`: what P returns and D consumes (DESIGN.md §3), versioned.
+
+Validation happens here, at the edge; everything past `parse_*` may trust its types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import orjson
+
+# --------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered to an HTTP client as an OpenAI-style JSON body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "code": code, "param": param}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, "invalid_request_error", code, param)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """Decode a request body; anything but a JSON object is a 400."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+# ----------------------------------------------------------------------------- field validators
+
+
+def _opt(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int in Python: refuse it where a number is wanted, and vice versa.
+    is_bool = isinstance(value, bool)
+    wants_bool = types is bool or (isinstance(types, tuple) and bool in types)
+    if not isinstance(value, types) or (is_bool and not wants_bool):
+        names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        raise bad_request(f"'{name}' must be of type {names}", param=name, code="invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a finite number", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = float(_opt(body, name, (int, float), default))
+    if not lo <= value <= hi:
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {value}", param=name)
+    return value
+
+
+def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    value = _opt(body, name, int, default)
+    if value is None:
+        return None
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise bad_request(f"'{name}' must be {bound}, got {value}", param=name)
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    ):
+        raise bad_request(f"'{name}' must be a list of non-negative token ids", param=name)
+    return value
+
+
+# ------------------------------------------------------------------------------------ requests
+
+
+@dataclass
+class GenerationOptions:
+    """The sampling and stopping options common to both OpenAI endpoints."""
+
+    max_tokens: int | None  # None: up to the context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+
+MAX_TOP_LOGPROBS = 5
+
+
+def _parse_options(body: dict, max_tokens_names: tuple[str, ...]) -> GenerationOptions:
+    max_tokens = None
+    for name in max_tokens_names:
+        value = _int(body, name, None, 1)
+        if value is not None:
+            max_tokens = value
+            break
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    if any(s == "" for s in stop):
+        raise bad_request("'stop' strings must not be empty", param="stop")
+    stop_token_ids = body.get("stop_token_ids")
+    stop_token_ids = tuple(_token_ids(stop_token_ids, "stop_token_ids")) if stop_token_ids else ()
+    n = _int(body, "n", 1, 1)
+    if n != 1:
+        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
+    best_of = _int(body, "best_of", 1, 1)
+    if best_of != 1:
+        raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_value")
+    seed = _opt(body, "seed", int)
+    top_k = _int(body, "top_k", -1, -1)
+    return GenerationOptions(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.01, 10.0),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=bool(_opt(body, "ignore_eos", bool, False)),
+        skip_special_tokens=bool(_opt(body, "skip_special_tokens", bool, True)),
+    )
+
+
+@dataclass
+class _RequestBase:
+    model: str | None
+    options: GenerationOptions
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+    user: str | None  # also a room key for sticky routing
+    session_id: str | None
+    kv_transfer_params: dict[str, Any] | None  # set by the router only; opaque here
+    raw: dict[str, Any] = field(repr=False)  # the body as received
+
+    @property
+    def room_key(self) -> str | None:
+        return self.user or self.session_id
+
+
+def _parse_common(body: dict) -> dict[str, Any]:
+    stream = bool(_opt(body, "stream", bool, False))
+    stream_options = _opt(body, "stream_options", dict, {})
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    kvp = _opt(body, "kv_transfer_params", dict)
+    return dict(
+        model=_opt(body, "model", str),
+        stream=stream,
+        include_usage=include_usage,
+        user=_opt(body, "user", str),
+        session_id=_opt(body, "session_id", str),
+        kv_transfer_params=kvp,
+        raw=body,
+    )
+
+
+@dataclass
+class CompletionRequest(_RequestBase):
+    prompt: str | list[int] = ""  # text, or token ids
+    echo: bool = False
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> CompletionRequest:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", param="prompt", code="missing_field")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list):
+            prompt = _token_ids(prompt, "prompt")
+            if not prompt:
+                raise bad_request("'prompt' must not be empty", param="prompt")
+        elif not isinstance(prompt, str):
+            raise bad_request(
+                "'prompt' must be a string or a list of token ids (batches of several prompts "
+                "are not supported)",
+                param="prompt",
+                code="invalid_type",
+            )
+        elif not prompt:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+        if _opt(body, "echo", bool, False):
+            raise bad_request("'echo' is not supported", param="echo", code="unsupported_value")
+        options = _parse_options(body, ("max_tokens",))
+        if options.max_tokens is None:
+            options.max_tokens = 16  # OpenAI's default for completions
+        logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        if logprobs is not None:
+            options.logprobs = True
+            options.top_logprobs = logprobs
+        return cls(prompt=prompt, options=options, **_parse_common(body))
+
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise bad_request(f"'messages[{i}]' must be an object", param="messages")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(
+                f"'messages[{i}].role' must be one of {', '.join(_ROLES)}", param="messages"
+            )
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    raise bad_request(
+                        f"'messages[{i}].content' supports only text parts", param="messages"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"'messages[{i}]' text part needs 'text'", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise bad_request(f"'messages[{i}].content' must be a string", param="messages")
+        messages.append({**m, "content": content})
+    return messages
+
+
+@dataclass
+class ChatCompletionRequest(_RequestBase):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> ChatCompletionRequest:
+        if "messages" not in body:
+            raise bad_request("'messages' is required", param="messages", code="missing_field")
+        messages = _parse_messages(body["messages"])
+        options = _parse_options(body, ("max_completion_tokens", "max_tokens"))
+        if _opt(body, "logprobs", bool, False):
+            options.logprobs = True
+            options.top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        elif body.get("top_logprobs") is not None:
+            raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        return cls(messages=messages, options=options, **_parse_common(body))
+
+
+def parse_request(path: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    """Parse a body for `/v1/completions` or `/v1/chat/completions`."""
+    if path.endswith("/chat/completions"):
+        return ChatCompletionRequest.parse(body)
+    return CompletionRequest.parse(body)
+
+
+# ----------------------------------------------------------------------------------- load
+
+
+@dataclass
+class WorkerLoad:
+    """The load a worker reports in `/health` (and the router's policies read)."""
+
+    role: str  # "prefill" | "decode" | "both"
+    running: int  # requests in the running batch
+    waiting: int  # requests queued for admission
+    queued_prefill_tokens: int  # prompt tokens not yet prefilled (waiting + partially prefilled)
+    kv_pages_total: int
+    kv_pages_free: int
+    inflight_transfers: int = 0  # P: pinned for D; D: pulling or waiting for pages
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_pages_free / self.kv_pages_total if self.kv_pages_total else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerLoad:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# --------------------------------------------------------------------- kv_transfer_params
+
+PD_VERSION = 1
+
+
+@dataclass
+class KVTransferParams:
+    """What P answers in `kv_transfer_params` and D consumes (DESIGN.md §3)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int  # P's bootstrap port
+    transfer_id: str
+    prompt_token_ids: list[int]
+    first_token_id: int
+    page_ids: dict[str, list[int]]  # per pool name
+    num_tokens: int  # tokens whose KV P holds (the prompt)
+    page_size: int
+    tp_size: int
+    kv_layout: str
+    dtype: str
+    model_fingerprint: str
+    lease_ttl_s: float
+    do_remote_prefill: bool = True
+    pd_version: int = PD_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVTransferParams:
+        if not isinstance(d, dict):
+            raise bad_request("'kv_transfer_params' must be an object", "kv_transfer_params")
+        if d.get("pd_version") != PD_VERSION:
+            raise bad_request(
+                f"unsupported kv_transfer_params pd_version {d.get('pd_version')!r} "
+                f"(this worker speaks {PD_VERSION})",
+                "kv_transfer_params",
+            )
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in names if n not in d]
+        if missing:
+            raise bad_request(
+                f"kv_transfer_params lacks {', '.join(sorted(missing))}", "kv_transfer_params"
+            )
+        return cls(**{k: d[k] for k in names})
