@@ -1,0 +1,280 @@
+import math
+import time
+
+import pytest
+import torch
+
+from pd.worker.sampling import Sampler, seed_for_position
+from pd.worker.sampling_params import SamplingParams
+
+V = 64
+
+
+def _logits(B: int, V: int = V, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, V, generator=g) * 3
+
+
+def _sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], outputs=None):
+    B = logits.shape[0]
+    outputs = outputs if outputs is not None else [[] for _ in range(B)]
+    return sampler.sample(logits, params, [[1, 2, 3] for _ in range(B)], outputs)
+
+
+def test_greedy_is_argmax():
+    logits = _logits(8)
+    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 8)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs == [None] * 8 and out.top_logprobs == [None] * 8
+
+
+def test_greedy_bf16_is_argmax():
+    logits = _logits(4).to(torch.bfloat16)
+    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 4)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    logits = _logits(16)
+    expected = logits.argmax(-1).tolist()
+    sampler = Sampler(seed=1)
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=1.5, top_p=1e-6),
+        SamplingParams(temperature=1.5, min_p=1.0),
+        SamplingParams(temperature=1.5, top_k=1, seed=3),
+    ):
+        for _ in range(5):
+            assert _sample(sampler, logits, [params] * 16).token_ids == expected, params
+
+
+def _empirical(probs: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor(tokens), minlength=probs.numel()).double()
+    return counts
+
+
+def _chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    exp = expected_probs.double() * n
+    keep = exp > 5  # merge small cells into one
+    stat = ((counts[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    rest_c, rest_e = counts[~keep].sum(), exp[~keep].sum()
+    dof = int(keep.sum()) - 1
+    if rest_e > 0:
+        stat += (rest_c - rest_e) ** 2 / rest_e
+        dof += 1
+    return float(stat), dof
+
+
+def _assert_matches(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    assert counts[probs == 0].sum() == 0, "drew a token with probability 0"
+    stat, dof = _chi_square(counts, probs)
+    # Loose: mean is dof, sd is sqrt(2 dof); this fails only on a real mismatch.
+    assert stat < dof + 6 * math.sqrt(2 * dof) + 10, (stat, dof)
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_matches_softmax(seeded: bool):
+    row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
+    temperature = 0.7
+    n = 20000
+    logits = row.expand(n, -1).contiguous()
+    if seeded:
+        # One seeded request per row: the exponential race over independent streams.
+        params = [SamplingParams(temperature=temperature, seed=s) for s in range(2000)]
+        logits = logits[:2000]
+    else:
+        params = [SamplingParams(temperature=temperature)] * n
+    out = _sample(Sampler(seed=0), logits, params)
+    probs = torch.softmax(row / temperature, -1)
+    _assert_matches(_empirical(probs, out.token_ids), probs)
+
+
+def test_top_k_and_top_p_distribution():
+    row = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 20000
+    logits = row.expand(n, -1).contiguous()
+    probs = torch.softmax(row, -1)
+
+    out = _sample(Sampler(seed=0), logits, [SamplingParams(top_k=3)] * n)
+    want = probs.clone()
+    want[3:] = 0
+    _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
+
+    # probs ~ [.61, .22, .08, ...]: top_p=0.8 keeps the first two (mass before #3 is .83 > .8).
+    out = _sample(Sampler(seed=0), logits, [SamplingParams(top_p=0.8)] * n)
+    want = probs.clone()
+    want[2:] = 0
+    _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
+
+    # min_p=0.3: keep tokens with prob >= 0.3 * p_max, i.e. the first two.
+    out = _sample(Sampler(seed=0), logits, [SamplingParams(min_p=0.3)] * n)
+    _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
+
+
+def test_same_seed_same_tokens_different_seeds_differ():
+    logits = _logits(1, V=1000)
+    flat = torch.zeros(1, 1000)  # uniform: tokens only depend on the noise
+
+    def run(seed: int, sampler: Sampler) -> list[int]:
+        outputs: list[int] = []
+        for _ in range(20):
+            out = _sample(sampler, flat, [SamplingParams(temperature=1.0, seed=seed)], [outputs])
+            outputs = outputs + out.token_ids
+        return outputs
+
+    a = run(7, Sampler())
+    assert a == run(7, Sampler()) == run(7, Sampler(seed=123))
+    assert a != run(8, Sampler())
+    assert len(set(a)) > 10  # positions draw different noise
+    assert seed_for_position(7, 0) != seed_for_position(7, 1) != seed_for_position(8, 1)
+    del logits
+
+
+def test_seeded_row_independent_of_batch_and_history():
+    logits = _logits(8, V=V, seed=5)
+    row = logits[3:4].clone()
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3),
+        SamplingParams(temperature=0.5, top_k=5, seed=1),
+        None,
+        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1),
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=2.0, top_k=10),
+        SamplingParams(temperature=1.0, seed=42),
+    ]
+    batch_params = [params if p is None else p for p in others]
+    history = [11, 12, 13, 14, 15]  # output position 5
+
+    alone = Sampler().sample(row, [params], [[1, 2]], [history]).token_ids[0]
+    # Earlier positions sampled by the same Sampler with the shared stream advanced.
+    warm = Sampler(seed=9)
+    for _ in range(3):
+        _sample(warm, logits, [SamplingParams(temperature=1.0)] * 8)
+    outputs = [[5] * (i + 1) for i in range(8)]
+    outputs[3] = history
+    prompts = [[1, 2]] * 8
+    in_batch = warm.sample(logits, batch_params, prompts, outputs).token_ids[3]
+    assert alone == in_batch
+
+    # Across many positions and a high temperature the two paths agree token for token.
+    hot = SamplingParams(temperature=5.0, seed=42)
+    for pos in range(30):
+        hist = list(range(pos))
+        one = Sampler().sample(row, [hot], [[1]], [hist]).token_ids[0]
+        batch = [hot if i == 3 else p for i, p in enumerate(batch_params)]
+        outs = [o if i != 3 else hist for i, o in enumerate(outputs)]
+        many = warm.sample(logits, batch, prompts, outs).token_ids[3]
+        assert one == many, pos
+
+
+def test_penalties_hand_computed():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    prompt = [[0, 4]]
+    output = [[3, 3, 1]]
+    params = SamplingParams(
+        temperature=0.0,
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    out = Sampler().sample(logits, [params], prompt, output)
+    # repetition over prompt+output {0, 1, 3, 4}: 2/2, -1*2, 0.5 (unseen), 3/2, -2*2
+    # then output counts {3: 2, 1: 1}: token 3 -= .25*2 + .5, token 1 -= .25*1 + .5
+    expected = torch.tensor([1.0, -2.0 - 0.75, 0.5, 1.5 - 1.0, -4.0])
+    want = torch.log_softmax(expected, -1)
+    got = dict(out.top_logprobs[0])
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for t in range(5):
+        assert got[t] == pytest.approx(want[t].item(), abs=1e-6)
+    assert out.token_ids == [0]
+    assert out.logprobs[0] == pytest.approx(want[0].item(), abs=1e-6)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])), "input modified"
+
+
+def test_penalties_only_on_their_rows():
+    logits = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0]])
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=1.0),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler().sample(logits, params, [[], []], [[0], [0]])
+    assert out.token_ids == [1, 0]
+
+
+def test_logprobs_match_log_softmax():
+    logits = _logits(4)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.8, top_k=5, logprobs=True),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_p=0.5, logprobs=True, top_logprobs=5, seed=3),
+    ]
+    out = _sample(Sampler(), logits, params)
+    lp = torch.log_softmax(logits, -1)
+    for i in (0, 1, 3):
+        t = out.token_ids[i]
+        assert out.logprobs[i] == pytest.approx(lp[i, t].item(), abs=1e-5)
+        k = params[i].top_logprobs
+        vals, ids = lp[i].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        assert [tid for tid, _ in out.top_logprobs[i]] == ids.tolist()
+        assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-5)
+    assert out.logprobs[2] is None and out.top_logprobs[2] is None
+    assert out.top_logprobs[1] == []
+
+
+def _best_ms(fn, n: int = 15) -> float:
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def test_greedy_batch_costs_little_more_than_argmax():
+    # The floor on CPU is one argmax over [64, 49152] (memory bound, ~1-2 ms here); the sampler must
+    # add no penalty or softmax work for a plain greedy batch. Best-of-n timings resist a busy box.
+    logits = torch.randn(64, 49152)
+    params = [SamplingParams(temperature=0.0)] * 64
+    prompts, outputs = [[1] * 100] * 64, [[2] * 50] * 64
+    sampler = Sampler()
+    step = _best_ms(lambda: sampler.sample(logits, params, prompts, outputs))
+    floor = _best_ms(lambda: logits.argmax(-1).tolist())
+    assert step < 1.5 * floor + 0.5, f"greedy step {step:.2f} ms vs argmax {floor:.2f} ms"
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.1), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(top_logprobs=6), "top_logprobs"),
+        (dict(top_logprobs=-1), "top_logprobs"),
+        (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    ],
+)
+def test_validation_errors(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_params_defaults_and_greedy():
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams().is_greedy
+    assert not SamplingParams().uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+    SamplingParams(top_k=0, top_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
