@@ -1,0 +1,131 @@
+"""The paged KV buffer of one TP rank, page-major, in FlashInfer's HND page layout.
+
+One tensor per rank: `[num_pages, num_layers, 2, num_kv_heads, page_size, head_dim]`.
+A page of every layer is one contiguous region (`page_bytes`), so a same-TP transfer moves one
+region per page; within a page, the head slice of one (layer, K/V) is contiguous too, which is
+what a heterogeneous-TP transfer reads. `layer_cache(layer)` is the strided per-layer view
+`[num_pages, 2, num_kv_heads, page_size, head_dim]` that FlashInfer takes with kv_layout="HND"
+(its page stride spans all layers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_page(
+    num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one page across all layers, K and V, of one rank."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * num_kv_heads * page_size * head_dim * itemsize
+
+
+def pages_for_budget(
+    bytes_budget: int,
+    num_layers: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many whole pages fit in `bytes_budget` bytes (per rank)."""
+    if bytes_budget < 0:
+        raise ValueError(f"bytes_budget must be >= 0, got {bytes_budget}")
+    return bytes_budget // bytes_per_page(num_layers, num_kv_heads, page_size, head_dim, dtype)
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_pages: int,
+        num_layers: int,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        for name, value in (
+            ("num_pages", num_pages),
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("page_size", page_size),
+            ("head_dim", head_dim),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self.num_pages = num_pages
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads  # of this rank
+        self.page_size = page_size
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # NOTE: zeros, not empty: a page read before it is written (a bug elsewhere) then gives
+        # finite numbers, and a transferred page never carries another process's stale bytes.
+        self.buffer = torch.zeros(
+            (num_pages, num_layers, 2, num_kv_heads, page_size, head_dim),
+            dtype=dtype,
+            device=self.device,
+        )  # [N, L, 2, Hkv, P, D]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.buffer.shape)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (all layers, K and V); pages are this far apart in memory."""
+        return self.buffer.stride(0) * self.buffer.element_size()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer's K and V within a page."""
+        return self.buffer.stride(1) * self.buffer.element_size()
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one (layer, K/V, head) slice within a page: page_size * head_dim items."""
+        return self.buffer.stride(3) * self.buffer.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def data_ptr(self) -> int:
+        """Base address of the buffer (for registering the pool with a transfer backend)."""
+        return self.buffer.data_ptr()
+
+    def page_addr(self, page_id: int) -> int:
+        """Address of the first byte of `page_id`."""
+        return self.data_ptr() + page_id * self.page_bytes
+
+    def layer_cache(self, layer: int) -> torch.Tensor:
+        """The strided view [num_pages, 2, Hkv, page_size, head_dim] of one layer."""
+        return self.buffer[:, layer]  # [N, 2, Hkv, P, D]
+
+    def write(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> None:
+        """Scatter new tokens' K/V into their slots.
+
+        k, v: [T, Hkv, D]; page_ids, offsets: [T] long, on the pool's device.
+        Slots must be distinct (they are, by construction of the paged metadata).
+        """
+        cache = self.layer_cache(layer)  # [N, 2, Hkv, P, D]
+        # Two advanced indices split by a slice put the token dim first: [T, Hkv, D].
+        cache[:, 0][page_ids, :, offsets] = k.to(self.dtype)
+        cache[:, 1][page_ids, :, offsets] = v.to(self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(pages={self.num_pages}, layers={self.num_layers}, "
+            f"kv_heads={self.num_kv_heads}, page_size={self.page_size}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, device={self.device})"
+        )
