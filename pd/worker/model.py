@@ -1,0 +1,220 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral), tensor-parallel by SPMD.
+
+One controller holds `tp` rank shards. A rank owns, for every layer, a column-parallel slice of the
+fused QKV and gate/up projections (its share of the heads and of the MLP width), the matching
+row-parallel slice of the output and down projections, and its own KV buffer. Each rank's partial
+sums are reduced by a `Communicator` (a plain sum on one CPU device; NCCL across CUDA devices).
+Embeddings, norms and the LM head are replicated.
+
+Weights arrive in Hugging Face names (see `loader.py`); `shard_weights` maps them onto ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pd.kvcache.kv_pool import KVPool
+from pd.kvcache.paged_metadata import PagedMetadata
+from pd.worker.attention import AttentionBackend
+from pd.worker.communicator import Communicator
+from pd.worker.model_config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, hidden]; the variance is computed in fp32 whatever the compute dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight
+
+
+class Rotary:
+    """Rotary position embedding in the Hugging Face (rotate-half) layout, cached per device."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
+        dim = config.head_dim
+        inv_freq = 1.0 / (
+            config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        )
+        inv_freq = _scale_llama3(inv_freq, config.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [P, dim/2]
+        self.cos = freqs.cos().float().to(device)
+        self.sin = freqs.sin().float().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; positions: [T]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+def _scale_llama3(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+@dataclass
+class LayerShard:
+    """One rank's slice of one decoder layer."""
+
+    qkv_weight: torch.Tensor  # [(Hq_r + 2*Hkv_r) * D, hidden]
+    qkv_bias: torch.Tensor | None  # [(Hq_r + 2*Hkv_r) * D]
+    o_weight: torch.Tensor  # [hidden, Hq_r * D]
+    gate_up_weight: torch.Tensor  # [2 * I_r, hidden]
+    down_weight: torch.Tensor  # [hidden, I_r]
+
+
+@dataclass
+class RankState:
+    """Everything one TP rank owns."""
+
+    device: torch.device
+    layers: list[LayerShard]
+    kv: KVPool
+    attn: AttentionBackend
+    rotary: Rotary
+    num_heads: int  # heads of this rank
+    num_kv_heads: int
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        ranks: list[RankState],
+        embed: torch.Tensor,  # [V, hidden], on ranks[0].device
+        norms: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (input, post-attention)
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,  # [V, hidden] (the embedding itself when tied)
+        comm: Communicator,
+    ) -> None:
+        self.config = config
+        self.ranks = ranks
+        self.embed = embed
+        self.norms = norms
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.comm = comm
+        self.sm_scale = config.head_dim**-0.5
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] on ranks[0].device
+        meta: PagedMetadata,  # on ranks[0].device
+        logits_indices: torch.Tensor,  # [S] rows of T whose next-token logits are wanted
+    ) -> torch.Tensor:  # [S, V] fp32
+        cfg = self.config
+        metas = [meta if r.device == self.ranks[0].device else meta.to(r.device) for r in self.ranks]
+        for rank, m in zip(self.ranks, metas):
+            rank.attn.plan(
+                m, rank.num_heads, rank.num_kv_heads, cfg.head_dim, rank.kv.page_size,
+                rank.kv.dtype,
+            )
+        h = self.embed[input_ids]  # [T, hidden]
+        for i in range(cfg.num_layers):
+            in_norm, post_norm = self.norms[i]
+            x = rms_norm(h, in_norm, cfg.rms_norm_eps)
+            xs = self.comm.broadcast(x)
+            partial = [self._attention(i, rank, m, xr) for rank, m, xr in zip(self.ranks, metas, xs)]
+            h = h + self.comm.reduce(partial)
+            x = rms_norm(h, post_norm, cfg.rms_norm_eps)
+            xs = self.comm.broadcast(x)
+            partial = [self._mlp(rank.layers[i], xr) for rank, xr in zip(self.ranks, xs)]
+            h = h + self.comm.reduce(partial)
+        h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)  # [S, hidden]
+        return F.linear(h, self.lm_head).float()  # [S, V]
+
+    def _attention(
+        self, i: int, rank: RankState, meta: PagedMetadata, x: torch.Tensor
+    ) -> torch.Tensor:
+        shard = rank.layers[i]
+        d = self.config.head_dim
+        qkv = F.linear(x, shard.qkv_weight, shard.qkv_bias)  # [T, (Hq_r + 2 Hkv_r) * D]
+        q_size, kv_size = rank.num_heads * d, rank.num_kv_heads * d
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = rank.rotary.apply(q.view(-1, rank.num_heads, d), meta.positions)  # [T, Hq_r, D]
+        k = rank.rotary.apply(k.view(-1, rank.num_kv_heads, d), meta.positions)  # [T, Hkv_r, D]
+        v = v.reshape(-1, rank.num_kv_heads, d)
+        rank.kv.write(i, k, v, meta.write_page_ids, meta.write_offsets)
+        out = rank.attn.forward(q, rank.kv.layer_cache(i), self.sm_scale)  # [T, Hq_r, D]
+        return F.linear(out.reshape(-1, q_size), shard.o_weight)  # [T, hidden] partial
+
+    @staticmethod
+    def _mlp(shard: LayerShard, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, shard.gate_up_weight).chunk(2, dim=-1)  # [T, I_r] each
+        return F.linear(F.silu(gate) * up, shard.down_weight)  # [T, hidden] partial
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Refuse a TP size that does not split the model evenly, naming the sizes that would."""
+    ok = [
+        n
+        for n in range(1, config.num_kv_heads + 1)
+        if config.num_kv_heads % n == 0
+        and config.num_heads % n == 0
+        and config.intermediate_size % n == 0
+    ]
+    if tp not in ok:
+        raise ValueError(
+            f"--tp {tp} does not divide this model evenly ({config.num_heads} attention heads, "
+            f"{config.num_kv_heads} KV heads, MLP width {config.intermediate_size}); "
+            f"valid TP sizes: {', '.join(map(str, ok))}"
+        )
+
+
+def shard_layer(
+    weights: dict[str, torch.Tensor], config: ModelConfig, i: int, rank: int, tp: int,
+    dtype: torch.dtype, device: torch.device,
+) -> LayerShard:
+    """Cut rank `rank`'s slice of layer `i` out of Hugging Face weights."""
+    p = f"model.layers.{i}."
+    d = config.head_dim
+    hq, hkv, inter = config.num_heads // tp, config.num_kv_heads // tp, config.intermediate_size // tp
+
+    def rows(name: str, n: int) -> torch.Tensor:
+        return weights[p + name][rank * n : (rank + 1) * n]
+
+    def cols(name: str, n: int) -> torch.Tensor:
+        return weights[p + name][:, rank * n : (rank + 1) * n]
+
+    qkv = torch.cat(
+        [rows("self_attn.q_proj.weight", hq * d), rows("self_attn.k_proj.weight", hkv * d),
+         rows("self_attn.v_proj.weight", hkv * d)]
+    )
+    bias = None
+    if config.qkv_bias:
+        bias = torch.cat(
+            [rows("self_attn.q_proj.bias", hq * d), rows("self_attn.k_proj.bias", hkv * d),
+             rows("self_attn.v_proj.bias", hkv * d)]
+        )
+    gate_up = torch.cat([rows("mlp.gate_proj.weight", inter), rows("mlp.up_proj.weight", inter)])
+
+    def put(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    return LayerShard(
+        qkv_weight=put(qkv),
+        qkv_bias=None if bias is None else put(bias),
+        o_weight=put(cols("self_attn.o_proj.weight", hq * d)),
+        gate_up_weight=put(gate_up),
+        down_weight=put(cols("mlp.down_proj.weight", inter)),
+    )

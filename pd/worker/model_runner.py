@@ -1,0 +1,155 @@
+"""Turns a `ScheduledBatch` into sampled tokens: the only part of the worker that touches tensors.
+
+It builds the model's TP ranks (weight shards, one KV pool and one attention backend per rank),
+prepares each step's inputs and paged metadata, runs the forward pass and samples.
+`execute` is called from the engine's executor thread, never from the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import torch
+
+from pd.kvcache.kv_pool import KVPool, pages_for_budget
+from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.worker.attention import select_attention_backend
+from pd.worker.communicator import make_communicator
+from pd.worker.model import LlamaModel, RankState, Rotary, check_tp, shard_layer
+from pd.worker.model_config import ModelConfig
+from pd.worker.sampling import SampleOutput, Sampler
+from pd.worker.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def size_kv_pages(
+    config: ModelConfig, tp: int, page_size: int, dtype: torch.dtype, device: str,
+    kv_pages: int, memory_fraction: float,
+) -> int:
+    """Pages per rank: as asked, else a fraction of the device's memory."""
+    if kv_pages:
+        return kv_pages
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info(0)
+        budget = free * memory_fraction
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = total * memory_fraction / tp
+    pages = pages_for_budget(
+        int(budget), config.num_layers, config.num_kv_heads // tp, page_size, config.head_dim, dtype
+    )
+    return max(16, pages)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        tp: int,
+        dtype: torch.dtype,
+        device: str,
+        num_pages: int,
+        page_size: int,
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        check_tp(config, tp)
+        if device == "cuda" and torch.cuda.device_count() < tp:
+            raise ValueError(f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+        self.config = config
+        self.dtype = dtype
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        devices = [torch.device("cuda", r) if device == "cuda" else torch.device("cpu") for r in range(tp)]
+        self.device = devices[0]
+        ranks = []
+        for r, dev in enumerate(devices):
+            layers = [shard_layer(weights, config, i, r, tp, dtype, dev) for i in range(config.num_layers)]
+            ranks.append(
+                RankState(
+                    device=dev,
+                    layers=layers,
+                    kv=KVPool(num_pages, config.num_layers, config.num_kv_heads // tp, page_size,
+                              config.head_dim, dtype, dev),
+                    attn=select_attention_backend(dev, dtype),
+                    rotary=Rotary(config, max_model_len, dev),
+                    num_heads=config.num_heads // tp,
+                    num_kv_heads=config.num_kv_heads // tp,
+                )
+            )
+        embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
+        lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"].to(
+            device=self.device, dtype=dtype
+        )
+        norms = [
+            (
+                weights[f"model.layers.{i}.input_layernorm.weight"].to(self.device, dtype),
+                weights[f"model.layers.{i}.post_attention_layernorm.weight"].to(self.device, dtype),
+            )
+            for i in range(config.num_layers)
+        ]
+        final_norm = weights["model.norm.weight"].to(self.device, dtype)
+        self.model = LlamaModel(config, ranks, embed, norms, final_norm, lm_head,
+                                make_communicator(devices))
+        self.sampler = Sampler(seed)
+        self.num_pages = num_pages
+
+    @property
+    def kv_pools(self) -> list[KVPool]:
+        return [r.kv for r in self.model.ranks]
+
+    def execute(self, batch: ScheduledBatch) -> SampleOutput:
+        """Run one step; returns a token for every seq with `sample` set, in batch order."""
+        input_ids: list[int] = []
+        logits_rows: list[int] = []
+        for seq, cached, n, sample in zip(batch.seqs, batch.num_cached, batch.num_new, batch.sample):
+            input_ids.extend(seq.token_slice(cached, cached + n))
+            if sample:
+                logits_rows.append(len(input_ids) - 1)
+        meta = build_paged_metadata(
+            [(s.page_ids, c, n) for s, c, n in zip(batch.seqs, batch.num_cached, batch.num_new)],
+            self.page_size,
+            self.device,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        logits = self.model.forward(ids, meta, rows)  # [S, V]
+        sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        if not sampled:
+            return SampleOutput(token_ids=[])
+        return self.sampler.sample(
+            logits,
+            [s.params for s in sampled],
+            [s.prompt_ids for s in sampled],
+            [s.output_ids for s in sampled],
+        )

@@ -1,0 +1,70 @@
+"""Assembles a worker from its config: checkpoint, model runner, scheduler, engine, metrics."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from pd.config import WorkerConfig
+from pd.kvcache.allocator import PageAllocator
+from pd.worker.engine import Engine
+from pd.worker.loader import load_checkpoint
+from pd.worker.default_model import default_model_path
+from pd.worker.metrics import WorkerMetrics
+from pd.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+@dataclass
+class Worker:
+    config: WorkerConfig
+    tokenizer: object
+    engine: Engine
+    metrics: WorkerMetrics
+    model_name: str  # the served name
+    draining: bool = False
+    accepted_names: frozenset[str] = field(default_factory=frozenset)
+
+    def check_integrity(self) -> None:
+        self.engine.scheduler.check_integrity()
+
+
+def build_worker(cfg: WorkerConfig) -> Worker:
+    model_path = cfg.model or default_model_path()
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    ckpt = load_checkpoint(model_path, dtype=torch.float32)
+    mcfg = ckpt.config
+    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    num_pages = size_kv_pages(
+        mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
+    )
+    runner = ModelRunner(
+        mcfg, ckpt.weights, tp=cfg.tp, dtype=dtype, device=device, num_pages=num_pages,
+        page_size=cfg.page_size, max_model_len=max_model_len, seed=cfg.seed,
+    )
+    del ckpt.weights
+    scheduler = Scheduler(PageAllocator(num_pages), cfg.page_size, cfg.chunk_size,
+                          cfg.max_running_requests)
+    engine = Engine(
+        runner, scheduler, ckpt.tokenizer, role=cfg.role, max_model_len=max_model_len,
+        max_waiting=cfg.max_waiting_requests,
+    )
+    metrics = WorkerMetrics(engine.load)
+    engine.metrics = metrics
+    name = cfg.served_model_name or mcfg.name
+    log.info(
+        "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",
+        name, mcfg.num_layers, cfg.tp, str(dtype).removeprefix("torch."), device, num_pages,
+        cfg.page_size, max_model_len,
+    )
+    return Worker(cfg, ckpt.tokenizer, engine, metrics, name,
+                  accepted_names=frozenset({name, "default"}))

@@ -1,0 +1,141 @@
+"""The scheduler over integers: budgets, chunking, admission, preemption, page accounting."""
+
+from pd.kvcache.allocator import PageAllocator
+from pd.worker.sampling_params import SamplingParams
+from pd.worker.scheduler import Scheduler
+from pd.worker.sequence import Sequence, SeqStatus
+
+PAGE = 4
+
+
+def make(num_pages=64, chunk=8, max_running=8) -> Scheduler:
+    return Scheduler(PageAllocator(num_pages), PAGE, chunk, max_running)
+
+
+def seq(name: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
+    return Sequence(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(s: Scheduler, sample_token: int = 7):
+    """Schedule one step and pretend the model ran: advance and append sampled tokens."""
+    batch = s.schedule()
+    s.advance(batch)
+    for q, sampled in zip(batch.seqs, batch.sample):
+        if sampled:
+            q.output_ids.append(sample_token)
+    s.check_integrity()
+    return batch
+
+
+def test_prefill_is_chunked_under_the_token_budget():
+    s = make(chunk=8)
+    a = seq("a", 20)
+    s.add(a)
+    steps = [run_step(s) for _ in range(3)]
+    assert [b.num_new for b in steps] == [[8], [8], [4]]
+    assert [b.sample for b in steps] == [[False], [False], [True]]
+    assert a.num_computed == 20 and a.output_ids == [7]
+    assert len(a.page_ids) == 5  # 20 tokens / 4 per page
+
+
+def test_budget_counts_decode_and_prefill_together():
+    s = make(chunk=8)
+    a, b = seq("a", 3), seq("b", 30)
+    s.add(a)
+    run_step(s)  # a prefilled, first token sampled
+    s.add(b)
+    batch = run_step(s)
+    assert batch.seqs == [a, b]
+    assert batch.num_new == [1, 7]  # a decodes one token, b gets the rest of the budget
+    assert s.queued_prefill_tokens == 30 - 7
+
+
+def test_decode_runs_every_running_request_each_step():
+    s = make(chunk=64)
+    seqs = [seq(str(i), 5) for i in range(4)]
+    for q in seqs:
+        s.add(q)
+    run_step(s)
+    batch = run_step(s)
+    assert batch.seqs == seqs and batch.num_new == [1] * 4 and all(batch.sample)
+
+
+def test_max_running_limits_admission():
+    s = make(chunk=64, max_running=2)
+    for i in range(3):
+        s.add(seq(str(i), 4))
+    batch = run_step(s)
+    assert len(batch) == 2 and len(s.waiting) == 1
+
+
+def test_admission_stops_when_pages_run_out_and_never_preempts():
+    s = make(num_pages=3, chunk=64)
+    a, b = seq("a", 8), seq("b", 8)
+    s.add(a)
+    s.add(b)
+    batch = run_step(s)
+    assert batch.seqs == [a] and b.status is SeqStatus.WAITING and not batch.preempted
+
+
+def test_preemption_by_recompute_frees_pages_and_requeues_first():
+    s = make(num_pages=4, chunk=64)
+    a, b = seq("a", 8), seq("b", 8)  # 2 full pages each after prefill
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled, a first token sampled for each
+    assert s.allocator.num_free == 0
+    batch = run_step(s)  # both need a third page for token 9: b (newest) is preempted
+    assert batch.preempted == [b] and batch.seqs == [a]
+    assert b.status is SeqStatus.WAITING and b.page_ids == [] and b.num_computed == 0
+    assert s.waiting[0] is b and b.num_preemptions == 1
+    assert b.output_ids == [7]  # kept: recompute covers prompt + output
+    s.finish(a, "stop")
+    batch = run_step(s)
+    assert batch.seqs == [b] and batch.num_cached == [0] and batch.num_new == [9]
+    assert batch.sample == [True]
+    s.finish(b, "stop")
+    assert s.allocator.num_free == 4
+    s.check_integrity()
+
+
+def test_a_request_preempts_itself_when_it_is_the_newest():
+    s = make(num_pages=2, chunk=64)
+    a = seq("a", 8)
+    s.add(a)
+    run_step(s)
+    batch = run_step(s)  # a needs a third page, and a is the only (newest) request
+    assert batch.preempted == [a] and batch.seqs == []
+    assert s.allocator.num_free == 2
+
+
+def test_finish_and_abort_free_pages_exactly_once():
+    s = make()
+    a, b = seq("a", 10), seq("b", 10)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.finish(a, "abort")
+    s.finish(a, "abort")  # idempotent
+    s.finish(b, "stop")
+    assert s.allocator.num_free == s.allocator.num_total
+    assert a.finish_reason == "abort" and b.finish_reason == "stop"
+    s.check_integrity()
+
+
+def test_abort_of_a_waiting_request():
+    s = make(max_running=1)
+    a, b = seq("a", 4), seq("b", 4)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    s.finish(b, "abort")
+    assert not s.waiting and b.is_finished
+    s.check_integrity()
+
+
+def test_token_slice_spans_prompt_and_output():
+    q = seq("a", 3)
+    q.output_ids = [10, 11]
+    assert q.token_slice(0, 5) == [0, 1, 2, 10, 11]
+    assert q.token_slice(2, 4) == [2, 10]
+    assert q.token_slice(3, 5) == [10, 11]
