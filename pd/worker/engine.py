@@ -69,15 +69,17 @@ class Engine:
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-forward")
+        self._wakeup: asyncio.Event | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self.steps = 0
 
     # ----------------------------------------------------------------------------- requests
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request; raises APIError (400 too long, 503 queue full)."""
+        """Queue a request; raises APIError (400 too long, 503 queue full or not running)."""
+        if self._wakeup is None:
+            raise APIError(503, "the engine is not running", "server_busy", "not_ready")
         if len(self.scheduler.waiting) >= self.max_waiting:
             raise APIError(503, "the worker's request queue is full; retry later",
                            "server_busy", "queue_full", headers={"Retry-After": "1"})
@@ -133,16 +135,24 @@ class Engine:
     # ----------------------------------------------------------------------------- the loop
 
     def start(self) -> None:
+        """Start the loop task on the running event loop (again after `stop`, e.g. in tests)."""
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-forward")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine")
 
     async def stop(self) -> None:
+        """Stop the loop; requests still queued are failed (their pages freed)."""
         if self._task:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        self._executor.shutdown(wait=True)
+            self._task = None
+        if self._executor:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._fail_all("the worker is stopping")
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -201,18 +211,23 @@ class Engine:
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
         ):
-            finish, text = "stop", handle.stop.flush()
+            finish, text = "stop", self._tail(handle)  # the stop token's own text is not shown
         else:
-            text, stopped = handle.stop.feed(handle.detok.add(token))
+            text, stopped = handle.stop.add(handle.detok.add(token))
             if stopped:
                 finish = "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish = "length"
-                text += handle.stop.feed(handle.detok.flush())[0] + handle.stop.flush()
+                finish, text = "length", text + self._tail(handle)
         if finish:
             self.scheduler.finish(seq, finish)
             self.handles.pop(seq.request_id, None)
         handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
+
+    @staticmethod
+    def _tail(handle: RequestHandle) -> str:
+        """Text still held by the detokenizer and the stop checker, at the end of a request."""
+        text, stopped = handle.stop.add(handle.detok.flush())
+        return text if stopped else text + handle.stop.flush()
 
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):

@@ -10,7 +10,7 @@ import torch
 from pd.config import WorkerConfig
 from pd.kvcache.allocator import PageAllocator
 from pd.worker.engine import Engine
-from pd.worker.loader import load_checkpoint
+from pd.worker.loader import LoadedCheckpoint, load_checkpoint
 from pd.worker.default_model import default_model_path
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
@@ -35,13 +35,14 @@ class Worker:
         self.engine.scheduler.check_integrity()
 
 
-def build_worker(cfg: WorkerConfig) -> Worker:
-    model_path = cfg.model or default_model_path()
+def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Worker:
+    """Build a worker; `ckpt` lets tests share one loaded checkpoint between workers."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device == "cpu":
         torch.set_num_threads(max(1, torch.get_num_threads()))
-    ckpt = load_checkpoint(model_path, dtype=torch.float32)
+    if ckpt is None:
+        ckpt = load_checkpoint(cfg.model or default_model_path(), dtype=torch.float32)
     mcfg = ckpt.config
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(
@@ -51,7 +52,6 @@ def build_worker(cfg: WorkerConfig) -> Worker:
         mcfg, ckpt.weights, tp=cfg.tp, dtype=dtype, device=device, num_pages=num_pages,
         page_size=cfg.page_size, max_model_len=max_model_len, seed=cfg.seed,
     )
-    del ckpt.weights
     scheduler = Scheduler(PageAllocator(num_pages), cfg.page_size, cfg.chunk_size,
                           cfg.max_running_requests)
     engine = Engine(

