@@ -1,0 +1,39 @@
+"""Configuration of one transfer manager (the worker maps its own flags onto it)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "nixl"  # "nixl" or "fake"
+    serve: bool = True  # run the bootstrap server (prefill side; harmless on decode)
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # new per process start
+    bootstrap_host: str = "127.0.0.1"  # address to bind
+    bootstrap_port: int = 0  # 0: ephemeral, see TransferManager.bootstrap_port
+    advertise_host: str | None = None  # host put into params (default: bootstrap_host)
+    cluster_token: str | None = None  # None: from the environment (PD_CLUSTER_TOKEN)
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0  # from pull start to Success
+    heartbeat_interval_s: float = 1.0
+    heartbeat_misses: int = 3  # a peer silent for interval * misses is dead
+    session_timeout_s: float = 60.0  # P forgets a silent decode session
+    peer_idle_timeout_s: float = 30.0  # D closes a link without transfers (capped by P's session/2)
+    default_lease_ttl_s: float = 30.0
+    poll_interval_s: float = 0.0005
+    max_desc_bytes: int = 0  # cap on a coalesced descriptor (0: none)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("nixl", "fake"):
+            raise ValueError(f"unknown transfer backend {self.backend!r} (nixl or fake)")
+        if not 0 <= self.bootstrap_port < 65536:
+            raise ValueError(f"bootstrap_port out of range: {self.bootstrap_port}")
+        for name in ("handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
+                     "session_timeout_s", "peer_idle_timeout_s", "default_lease_ttl_s",
+                     "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.heartbeat_misses < 1:
+            raise ValueError("heartbeat_misses must be >= 1")

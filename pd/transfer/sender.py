@@ -1,0 +1,120 @@
+"""Prefill side, one per request: holds the request's slots under a lease until done/abort/expiry.
+
+The slots belong to their owner (the worker's KV cache); the sender never frees them itself but
+calls `on_release(sender, reason)` exactly once, with reason "done", "abort" or "lease_expired".
+The lease is a time-to-live on this machine's monotonic clock, renewed by the decode side's
+heartbeats; no clock is compared across machines. Nothing polls: a timer per sender fires at the
+lease deadline and re-arms itself if the lease was renewed meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from pd.transfer.base import KVSender, ReleaseCallback, SlotIds
+from pd.transfer.messages import Abort
+from pd.transfer.params import TransferParams
+from pd.transfer.poll import KVPoll, PollState
+
+if TYPE_CHECKING:
+    from pd.transfer.bootstrap import Session
+    from pd.transfer.manager import TransferManager
+
+log = logging.getLogger(__name__)
+
+
+class Sender(KVSender):
+    def __init__(
+        self,
+        manager: TransferManager,
+        transfer_id: str,
+        slots: SlotIds,
+        lease_ttl_s: float,
+        on_release: ReleaseCallback,
+    ) -> None:
+        self.transfer_id = transfer_id
+        self.slots = {k: list(v) for k, v in slots.items()}
+        self.lease_ttl_s = lease_ttl_s
+        self._manager = manager
+        self._on_release: ReleaseCallback | None = on_release
+        self._state = PollState(KVPoll.WaitingForInput)
+        self._deadline = time.monotonic() + lease_ttl_s
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            lease_ttl_s, self._check_lease
+        )
+        self.session: Session | None = None  # the decode session that renews the lease
+        self.release_reason: str | None = None
+
+    def poll(self) -> KVPoll:
+        return self._state.state
+
+    @property
+    def failure_reason(self) -> str | None:
+        return self._state.reason
+
+    @property
+    def lease_remaining_s(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def params(self) -> TransferParams:
+        m = self._manager
+        return TransferParams(
+            remote_host=m.advertise_host,
+            remote_port=m.bootstrap_port,
+            remote_engine_id=m.engine_id,
+            transfer_id=self.transfer_id,
+            page_ids={k: list(v) for k, v in self.slots.items()},
+            lease_ttl_s=self.lease_ttl_s,
+        )
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        if self._state.fail(reason):
+            if self.session is not None:
+                asyncio.ensure_future(
+                    self._manager.server_send(self.session, Abort(self.transfer_id, reason))
+                )
+            self._release("abort")
+
+    # -- driven by the manager on bootstrap messages ----------------------------------------
+
+    def renew(self, session: Session) -> None:
+        if self._state.done:
+            return
+        self._deadline = time.monotonic() + self.lease_ttl_s
+        self.session = session
+        self._state.advance(KVPoll.Transferring)  # D holds the request and will pull
+
+    def on_done(self) -> None:
+        if self._state.advance(KVPoll.Success):
+            self._release("done")
+
+    def on_remote_abort(self, reason: str) -> None:
+        if self._state.fail(f"aborted by decode: {reason}"):
+            self._release("abort")
+
+    def _check_lease(self) -> None:
+        self._timer = None
+        if self._state.done:
+            return
+        left = self._deadline - time.monotonic()
+        if left > 0:
+            self._timer = asyncio.get_running_loop().call_later(left, self._check_lease)
+            return
+        if self._state.fail(f"lease of {self.lease_ttl_s}s expired without renewal"):
+            self._release("lease_expired")
+
+    def _release(self, reason: str) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._manager._drop_sender(self)
+        self.release_reason = reason
+        callback, self._on_release = self._on_release, None
+        if callback is not None:
+            try:
+                callback(self, reason)
+            except Exception:
+                log.exception("release callback of transfer %s failed", self.transfer_id)
