@@ -1,0 +1,159 @@
+"""`make_app(cfg)`: the router's aiohttp application (OpenAI endpoints, health, metrics, admin)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from time import perf_counter
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pd.protocol import APIError, error_body, parse_json_body, parse_request
+from pd.router import admin
+from pd.router.config import RouterConfig
+from pd.router.health import HealthChecker
+from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
+from pd.router.metrics import RouterMetrics
+from pd.router.proxy import KV, Exchange, Proxy, json_response
+from pd.router.registry import Registry
+
+log = logging.getLogger("pd.router")
+
+
+def _error(status: int, message: str, type: str, code: str | None = None,
+           headers: dict[str, str] | None = None) -> web.Response:
+    return json_response(error_body(message, type, code), status, headers)
+
+
+def _middleware(cfg: RouterConfig):
+    expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        """Client auth on /v1/*, and every error as an OpenAI-style JSON body (one place)."""
+        try:
+            if expected is not None and request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    raise APIError(401, "invalid or missing API key (send 'Authorization: "
+                                   "Bearer KEY')", "invalid_request_error", "invalid_api_key")
+            return await handler(request)
+        except APIError as e:
+            return json_response(e.body(), e.status, e.headers or None)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body is larger than {cfg.max_body_bytes} bytes",
+                          "invalid_request_error", "request_too_large")
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(e.status, e.reason, "invalid_request_error",
+                          "not_found" if e.status == 404 else None)
+
+    return middleware
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions and /v1/chat/completions."""
+    t0 = perf_counter()
+    proxy = request.app[PROXY]
+    route, status, ex = "none", "500", None
+    try:
+        raw = await request.read()
+        body = parse_json_body(raw)
+        req = parse_request(request.path, body)
+        body.pop(KV, None)  # only the router sets them
+        route = proxy.registry.route()
+        headers = proxy.headers
+        request_id = request.headers.get("X-Request-Id")
+        if request_id:
+            headers = {**headers, "X-Request-Id": request_id}
+        ex = Exchange(
+            request=request,
+            path=request.path,
+            body=body,
+            chat=request.path.endswith("/chat/completions"),
+            stream=req.stream,
+            include_usage=req.include_usage,
+            max_tokens=req.options.max_tokens,
+            key=request.headers.get("X-Room-Id") or req.room_key,
+            tokens=len(raw) // 4 + 1,
+            headers=headers,
+            t0=t0,
+        )
+        resp = await (proxy.pd(ex) if route == "pd" else proxy.colocated(ex))
+        status = ex.status or str(resp.status)
+        return resp
+    except (APIError, web.HTTPException) as e:
+        status = str(e.status)
+        raise
+    except asyncio.CancelledError:
+        status = "499"  # the client went away
+        raise
+    finally:
+        proxy.metrics.request_done(status, route, ex.ttft if ex else None, perf_counter() - t0)
+
+
+async def models(request: web.Request) -> web.Response:
+    names = sorted({w.model for w in request.app[REGISTRY] if w.healthy and w.model})
+    data = [{"id": n, "object": "model", "created": 0, "owned_by": "pd"} for n in names]
+    return json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    registry = request.app[REGISTRY]
+    try:
+        mode, status = registry.route(), 200
+    except APIError:
+        mode, status = None, 503
+    body = {"status": "ok" if status == 200 else "unavailable", "mode": mode,
+            "pools": registry.snapshot()}
+    return json_response(body, status)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    """One client session for every worker call; the first health round; the check loop."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
+    session = aiohttp.ClientSession(connector=connector)
+    app[PROXY].session = session
+    checker = app[HEALTH]
+    checker.session = session
+    await checker.check_all()
+    task = asyncio.create_task(checker.run())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await session.close()
+
+
+def make_app(cfg: RouterConfig) -> web.Application:
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_middleware(cfg)])
+    registry = Registry(cfg)
+    router_metrics = RouterMetrics(registry)
+    worker_headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
+    checker = HealthChecker(cfg, registry, router_metrics, worker_headers)
+    app[CONFIG] = cfg
+    app[REGISTRY] = registry
+    app[METRICS] = router_metrics
+    app[HEALTH] = checker
+    app[PROXY] = Proxy(cfg, registry, router_metrics, checker)
+    app.cleanup_ctx.append(_upstream_ctx)
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    admin.add_routes(app)
+    return app

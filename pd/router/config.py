@@ -1,0 +1,149 @@
+"""Router configuration: one frozen dataclass, validated once; CLI flags take their defaults here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+POLICIES = ("round-robin", "load-aware", "sticky-to-room")
+POOLS = ("prefill", "decode", "both")
+
+
+def _flag(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def normalize_url(url: str) -> str:
+    """'host:port' or 'http://host:port/' -> 'http://host:port'; raises ValueError if unusable."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest or " " in rest:
+        raise ValueError(f"not a worker URL: {url!r} (want http://host:port)")
+    return url
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(8000, "HTTP port (0 picks a free one)")
+    prefill: tuple[str, ...] = _flag((), "URL of a prefill worker (repeatable)", repeat=True)
+    decode: tuple[str, ...] = _flag((), "URL of a decode worker (repeatable)", repeat=True)
+    worker: tuple[str, ...] = _flag(
+        (), "URL of a co-located (--role both) worker (repeatable)", repeat=True
+    )
+    policy: str = _flag("load-aware", "routing policy of every pool", choices=POLICIES)
+    prefill_policy: str | None = _flag(
+        None, "policy of the prefill pool (default: --policy)", choices=POLICIES
+    )
+    decode_policy: str | None = _flag(
+        None, "policy of the decode pool (default: --policy)", choices=POLICIES
+    )
+    api_key: str | None = _flag(
+        None, "require 'Authorization: Bearer KEY' on /v1/* (env PD_ROUTER_API_KEY)"
+    )
+    admin_token: str | None = _flag(
+        None, "bearer token for POST/DELETE /workers; without it the admin API is read-only "
+        "(env PD_ROUTER_ADMIN_TOKEN)"
+    )
+    worker_api_key: str | None = _flag(
+        None, "bearer key sent to workers started with --api-key (env PD_WORKER_API_KEY)"
+    )
+    health_interval: float = _flag(2.0, "seconds between health checks of each worker")
+    health_timeout: float = _flag(1.0, "seconds a health check may take")
+    health_failures: int = _flag(2, "consecutive failed checks that eject a worker")
+    health_successes: int = _flag(1, "consecutive good checks that re-admit an ejected worker")
+    connect_timeout: float = _flag(3.0, "seconds to connect to a worker")
+    prefill_timeout: float = _flag(300.0, "seconds a prefill request may take in all")
+    read_timeout: float = _flag(
+        120.0, "longest silence (seconds) on a decode or co-located response before it fails"
+    )
+    max_retries: int = _flag(
+        2, "retries on other workers per phase, only before the client got a byte"
+    )
+    max_body_bytes: int = _flag(8 << 20, "largest request body accepted (413 beyond)")
+    sticky_load_factor: float = _flag(
+        1.25, "sticky-to-room: no worker takes more than this times the mean in-flight, plus one"
+    )
+    access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
+    log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        for name in ("prefill", "decode", "worker"):
+            urls = tuple(normalize_url(u) for u in getattr(self, name))
+            object.__setattr__(self, name, urls)
+        all_urls = self.prefill + self.decode + self.worker
+        check(len(set(all_urls)) == len(all_urls), "a worker URL is given more than once")
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            check(value is None or value in POLICIES, f"--{name.replace('_', '-')} must be one "
+                  f"of {', '.join(POLICIES)}")
+        check(0 <= self.port < 65536, "--port must be in 0..65535")
+        check(self.health_interval > 0, "--health-interval must be > 0")
+        check(self.health_timeout > 0, "--health-timeout must be > 0")
+        check(self.health_failures >= 1, "--health-failures must be >= 1")
+        check(self.health_successes >= 1, "--health-successes must be >= 1")
+        check(self.connect_timeout > 0, "--connect-timeout must be > 0")
+        check(self.prefill_timeout > 0, "--prefill-timeout must be > 0")
+        check(self.read_timeout > 0, "--read-timeout must be > 0")
+        check(self.max_retries >= 0, "--max-retries must be >= 0")
+        check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        check(self.sticky_load_factor >= 1.0, "--sticky-load-factor must be >= 1.0")
+        for name in ("api_key", "admin_token", "worker_api_key"):
+            check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
+
+    def policy_of(self, pool: str) -> str:
+        """The policy name of a pool: 'prefill', 'decode' or 'both'."""
+        if pool == "prefill" and self.prefill_policy:
+            return self.prefill_policy
+        if pool == "decode" and self.decode_policy:
+            return self.decode_policy
+        return self.policy
+
+    # ------------------------------------------------------------------------------ CLI
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = f.metadata
+            kw: dict[str, Any] = {"help": meta["help"], "dest": f.name}
+            if meta.get("repeat"):
+                parser.add_argument(flag, action="append", default=[], metavar="URL", **kw)
+                continue
+            if meta.get("store_true"):
+                parser.add_argument(flag, action="store_true", **kw)
+                continue
+            default = f.default if f.default is not MISSING else None
+            kind = str(f.type)
+            if "choices" in meta:
+                kw["choices"] = meta["choices"]
+            if kind == "int":
+                kw["type"] = int
+            elif kind == "float":
+                kw["type"] = float
+            kw["default"] = default
+            if default is not None:
+                kw["help"] += f" (default: {default})"
+            parser.add_argument(flag, **kw)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterConfig:
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        for name in ("prefill", "decode", "worker"):
+            values[name] = tuple(values[name])
+        for name, env in (
+            ("api_key", "PD_ROUTER_API_KEY"),
+            ("admin_token", "PD_ROUTER_ADMIN_TOKEN"),
+            ("worker_api_key", "PD_WORKER_API_KEY"),
+        ):
+            if values[name] is None:
+                values[name] = os.environ.get(env) or None
+        return cls(**values)

@@ -1,0 +1,112 @@
+"""Active health checks: poll every worker's `/health`, eject the failing, re-admit the recovered.
+
+A worker is admitted on its first good check, ejected after `health_failures` consecutive bad
+ones (at once when a request cannot even connect to it), and re-admitted after
+`health_successes` consecutive good ones. Each good check also refreshes the load it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+
+from pd.protocol import WorkerLoad
+from pd.router.config import RouterConfig
+from pd.router.metrics import RouterMetrics
+from pd.router.registry import Registry
+from pd.router.worker import Worker
+
+log = logging.getLogger("pd.router")
+
+
+async def probe(
+    session: aiohttp.ClientSession, w: Worker, timeout: aiohttp.ClientTimeout,
+    headers: dict[str, str] | None = None,
+) -> str | None:
+    """GET the worker's /health; None when good (load and model refreshed), else the reason."""
+    try:
+        async with session.get(w.url + "/health", timeout=timeout, headers=headers) as resp:
+            if resp.status != 200:
+                return f"/health answered {resp.status}"
+            data = orjson.loads(await resp.read())
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return f"/health failed: {type(e).__name__} {e}".strip()
+    except orjson.JSONDecodeError:
+        return "/health is not JSON"
+    if not isinstance(data, dict) or data.get("status") != "ok":
+        return f"/health status is {data.get('status') if isinstance(data, dict) else data!r}"
+    role = data.get("role")
+    if role is not None and role != w.role:
+        return f"worker reports role {role!r} but sits in the {w.role} pool"
+    if isinstance(data.get("model"), str):
+        w.model = data["model"]
+    load = data.get("load")
+    if isinstance(load, dict):
+        try:
+            w.load = WorkerLoad.from_dict(load)
+        except TypeError:
+            w.load = None
+    return None
+
+
+class HealthChecker:
+    def __init__(
+        self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.headers = headers
+        self.timeout = aiohttp.ClientTimeout(
+            total=cfg.health_timeout, sock_connect=min(cfg.health_timeout, cfg.connect_timeout)
+        )
+        self.session: aiohttp.ClientSession | None = None
+        for pool in registry.pools.values():
+            pool.on_eject = self._count_ejection
+
+    def _count_ejection(self, w: Worker) -> None:
+        self.metrics.ejections[w.role].inc()
+
+    async def check(self, w: Worker) -> bool:
+        assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
+        reason = await probe(self.session, w, self.timeout, self.headers)
+        self.record(w, reason)
+        return reason is None
+
+    def record(self, w: Worker, reason: str | None) -> None:
+        pool = self.registry.pools[w.role]
+        first = not w.checked
+        w.checked = True
+        if reason is None:
+            w.fails, w.oks, w.last_error = 0, w.oks + 1, None
+            if not w.healthy and (first or w.oks >= self.cfg.health_successes):
+                pool.set_healthy(w, True)
+            return
+        w.oks, w.fails, w.last_error = 0, w.fails + 1, reason
+        self.metrics.health_failures[w.role].inc()
+        if first:
+            log.warning("%s worker %s not admitted: %s", w.role, w.url, reason)
+        if w.healthy and w.fails >= self.cfg.health_failures:
+            pool.set_healthy(w, False, reason)
+
+    def eject(self, w: Worker, reason: str) -> None:
+        """Eject at once (a request could not connect); the checks re-admit it later."""
+        w.oks, w.last_error = 0, reason
+        self.registry.pools[w.role].set_healthy(w, False, reason)
+
+    async def check_all(self) -> None:
+        workers = list(self.registry)
+        if workers:
+            await asyncio.gather(*(self.check(w) for w in workers))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval)
+            try:
+                await self.check_all()
+            except Exception:  # a bug here must not end the checks
+                log.exception("health check round failed")

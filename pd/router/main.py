@@ -1,0 +1,69 @@
+"""`pd-router`: the OpenAI-compatible front of prefill, decode and co-located workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from aiohttp import web
+
+from pd.router.app import make_app
+from pd.router.config import RouterConfig
+
+EPILOG = """examples:
+  pd-router --prefill http://p1:8100 --decode http://d1:8200 --decode http://d2:8200
+  pd-router --worker http://w1:8100 --worker http://w2:8100 --policy sticky-to-room
+  pd-router --admin-token T   # workers join with: pd-worker ... --register-with URL --admin-token T
+"""
+
+
+def parse_config(argv: list[str] | None = None) -> RouterConfig:
+    parser = argparse.ArgumentParser(
+        prog="pd-router", description=__doc__, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    RouterConfig.add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return RouterConfig.from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    log = logging.getLogger("pd.router")
+    try:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    pools = ", ".join(
+        f"{name}={len(urls)} ({cfg.policy_of(pool)})"
+        for name, pool, urls in (("prefill", "prefill", cfg.prefill),
+                                 ("decode", "decode", cfg.decode),
+                                 ("worker", "both", cfg.worker))
+        if urls
+    )
+    log.info("pd-router on http://%s:%d; %s", cfg.host, cfg.port, pools or "no workers yet")
+    web.run_app(
+        make_app(cfg),
+        host=cfg.host,
+        port=cfg.port,
+        loop=loop,
+        access_log=logging.getLogger("aiohttp.access") if cfg.access_log else None,
+        handler_cancellation=True,  # a client that goes away cancels its upstream requests
+        print=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

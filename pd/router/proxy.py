@@ -1,0 +1,303 @@
+"""The request flow: PD (DESIGN.md §3) or co-located, with retries before the first byte only.
+
+PD: P gets the client's body with `max_tokens=1`, `stream=false` and
+`kv_transfer_params={"do_remote_decode": true}`. If P's answer is final (no params), it is the
+answer. Else D gets the client's body plus P's params with `stream=true`; its SSE is relayed byte
+for byte, or collected into one JSON answer when the client asked for no stream (so the router
+still tells the first token from the end, for TTFT).
+
+Every worker picked is charged one in-flight request at once and released in a `finally`, so
+finish, error and cancellation (a client that goes away cancels the handler, which closes the
+upstream connection and so tells the worker) all release it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from pd.protocol import error_body
+from pd.router.config import RouterConfig
+from pd.router.health import HealthChecker
+from pd.router.metrics import RouterMetrics
+from pd.router.registry import Pool, Registry
+from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse
+from pd.router.worker import Worker
+
+log = logging.getLogger("pd.router")
+
+KV = "kv_transfer_params"
+RETRYABLE = frozenset((429, 500, 502, 503, 504))
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+JSON = "application/json"
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON, headers=headers)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """One client request on its way through the router."""
+
+    request: web.Request
+    path: str  # the OpenAI path, the same on the workers
+    body: dict[str, Any]  # the client's body, without kv_transfer_params
+    chat: bool
+    stream: bool  # the client's stream flag
+    include_usage: bool
+    max_tokens: int | None  # the client's
+    key: str | None  # room key for sticky-to-room
+    tokens: int  # estimated prompt tokens, charged to the prefill worker while it works
+    headers: dict[str, str]  # to send to workers
+    t0: float
+    ttft: float | None = None
+    status: str | None = None  # overrides the response status in metrics ("stream_error")
+
+
+@dataclass(slots=True)
+class Failure:
+    """Why the last attempt failed; becomes the client's answer when no retry is left."""
+
+    status: int
+    body: bytes
+    retry_after: str | None = None
+
+    @classmethod
+    def local(cls, status: int, message: str, code: str) -> Failure:
+        return cls(status, orjson.dumps(error_body(message, "upstream_error", code)))
+
+    @classmethod
+    def upstream(cls, w: Worker, resp: aiohttp.ClientResponse, data: bytes) -> Failure:
+        try:
+            ok = isinstance(orjson.loads(data).get("error"), dict)
+        except (orjson.JSONDecodeError, AttributeError):
+            ok = False
+        if not ok:
+            text = data[:200].decode(errors="replace")
+            data = orjson.dumps(error_body(
+                f"{w.role} worker answered {resp.status}: {text}", "upstream_error", "upstream_error"
+            ))
+        return cls(resp.status, data, resp.headers.get("Retry-After"))
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        return web.Response(body=self.body, status=self.status, content_type=JSON, headers=headers)
+
+
+class Proxy:
+    def __init__(
+        self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics, health: HealthChecker
+    ) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.metrics = metrics
+        self.health = health
+        self.session: aiohttp.ClientSession | None = None  # set in the app's cleanup_ctx
+        self.headers = {"Content-Type": JSON}
+        if cfg.worker_api_key:
+            self.headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
+        self.prefill_timeout = aiohttp.ClientTimeout(
+            total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
+        )
+        self.stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.connect_timeout, sock_read=cfg.read_timeout
+        )
+
+    # ------------------------------------------------------------------------------ flows
+
+    async def pd(self, ex: Exchange) -> web.StreamResponse:
+        p_body = dict(ex.body)
+        p_body["stream"] = False
+        p_body.pop("stream_options", None)
+        p_body["max_tokens"] = 1
+        if "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        # A client asking one token gets it from P alone: P is not told to keep KV for D.
+        final = ex.max_tokens == 1
+        if not final:
+            p_body[KV] = {"do_remote_decode": True}
+        t = perf_counter()
+        answer = await self._prefill(ex, orjson.dumps(p_body))
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        self.metrics.prefill_seconds.observe(perf_counter() - t)
+        params = answer.pop(KV, None)
+        if final or not params:  # final on P (EOS, a stop, or the client's max_tokens is 1)
+            ex.ttft = perf_counter() - ex.t0
+            if not ex.stream:
+                return json_response(answer)
+            return web.Response(body=answer_to_sse(answer, ex.chat, ex.include_usage),
+                                headers=SSE_HEADERS)
+        d_body = dict(ex.body)
+        d_body[KV] = params
+        d_body["stream"] = True
+        if not ex.stream:
+            d_body["stream_options"] = {"include_usage": True}
+        return await self._relay(self.registry.decode, ex, orjson.dumps(d_body), sse=True)
+
+    async def colocated(self, ex: Exchange) -> web.StreamResponse:
+        return await self._relay(self.registry.both, ex, orjson.dumps(ex.body), sse=ex.stream)
+
+    # ------------------------------------------------------------------------------ prefill
+
+    async def _prefill(self, ex: Exchange, payload: bytes) -> dict[str, Any] | web.Response:
+        pool = self.registry.prefill
+        tried: list[Worker] = []
+        failure = None
+        for attempt in range(self.cfg.max_retries + 1):
+            w = pool.choose(ex.key, tried)
+            if w is None:
+                break
+            if attempt:
+                self.metrics.retries["prefill"].inc()
+            tried.append(w)
+            w.acquire(ex.tokens)
+            try:
+                async with self.session.post(
+                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.prefill_timeout
+                ) as resp:
+                    data = await resp.read()
+                if resp.status == 200:
+                    try:
+                        answer = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        answer = None
+                    if isinstance(answer, dict):
+                        return answer
+                    failure = Failure.local(502, f"prefill worker {w.url} answered no JSON "
+                                            "object", "prefill_failed")
+                    continue
+                failure = Failure.upstream(w, resp, data)
+                if resp.status not in RETRYABLE:
+                    return failure.response()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                failure = self._on_error(w, e)
+            finally:
+                w.release(ex.tokens)
+        return (failure or self._no_worker(pool, tried)).response()
+
+    # ------------------------------------------------------------------------------ relay
+
+    async def _relay(
+        self, pool: Pool, ex: Exchange, payload: bytes, sse: bool
+    ) -> web.StreamResponse:
+        """Send to a worker of `pool` and relay its answer; retry while the client has nothing."""
+        tried: list[Worker] = []
+        failure = None
+        for attempt in range(self.cfg.max_retries + 1):
+            w = pool.choose(ex.key, tried)
+            if w is None:
+                break
+            if attempt:
+                self.metrics.retries[pool.name].inc()
+            tried.append(w)
+            w.acquire(0)
+            resp = None
+            handed_over = False
+            try:
+                resp = await self.session.post(
+                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
+                )
+                if resp.status != 200:
+                    failure = Failure.upstream(w, resp, await resp.read())
+                    if resp.status not in RETRYABLE:
+                        return failure.response()
+                    continue
+                first = await resp.content.readany()
+                if not first:
+                    failure = Failure.local(502, f"{pool.name} worker {w.url} sent an empty "
+                                            "answer", f"{pool.name}_failed")
+                    continue
+                if not sse:  # a plain JSON answer: the client gets nothing until it is whole
+                    body = first + await resp.read()
+                    return web.Response(body=body, content_type=JSON)
+                handed_over = True
+            except (aiohttp.ClientError, TimeoutError) as e:
+                failure = self._on_error(w, e)
+            finally:
+                if not handed_over:
+                    w.release(0)
+                    if resp is not None:
+                        resp.close()
+            if not handed_over:
+                continue
+            # The worker answered a first byte: from here on there is no retry.
+            try:
+                if ex.stream:
+                    return await self._pipe(ex, resp, first)
+                return await self._collect(ex, resp, first)
+            finally:
+                w.release(0)
+                resp.close()  # a no-op once the body was read to its end
+        return (failure or self._no_worker(pool, tried)).response()
+
+    async def _pipe(
+        self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        try:
+            await resp.prepare(ex.request)
+            await resp.write(first)
+            ex.ttft = perf_counter() - ex.t0
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except ConnectionResetError:  # the client went away; the caller closes the upstream
+            ex.status = "499"
+            return resp
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
+            # Bytes already reached the client: no retry; say so in the stream and end it.
+            ex.status = "stream_error"
+            message = f"the worker's stream broke off: {type(e).__name__}"
+            await resp.write(b"data: " + orjson.dumps(error_body(message, "upstream_error",
+                                                                 "stream_broken")) + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _collect(
+        self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
+    ) -> web.StreamResponse:
+        ex.ttft = perf_counter() - ex.t0
+        collector = SSECollector(ex.chat)
+        try:
+            collector.feed(first)
+            async for chunk in upstream.content.iter_any():
+                collector.feed(chunk)
+        except StreamError as e:
+            return json_response(e.body, 502)
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
+            return Failure.local(502, f"the decode stream broke off: {type(e).__name__}",
+                                 "stream_broken").response()
+        except orjson.JSONDecodeError:
+            return Failure.local(502, "the decode stream carried bad JSON", "bad_stream").response()
+        if not collector.done:
+            return Failure.local(502, "the decode stream ended before [DONE]",
+                                 "stream_broken").response()
+        return json_response(collector.result())
+
+    # ------------------------------------------------------------------------------ errors
+
+    def _on_error(self, w: Worker, e: BaseException) -> Failure:
+        phase = w.role if w.role != "both" else "worker"
+        if isinstance(e, TimeoutError):
+            return Failure.local(504, f"{w.role} worker {w.url} timed out", f"{phase}_timeout")
+        if isinstance(e, aiohttp.ClientConnectorError):
+            self.health.eject(w, f"cannot connect: {e}")
+        return Failure.local(502, f"{w.role} worker {w.url} failed: {type(e).__name__} {e}",
+                             f"{phase}_failed")
+
+    def _no_worker(self, pool: Pool, tried: list[Worker]) -> Failure:
+        if tried:
+            return Failure.local(502, f"every {pool.name} worker tried failed", f"{pool.name}_failed")
+        f = Failure.local(503, f"no healthy {pool.name} worker", "no_healthy_worker")
+        f.retry_after = "1"
+        return f
+
+
+__all__ = ["DONE", "Exchange", "Proxy", "json_response"]

@@ -1,0 +1,126 @@
+"""The worker registry: three pools (prefill, decode, both), each with its policy."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from pd.protocol import APIError
+from pd.router.config import POOLS, RouterConfig, normalize_url
+from pd.router.policies import Policy, make_policy
+from pd.router.worker import Worker
+
+log = logging.getLogger("pd.router")
+
+
+class Pool:
+    def __init__(self, name: str, policy: Policy) -> None:
+        self.name = name
+        self.policy = policy
+        self.workers: dict[str, Worker] = {}
+        self.healthy: list[Worker] = []  # kept in step with the workers' `healthy` flags
+        self.on_eject: Callable[[Worker], None] | None = None
+
+    def add(self, url: str) -> Worker:
+        w = self.workers.get(url)
+        if w is None:
+            w = self.workers[url] = Worker(url, self.name)
+            self.policy.rebuild(list(self.workers.values()))
+            self._refresh()
+        return w
+
+    def remove(self, url: str) -> Worker | None:
+        w = self.workers.pop(url, None)
+        if w is not None:
+            w.healthy = False
+            self.policy.rebuild(list(self.workers.values()))
+            self._refresh()
+        return w
+
+    def set_healthy(self, w: Worker, ok: bool, reason: str | None = None) -> None:
+        if w.healthy == ok or self.workers.get(w.url) is not w:
+            return
+        w.healthy = ok
+        if ok:
+            log.info("%s worker %s admitted", self.name, w.url)
+        else:
+            w.ejections += 1
+            log.warning("%s worker %s ejected: %s", self.name, w.url, reason)
+            if self.on_eject:
+                self.on_eject(w)
+        self._refresh()
+
+    def choose(self, key: str | None, exclude: Sequence[Worker] = ()) -> Worker | None:
+        return self.policy.choose(self.healthy, key, exclude)
+
+    def _refresh(self) -> None:
+        self.healthy = [w for w in self.workers.values() if w.healthy]
+
+
+class Registry:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.pools = {
+            name: Pool(name, make_policy(cfg.policy_of(name), cfg.sticky_load_factor))
+            for name in POOLS
+        }
+        self.prefill = self.pools["prefill"]
+        self.decode = self.pools["decode"]
+        self.both = self.pools["both"]
+        for url in cfg.prefill:
+            self.prefill.add(url)
+        for url in cfg.decode:
+            self.decode.add(url)
+        for url in cfg.worker:
+            self.both.add(url)
+
+    def __iter__(self) -> Iterator[Worker]:
+        for pool in self.pools.values():
+            yield from list(pool.workers.values())
+
+    def find(self, url: str) -> Worker | None:
+        for pool in self.pools.values():
+            if url in pool.workers:
+                return pool.workers[url]
+        return None
+
+    def add(self, url: str, role: str) -> tuple[Worker, bool]:
+        """Add a worker to the pool of its role; (worker, created)."""
+        url = normalize_url(url)
+        if role not in POOLS:
+            raise ValueError(f"role must be one of {', '.join(POOLS)}")
+        old = self.find(url)
+        if old is not None and old.role == role:
+            return old, False
+        if old is not None:
+            self.pools[old.role].remove(url)
+        return self.pools[role].add(url), True
+
+    def remove(self, url: str) -> Worker | None:
+        url = normalize_url(url)
+        w = self.find(url)
+        return self.pools[w.role].remove(url) if w else None
+
+    def route(self) -> str:
+        """'pd' when a prefill and a decode worker are healthy, else 'both', else 503."""
+        if self.prefill.healthy and self.decode.healthy:
+            return "pd"
+        if self.both.healthy:
+            return "both"
+        if self.prefill.workers or self.decode.workers:
+            empty = "prefill" if not self.prefill.healthy else "decode"
+            message = f"no healthy {empty} worker"
+        else:
+            message = "no healthy worker"
+        raise APIError(503, message, "service_unavailable", "no_healthy_worker",
+                       headers={"Retry-After": "1"})
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            name: {
+                "policy": pool.policy.name,
+                "healthy": len(pool.healthy),
+                "workers": [w.to_dict() for w in pool.workers.values()],
+            }
+            for name, pool in self.pools.items()
+        }

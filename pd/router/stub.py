@@ -1,0 +1,154 @@
+"""A stub worker that speaks the worker contract without a model, for tests and `pd-bench router`.
+
+It answers `/health` (role, model, load), `/v1/models`, and the two OpenAI endpoints. As prefill
+(`kv_transfer_params.do_remote_decode`) it answers one token and params for D; as decode (params
+present) or co-located it streams `chunks` SSE chunks. Attributes can be changed while it runs
+to inject failures; it records what it received and how many requests were cut off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pd.protocol import error_body
+
+KV = "kv_transfer_params"
+
+
+class StubWorker:
+    def __init__(self, role: str = "both", model: str = "stub-model", chunks: int = 4,
+                 record: bool = True) -> None:
+        self.role = role
+        self.model = model
+        self.chunks = chunks  # completion tokens a stream carries
+        self.record = record
+        self.health_status = 200  # anything else: 503 {"status": "unavailable"}
+        self.load: dict[str, Any] = {"role": role, "running": 0, "waiting": 0,
+                                     "queued_prefill_tokens": 0, "kv_pages_total": 100,
+                                     "kv_pages_free": 100}
+        self.fail_status: int | None = None  # answer the OpenAI endpoints with this status
+        self.fail_times: int | None = None  # ... this many times (None: always)
+        self.delay = 0.0  # seconds before the answer's headers
+        self.chunk_delay = 0.0  # seconds between stream chunks
+        self.break_after: int | None = None  # drop the connection after this many chunks
+        self.final = False  # as prefill: the first token ends the request (no params)
+        self.requests: list[dict[str, Any]] = []  # bodies received
+        self.headers: list[dict[str, str]] = []  # their headers
+        self.active = 0  # requests being answered now
+        self.cancelled = 0  # requests whose client (the router) went away
+        self.completed = 0
+        self._ids = itertools.count()
+        self._chunk_cache: dict[tuple[bool, str], list[bytes]] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.health_status != 200:
+            return web.json_response({"status": "unavailable", "role": self.role}, status=503)
+        return web.json_response({"status": "ok", "role": self.role, "model": self.model,
+                                  "load": self.load})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        if self.record:
+            self.requests.append(body)
+            self.headers.append(dict(request.headers))
+        self.active += 1
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
+                if self.fail_times is not None:
+                    self.fail_times -= 1
+                headers = {"Retry-After": "1"} if self.fail_status == 503 else None
+                return web.json_response(error_body("stub failure", "server_error"),
+                                         status=self.fail_status, headers=headers)
+            chat = request.path.endswith("/chat/completions")
+            kvp = body.get(KV) or {}
+            if kvp.get("do_remote_decode"):
+                return self._prefill_answer(body, chat)
+            if body.get("stream"):
+                return await self._stream(request, body, chat)
+            n = min(self.chunks, body.get("max_tokens") or self.chunks)
+            return web.json_response(self._answer(chat, "x" * n, "length", body))
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    def _answer(self, chat: bool, text: str, finish: str, body: dict) -> dict[str, Any]:
+        n = len(text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": f"cmpl-{next(self._ids)}", "object": "chat.completion" if chat
+                else "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [choice],
+                "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+
+    def _prefill_answer(self, body: dict, chat: bool) -> web.Response:
+        self.completed += 1
+        if self.final:
+            return web.json_response(self._answer(chat, "x", "stop", body))
+        answer = self._answer(chat, "x", "length", body)
+        answer[KV] = {"do_remote_prefill": True, "transfer_id": answer["id"],
+                      "first_token_id": 7, "pd_version": 1}
+        return web.json_response(answer)
+
+    def _events(self, chat: bool, usage: bool) -> list[bytes]:
+        key = (chat, f"{usage}")
+        cached = self._chunk_cache.get(key)
+        if cached is not None:
+            return cached
+        head = {"id": "cmpl-stub", "created": 0, "model": self.model,
+                "object": "chat.completion.chunk" if chat else "text_completion"}
+        events = []
+        for i in range(self.chunks):
+            last = i == self.chunks - 1
+            choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                      "finish_reason": "length" if last else None}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": "x"} if i == 0 else {"content": "x"}
+            else:
+                choice["text"] = "x"
+            events.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+        if usage:
+            n = self.chunks
+            u = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+            events.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": u}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        self._chunk_cache[key] = events
+        return events
+
+    async def _stream(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, event in enumerate(self._events(chat, usage)):
+            if self.break_after is not None and i >= self.break_after:
+                request.transport.close()  # a crash mid-stream
+                return resp
+            if i and self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            await resp.write(event)
+        await resp.write_eof()
+        self.completed += 1
+        return resp

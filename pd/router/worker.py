@@ -1,0 +1,58 @@
+"""One upstream worker as the router sees it: its URL, health, and the load on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd.protocol import WorkerLoad
+
+
+class Worker:
+    """A worker of one pool. Policies read `inflight`, `inflight_tokens`, `load` and `healthy`.
+
+    NOTE: `inflight`/`inflight_tokens` count the router's own requests on the worker; they are
+    raised when a policy picks the worker and lowered in a `finally` (finish, error or cancel).
+    """
+
+    __slots__ = (
+        "url", "role", "healthy", "checked", "inflight", "inflight_tokens", "load", "model",
+        "fails", "oks", "last_error", "ejections",
+    )
+
+    def __init__(self, url: str, role: str) -> None:
+        self.url = url
+        self.role = role  # "prefill" | "decode" | "both"
+        self.healthy = False  # admitted on its first good health check
+        self.checked = False  # False until the first health check answered
+        self.inflight = 0  # router requests on this worker now
+        self.inflight_tokens = 0  # their estimated prompt tokens (prefill-side cost)
+        self.load: WorkerLoad | None = None  # as last reported in /health
+        self.model: str | None = None
+        self.fails = 0  # consecutive failed checks
+        self.oks = 0  # consecutive good checks
+        self.last_error: str | None = None
+        self.ejections = 0
+
+    def acquire(self, tokens: int) -> None:
+        self.inflight += 1
+        self.inflight_tokens += tokens
+
+    def release(self, tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= tokens
+        assert self.inflight >= 0, f"in-flight count of {self.url} went negative"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "inflight": self.inflight,
+            "model": self.model,
+            "load": self.load.to_dict() if self.load else None,
+            "last_error": self.last_error,
+            "ejections": self.ejections,
+        }
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, {self.role}, healthy={self.healthy}, inflight={self.inflight})"

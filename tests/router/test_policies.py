@@ -1,0 +1,129 @@
+"""Policies as plain Python over integers: no sockets."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pd.protocol import WorkerLoad
+from pd.router.policies import LoadAware, RoundRobin, StickyToRoom, cost
+from pd.router.worker import Worker
+
+
+def workers(n: int, role: str = "decode") -> list[Worker]:
+    ws = [Worker(f"http://w{i}:8000", role) for i in range(n)]
+    for w in ws:
+        w.healthy = True
+    return ws
+
+
+def load(role="decode", running=0, waiting=0, queued=0, free=100) -> WorkerLoad:
+    return WorkerLoad(role, running, waiting, queued, 100, free)
+
+
+def test_round_robin_order_and_exclusion():
+    ws = workers(3)
+    rr = RoundRobin()
+    assert [rr.choose(ws, None).url for _ in range(6)] == [w.url for w in ws * 2]
+    assert rr.choose(ws, None, exclude=[ws[0]]) is ws[1]
+    assert rr.choose(ws, None, exclude=ws) is None
+    assert rr.choose([], None) is None
+
+
+def test_load_aware_picks_the_less_loaded_of_two():
+    ws = workers(2)
+    ws[0].load = load(running=10)
+    la = LoadAware(random.Random(0))
+    assert all(la.choose(ws, None) is ws[1] for _ in range(50))
+    ws[1].inflight = 20  # the router's own count, fresher than the report
+    assert all(la.choose(ws, None) is ws[0] for _ in range(50))
+    assert la.choose(ws, None, exclude=[ws[0]]) is ws[1]
+    assert la.choose(ws, None, exclude=ws) is None
+
+
+def test_load_aware_spreads_over_many_workers():
+    ws = workers(8)
+    la = LoadAware(random.Random(1))
+    for _ in range(800):  # requests that stay: power of two keeps the spread tight
+        la.choose(ws, None).acquire(1)
+    counts = [w.inflight for w in ws]
+    assert max(counts) - min(counts) <= 4, counts
+
+
+def test_cost_units_per_role():
+    p = Worker("http://p", "prefill")
+    p.inflight_tokens = 100
+    p.load = load("prefill", queued=900)
+    assert cost(p) == 1000  # tokens: in flight here plus queued there
+    d = Worker("http://d", "decode")
+    d.load = load(running=3, waiting=1, free=50)
+    assert cost(d) == (3 + 1 + 1) / 0.5  # KV half full doubles the cost
+    d.inflight = 9  # more than it reported: the router's count wins
+    assert cost(d) == (9 + 1 + 1) / 0.5
+    d.load = load(free=0)  # a full KV cache is as good as unusable
+    assert cost(d) > 50
+
+
+def rooms(n: int) -> list[str]:
+    return [f"room-{i}" for i in range(n)]
+
+
+def test_sticky_rooms_are_stable_and_spread():
+    ws = workers(4)
+    st = StickyToRoom()
+    st.rebuild(ws)
+    first = {k: st.choose(ws, k) for k in rooms(400)}
+    assert all(st.choose(ws, k) is w for k, w in first.items())
+    spread = Counter(w.url for w in first.values())
+    assert len(spread) == 4 and min(spread.values()) > 40, spread
+
+
+def test_sticky_hot_room_is_bounded():
+    ws = workers(4)
+    st = StickyToRoom(load_factor=1.25)
+    st.rebuild(ws)
+    for i in range(40):  # one room, 40 concurrent requests
+        w = st.choose(ws, "hot")
+        w.acquire(1)
+        mean = sum(x.inflight for x in ws) / len(ws)
+        assert w.inflight <= 1.25 * mean + 1, (i, [x.inflight for x in ws])
+    assert max(x.inflight for x in ws) <= 1.25 * 10 + 1
+    home = st.choose(workers(4), "hot")  # (fresh, idle workers: the room's home)
+    assert ws[[x.url for x in ws].index(home.url)].inflight == max(x.inflight for x in ws)
+
+
+def test_sticky_removal_moves_only_its_rooms():
+    ws = workers(5)
+    st = StickyToRoom()
+    st.rebuild(ws)
+    keys = rooms(1000)
+    before = {k: st.choose(ws, k) for k in keys}
+    gone = ws[2]
+    rest = [w for w in ws if w is not gone]
+    st.rebuild(rest)
+    after = {k: st.choose(rest, k) for k in keys}
+    moved = [k for k in keys if after[k] is not before[k]]
+    assert moved and all(before[k] is gone for k in moved)
+    assert len(moved) == sum(1 for k in keys if before[k] is gone)
+
+
+def test_sticky_skips_ejected_and_returns_after_readmission():
+    ws = workers(3)
+    st = StickyToRoom()
+    st.rebuild(ws)
+    home = st.choose(ws, "r")
+    home.healthy = False
+    healthy = [w for w in ws if w.healthy]
+    other = st.choose(healthy, "r")
+    assert other is not home and other.healthy
+    home.healthy = True
+    assert st.choose(ws, "r") is home
+
+
+def test_sticky_without_key_falls_back_to_load_aware():
+    ws = workers(2)
+    ws[0].inflight = 5
+    st = StickyToRoom(fallback=LoadAware(random.Random(0)))
+    st.rebuild(ws)
+    assert all(st.choose(ws, None) is ws[1] for _ in range(20))
+    assert st.choose(ws, "k", exclude=ws) is None
