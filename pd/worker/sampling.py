@@ -1,19 +1,19 @@
 """Turn a batch of last-position logits into next tokens.
 
 Order per row: penalties (repetition, then frequency/presence) -> logprobs -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> an exponential race (argmax of probs / Exp(1) noise,
-which draws token i with probability probs[i]).
+temperature -> top-k -> softmax (fp32) -> top-p -> min-p -> inverse-CDF draw with one uniform u per
+row (the token where u falls in the cumulative mass).
 
 Logprobs convention: reported logprobs are log_softmax of the logits AFTER penalties and BEFORE
 temperature and top-k/top-p/min-p truncation, in fp32. Without penalties they are the raw model
 logprobs (what OpenAI and vLLM report by default).
 
-Seeded rows: the noise of a row with a seed comes from a generator seeded with a 64-bit hash of
-(seed, output position), where the output position is len(output_ids[row]), the index of the token
-being generated (0 for the first). The same request therefore samples the same tokens on one worker
-or on a prefill/decode pair (P samples position 0, D positions 1..), whatever else is in the batch.
-On D, output_ids must include the first token that P sampled. The stream is the same on any
-machine of one device type (CPU and CUDA generators differ).
+Seeded rows: u is a 53-bit hash of (seed, output position) alone, where the output position is
+len(output_ids[row]), the index of the token being generated (0 for the first). The same request
+therefore samples the same tokens on one worker or on a prefill/decode pair (P samples position 0,
+D positions 1..), whatever else is in the batch; on D, output_ids must include the token P sampled.
+Every step of a row is a per-row function of that row's logits, so batch composition does not
+change it. Unseeded rows draw u from the sampler's own generator.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pd.worker.sampling_params import SamplingParams
+
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -36,17 +38,20 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
 
 
-def seed_for_position(seed: int, position: int) -> int:
-    """A 64-bit generator seed derived only from (request seed, output position)."""
+def uniform_for_position(seed: int, position: int) -> float:
+    """A uniform in [0, 1) derived only from (request seed, output position)."""
     digest = hashlib.blake2b(f"{int(seed)}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
 
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
-        self._seed = seed  # for the shared stream of unseeded rows; None = nondeterministic
-        self._shared: dict[torch.device, torch.Generator] = {}
-        self._per_row: dict[torch.device, torch.Generator] = {}
+        # The stream of unseeded rows (a few uniforms per step, drawn on CPU); None = from entropy.
+        self._generator = torch.Generator()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
 
     def sample(
         self,
@@ -99,49 +104,23 @@ class Sampler:
         ks = [p.top_k if p.top_k > 0 else 0 for p in ps]
         if any(ks):
             _top_k(x, ks)
+        probs = torch.softmax(x, dim=-1)  # [R, V]; truncation below zeroes entries in place
         if any(p.top_p < 1.0 for p in ps):
-            x = _top_p(x, [p.top_p for p in ps])
+            _top_p(probs, [p.top_p for p in ps])
         if any(p.min_p > 0.0 for p in ps):
-            min_p = torch.tensor([p.min_p for p in ps], device=dev)
-            # probs < min_p * max_prob  <=>  logit < max_logit + log(min_p)
-            cutoff = x.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
-            x.masked_fill_(x < cutoff, float("-inf"))
-        probs = torch.softmax(x, dim=-1)  # [R, V]
+            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+            probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
 
-        noise = torch.empty_like(probs)  # [R, V], Exp(1)
+        u = [0.0] * len(ps)  # one uniform in [0, 1) per row
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]
-        if len(unseeded) == len(ps):
-            noise.exponential_(generator=self._shared_generator(dev))
-        elif unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self._shared_generator(dev)
-            )
+        if unseeded:
+            draws = torch.rand(len(unseeded), dtype=torch.float64, generator=self._generator)
+            for j, v in zip(unseeded, draws.tolist()):
+                u[j] = v
         for j, p in enumerate(ps):
             if p.seed is not None:
-                gen = self._row_generator(dev, p.seed, len(output_ids[rows[j]]))
-                noise[j] = torch.empty(probs.shape[1], device=dev).exponential_(generator=gen)
-        # NOTE: a zero noise value would turn a masked token (prob 0) into 0/0 = NaN, which argmax
-        # picks; keep the noise strictly positive.
-        noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        return (probs / noise).argmax(dim=-1).tolist()
-
-    def _shared_generator(self, dev: torch.device) -> torch.Generator:
-        gen = self._shared.get(dev)
-        if gen is None:
-            gen = torch.Generator(device=dev)
-            if self._seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self._seed)
-            self._shared[dev] = gen
-        return gen
-
-    def _row_generator(self, dev: torch.device, seed: int, position: int) -> torch.Generator:
-        gen = self._per_row.get(dev)
-        if gen is None:
-            gen = self._per_row[dev] = torch.Generator(device=dev)
-        gen.manual_seed(seed_for_position(seed, position))
-        return gen
+                u[j] = uniform_for_position(p.seed, len(output_ids[rows[j]]))
+        return _inverse_cdf(probs, torch.tensor(u, dtype=torch.float64, device=dev))
 
 
 def _token_counts(ids: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
@@ -196,14 +175,44 @@ def _top_k(x: torch.Tensor, ks: list[int]) -> None:
     x.masked_fill_(x < kth, float("-inf"))
 
 
-def _top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
-    p = torch.tensor([tp if tp < 1.0 else float("inf") for tp in top_ps], device=x.device)
-    sorted_x, order = x.sort(dim=-1, descending=True)  # [R, V]
-    probs = sorted_x.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # [R, V]
-    sorted_x.masked_fill_(mass_before > p[:, None], float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+def _top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
+    """Zero, in place, all but the smallest set of most likely tokens whose mass reaches top_p.
+
+    Tokens tied with the least likely kept one are kept too, so the set does not depend on how a
+    sort orders ties. Most rows are settled by the top TOP_P_CANDIDATES tokens; only rows whose
+    candidates do not reach top_p pay for a full sort (slow on CPU).
+    """
+    on = [j for j, p in enumerate(top_ps) if p < 1.0]
+    idx = torch.tensor(on, device=probs.device)
+    sub = probs[idx]  # [R', V]
+    p = torch.tensor([top_ps[j] for j in on], device=probs.device)[:, None]
+    top = sub.topk(min(TOP_P_CANDIDATES, sub.shape[1]), dim=-1).values  # [R', k] descending
+    thr, settled = _top_p_threshold(top, p)  # [R', 1], [R']
+    short = (~settled).nonzero()[:, 0]
+    if short.numel():
+        full = sub[short].sort(dim=-1, descending=True).values  # [R'', V]
+        thr[short] = _top_p_threshold(full, p[short])[0]
+    probs[idx] = sub.masked_fill(sub < thr, 0.0)
+
+
+def _top_p_threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the ranks whose mass before them is <= p. Returns the smallest kept probability [R, 1]
+    and whether it is final [R]: the mass of all given ranks exceeds p, so no later rank is kept."""
+    cum = sorted_probs.cumsum(dim=-1)  # [R, k]
+    kept = (cum - sorted_probs <= p).sum(dim=-1, keepdim=True)  # >= 1: nothing before rank 0
+    return sorted_probs.gather(1, kept - 1), cum[:, -1] > p[:, 0]
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """Per row, the token where u (in [0, 1)) falls in the cumulative mass of probs (unnormalized,
+    zeros never chosen). The cumulative sum is float64 so the far tail keeps its share."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [R, V]
+    total = cdf[:, -1:].contiguous()  # [R, 1]
+    target = torch.minimum(u[:, None] * total, total)
+    chosen = torch.searchsorted(cdf, target, right=True)  # first cdf > target
+    # u * total can round up to total: fall back to the last token with positive mass.
+    last = torch.searchsorted(cdf, total)  # first cdf >= total
+    return torch.minimum(chosen, last)[:, 0].tolist()
 
 
 def _fill_logprobs(

@@ -4,7 +4,8 @@ import time
 import pytest
 import torch
 
-from pd.worker.sampling import Sampler, seed_for_position
+from pd.worker import sampling
+from pd.worker.sampling import Sampler, uniform_for_position
 from pd.worker.sampling_params import SamplingParams
 
 V = 64
@@ -112,6 +113,35 @@ def test_top_k_and_top_p_distribution():
     _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
 
 
+def _reference_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Boolean keep-mask, the plain full-sort way (smallest prefix with mass >= p)."""
+    vals, order = probs.sort(descending=True)
+    keep_sorted = (vals.cumsum(-1) - vals) <= p
+    return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("candidates", [1024, 3])
+def test_top_p_matches_reference(monkeypatch, candidates: int):
+    # candidates=3 sends most rows through the full-sort fallback; both paths must agree.
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(6, 3000, generator=g) * 4, torch.randn(6, 3000, generator=g) * 0.1])
+    top_ps = [0.05, 0.3, 0.6, 0.9, 0.99, 1.0] * 2
+    probs = torch.softmax(logits, -1)
+    got = probs.clone()
+    sampling._top_p(got, top_ps)
+    for i, tp in enumerate(top_ps):
+        want = _reference_top_p(probs[i], tp) if tp < 1 else torch.ones(3000, dtype=torch.bool)
+        assert torch.equal(got[i] > 0, want), (i, tp)
+        assert torch.equal(got[i][want], probs[i][want])
+
+
+def test_inverse_cdf_never_picks_zero_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 5)
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.75, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert sampling._inverse_cdf(probs, u) == [1, 1, 3, 3, 3]
+
+
 def test_same_seed_same_tokens_different_seeds_differ():
     logits = _logits(1, V=1000)
     flat = torch.zeros(1, 1000)  # uniform: tokens only depend on the noise
@@ -127,7 +157,7 @@ def test_same_seed_same_tokens_different_seeds_differ():
     assert a == run(7, Sampler()) == run(7, Sampler(seed=123))
     assert a != run(8, Sampler())
     assert len(set(a)) > 10  # positions draw different noise
-    assert seed_for_position(7, 0) != seed_for_position(7, 1) != seed_for_position(8, 1)
+    assert uniform_for_position(7, 0) != uniform_for_position(7, 1) != uniform_for_position(8, 1)
     del logits
 
 
@@ -227,25 +257,34 @@ def test_logprobs_match_log_softmax():
     assert out.top_logprobs[1] == []
 
 
-def _best_ms(fn, n: int = 15) -> float:
-    best = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+def test_greedy_batch_does_no_extra_work(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("greedy batch without penalties or logprobs must not get here")
+
+    for name in ("_apply_penalties", "_token_counts", "_inverse_cdf", "_fill_logprobs"):
+        monkeypatch.setattr(sampling, name, forbidden)
+    monkeypatch.setattr(torch, "softmax", forbidden)
+    logits = _logits(8)
+    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 8)
+    assert out.token_ids == logits.argmax(-1).tolist()
 
 
 def test_greedy_batch_costs_little_more_than_argmax():
-    # The floor on CPU is one argmax over [64, 49152] (memory bound, ~1-2 ms here); the sampler must
-    # add no penalty or softmax work for a plain greedy batch. Best-of-n timings resist a busy box.
+    # The floor on CPU is one argmax over [64, 49152] (memory bound, ~1-2 ms on an idle box). Loose,
+    # interleaved best-of-n timings so a busy shared machine does not fail it.
     logits = torch.randn(64, 49152)
     params = [SamplingParams(temperature=0.0)] * 64
     prompts, outputs = [[1] * 100] * 64, [[2] * 50] * 64
     sampler = Sampler()
-    step = _best_ms(lambda: sampler.sample(logits, params, prompts, outputs))
-    floor = _best_ms(lambda: logits.argmax(-1).tolist())
-    assert step < 1.5 * floor + 0.5, f"greedy step {step:.2f} ms vs argmax {floor:.2f} ms"
+    step = floor = float("inf")
+    for _ in range(15):
+        t0 = time.perf_counter()
+        sampler.sample(logits, params, prompts, outputs)
+        t1 = time.perf_counter()
+        logits.argmax(-1).tolist()
+        t2 = time.perf_counter()
+        step, floor = min(step, t1 - t0), min(floor, t2 - t1)
+    assert step < 2 * floor + 1e-3, f"greedy step {step * 1e3:.2f} ms, argmax {floor * 1e3:.2f} ms"
 
 
 @pytest.mark.parametrize(
@@ -278,3 +317,5 @@ def test_params_defaults_and_greedy():
     assert not SamplingParams().uses_penalties
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     SamplingParams(top_k=0, top_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
+    assert SamplingParams(stop="###").stop == ("###",)  # type: ignore[arg-type]
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=[2]).stop == ("a", "b")  # type: ignore[arg-type]
