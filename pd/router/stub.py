@@ -39,7 +39,7 @@ class StubWorker:
         self.break_after: int | None = None  # drop the connection after this many chunks
         self.final = False  # as prefill: the first token ends the request (no params)
         self.requests: list[dict[str, Any]] = []  # bodies received
-        self.headers: list[dict[str, str]] = []  # their headers
+        self.headers: list = []  # their headers (CIMultiDicts)
         self.active = 0  # requests being answered now
         self.cancelled = 0  # requests whose client (the router) went away
         self.completed = 0
@@ -67,7 +67,7 @@ class StubWorker:
         body = orjson.loads(await request.read())
         if self.record:
             self.requests.append(body)
-            self.headers.append(dict(request.headers))
+            self.headers.append(request.headers.copy())  # case-insensitive
         self.active += 1
         try:
             if self.delay:
