@@ -60,7 +60,7 @@ class Sampler:
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
     ) -> SampleOutput:
-        B, V = logits.shape
+        B = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == B, "batch size mismatch"
 
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
@@ -101,7 +101,7 @@ class Sampler:
         temps = torch.tensor([p.temperature for p in ps], device=dev)
         x = logits[idx].float() / temps[:, None]  # [R, V] fp32
 
-        ks = [p.top_k if p.top_k > 0 else 0 for p in ps]
+        ks = [max(0, p.top_k) for p in ps]
         if any(ks):
             _top_k(x, ks)
         probs = torch.softmax(x, dim=-1)  # [R, V]; truncation below zeroes entries in place
@@ -195,7 +195,9 @@ def _top_p(probs: torch.Tensor, top_ps: list[float]) -> None:
     probs[idx] = sub.masked_fill(sub < thr, 0.0)
 
 
-def _top_p_threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_p_threshold(
+    sorted_probs: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the ranks whose mass before them is <= p. Returns the smallest kept probability [R, 1]
     and whether it is final [R]: the mass of all given ranks exceeds p, so no later rank is kept."""
     cum = sorted_probs.cumsum(dim=-1)  # [R, k]

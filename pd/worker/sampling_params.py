@@ -56,7 +56,9 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

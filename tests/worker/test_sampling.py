@@ -78,7 +78,7 @@ def _assert_matches(counts: torch.Tensor, probs: torch.Tensor) -> None:
 def test_temperature_matches_softmax(seeded: bool):
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2])
     temperature = 0.7
-    n = 20000
+    n = 10000
     logits = row.expand(n, -1).contiguous()
     if seeded:
         # One seeded request per row: the exponential race over independent streams.
@@ -93,7 +93,7 @@ def test_temperature_matches_softmax(seeded: bool):
 
 def test_top_k_and_top_p_distribution():
     row = torch.tensor([3.0, 2.0, 1.0, 0.5, 0.0, -1.0])
-    n = 20000
+    n = 10000
     logits = row.expand(n, -1).contiguous()
     probs = torch.softmax(row, -1)
 
@@ -125,7 +125,9 @@ def test_top_p_matches_reference(monkeypatch, candidates: int):
     # candidates=3 sends most rows through the full-sort fallback; both paths must agree.
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
     g = torch.Generator().manual_seed(0)
-    logits = torch.cat([torch.randn(6, 3000, generator=g) * 4, torch.randn(6, 3000, generator=g) * 0.1])
+    logits = torch.cat(
+        [torch.randn(6, 3000, generator=g) * 4, torch.randn(6, 3000, generator=g) * 0.1]
+    )
     top_ps = [0.05, 0.3, 0.6, 0.9, 0.99, 1.0] * 2
     probs = torch.softmax(logits, -1)
     got = probs.clone()
@@ -290,20 +292,20 @@ def test_greedy_batch_costs_little_more_than_argmax():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        (dict(temperature=-0.1), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-2), "top_k"),
-        (dict(min_p=1.5), "min_p"),
-        (dict(presence_penalty=2.5), "presence_penalty"),
-        (dict(frequency_penalty=-2.1), "frequency_penalty"),
-        (dict(repetition_penalty=0.0), "repetition_penalty"),
-        (dict(max_tokens=0), "max_tokens"),
-        (dict(top_logprobs=6), "top_logprobs"),
-        (dict(top_logprobs=-1), "top_logprobs"),
-        (dict(stop=("",)), "stop"),
-        (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 6}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ],
 )
 def test_validation_errors(kwargs, needle):
@@ -318,4 +320,5 @@ def test_params_defaults_and_greedy():
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
     SamplingParams(top_k=0, top_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
     assert SamplingParams(stop="###").stop == ("###",)  # type: ignore[arg-type]
-    assert SamplingParams(stop=["a", "b"], stop_token_ids=[2]).stop == ("a", "b")  # type: ignore[arg-type]
+    listed = SamplingParams(stop=["a", "b"], stop_token_ids=[2])  # type: ignore[arg-type]
+    assert listed.stop == ("a", "b") and listed.stop_token_ids == (2,)
