@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 5
+# Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or < GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0  # in (0, 1]; 1 = off
     top_k: int = -1  # -1 or 0 = off
     min_p: float = 0.0  # in [0, 1]; 0 = off
@@ -62,7 +64,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

@@ -315,6 +315,7 @@ def test_validation_errors(kwargs, needle):
 
 def test_params_defaults_and_greedy():
     assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=1e-30).is_greedy  # logits / 1e-30 would overflow to inf
     assert not SamplingParams().is_greedy
     assert not SamplingParams().uses_penalties
     assert SamplingParams(repetition_penalty=1.1).uses_penalties
