@@ -225,7 +225,7 @@ class TransferManager(KVManager):
             if fut is None:
                 fut = asyncio.ensure_future(self._connect(key))
                 self._connecting[key] = fut
-                fut.add_done_callback(lambda _f: self._connecting.pop(key, None))
+                fut.add_done_callback(lambda f: self._connect_done(key, f))
             link = await asyncio.shield(fut)
         if link.engine_id != params.remote_engine_id:
             raise HandshakeError(
@@ -233,6 +233,11 @@ class TransferManager(KVManager):
                 f"prefilled by {params.remote_engine_id} (restarted?)"
             )
         return link
+
+    def _connect_done(self, key: tuple[str, int], fut: asyncio.Future) -> None:
+        self._connecting.pop(key, None)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: every waiter sees it (or already failed by its deadline)
 
     async def _connect(self, key: tuple[str, int]) -> PeerLink:
         assert self._ctx is not None
