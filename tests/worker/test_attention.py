@@ -214,3 +214,34 @@ def test_flashinfer_matches_torch_bf16(chunks: list[tuple[int, int]], hq: int, h
     torch_out = h.run(TorchAttentionBackend(), meta, q).float().cpu()
     assert_close(out, torch_out, BF16_TOL, "flashinfer vs torch")
     assert_close(out, ref, BF16_TOL, "flashinfer vs naive")
+
+
+def test_select_attention_backend_cuda_fp32_uses_torch() -> None:
+    # FlashInfer has no fp32 kernels; this needs no GPU (nothing is allocated).
+    assert isinstance(select_attention_backend("cuda", torch.float32), TorchAttentionBackend)
+
+
+def test_flashinfer_backend_rejects_cpu() -> None:
+    pytest.importorskip("flashinfer")
+    with pytest.raises(ValueError, match="CUDA"):
+        FlashInferAttentionBackend("cpu")
+
+
+def test_flashinfer_api_takes_our_arguments() -> None:
+    """Guards the plan/run keywords we pass against the installed FlashInfer (no GPU needed)."""
+    import inspect
+
+    flashinfer = pytest.importorskip("flashinfer")
+    prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper
+    decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper
+    prefill_plan = inspect.signature(prefill.plan).parameters
+    for name in ("causal", "sm_scale", "q_data_type", "kv_data_type"):
+        assert name in prefill_plan, name
+    # 0.7 routes decode plan keywords through **kwargs to _plan_impl; older versions name them.
+    decode_plan = inspect.signature(getattr(decode, "_plan_impl", decode.plan)).parameters
+    for name in ("pos_encoding_mode", "sm_scale", "q_data_type", "kv_data_type"):
+        assert name in decode_plan, name
+    for cls in (prefill, decode):
+        assert "kv_layout" in inspect.signature(cls.__init__).parameters
+        assert list(inspect.signature(cls.run).parameters)[1:3] == ["q", "paged_kv_cache"]
+    assert "use_tensor_cores" in inspect.signature(decode.__init__).parameters

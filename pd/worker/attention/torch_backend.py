@@ -1,13 +1,19 @@
 """Paged attention in plain torch (CPU, or any device/dtype FlashInfer lacks, e.g. fp32).
 
-`plan` turns the batch's metadata into gather indices and masks once; every layer's `forward`
-reuses them. Sequences that append one token (decode) run as one padded batched SDPA call;
-sequences that append a chunk (prefill) run one SDPA call each. Both read K/V straight out of
-the strided HND cache with one gather per call; SDPA accumulates bf16/fp16 in fp32 itself.
+`plan` turns the batch's metadata into one page gather index and the masks; every layer's
+`forward` reuses them. Per layer, one `index_select` copies the batch's pages out of the strided
+HND cache into a scratch buffer laid out [2, Hkv, pages, page_size, D], so each sequence's K/V
+is a dense view. Sequences that append one token (decode) then run as one padded batched SDPA
+call; sequences that append a chunk (prefill) run one SDPA call each. SDPA accumulates bf16/fp16
+in fp32 itself.
+
+NOTE: the scratch buffer is kept and reused across layers and steps (it only grows): a fresh
+multi-MB tensor per layer costs more in page faults than the gather itself.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +28,9 @@ class _DecodeGroup:
     """The seqs with one new token each, padded to the longest one."""
 
     token_idx: torch.Tensor | None  # [Bd] long: their rows of q; None when they are all of q
-    page_table: torch.Tensor  # [Bd, max_pages] long; short rows repeat their last page
-    mask: torch.Tensor  # [1, Bd, 1, max_pages * page_size] bool: key slot < kv_len
+    num_seqs: int  # Bd
+    max_pages: int  # pages of the longest; shorter rows repeat their last page (masked off)
+    mask: torch.Tensor  # [1, Bd, 1, max_pages * page_size] additive: 0 where slot < kv_len
 
 
 @dataclass(frozen=True)
@@ -32,9 +39,10 @@ class _PrefillSeq:
 
     start: int  # its rows of q are start:end
     end: int
-    pages: torch.Tensor  # [num_pages] long
+    first_page: int  # its pages are gathered pages first_page:first_page + num_pages
+    num_pages: int
     kv_len: int  # num_cached + num_new
-    mask: torch.Tensor | None  # [q_len, kv_len] bool (bottom-right causal); None: plain causal
+    mask: torch.Tensor | None  # [q_len, kv_len] additive, bottom-right causal; None: is_causal
 
 
 @dataclass(frozen=True)
@@ -45,13 +53,22 @@ class _Plan:
     page_size: int
     dtype: torch.dtype
     num_tokens: int
-    decode: _DecodeGroup | None
+    gather_idx: torch.Tensor  # [G] long: page ids to copy out per layer, decode group first
+    decode: _DecodeGroup | None  # its pages are gathered pages 0:Bd * max_pages
     prefills: list[_PrefillSeq]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as SDPA's additive float mask (0 / -inf), built once per batch rather than
+    converted by SDPA in every layer."""
+    zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return zeros.masked_fill_(~allowed, float("-inf"))
 
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._plan: _Plan | None = None
+        self._scratch: torch.Tensor | None = None  # flat; reused by every layer's gather
 
     def plan(
         self,
@@ -70,10 +87,16 @@ class TorchAttentionBackend(AttentionBackend):
         qo_indptr = meta.qo_indptr_host.tolist()
         kv_indptr = meta.kv_indptr_host.tolist()
 
-        decode_seqs = [b for b in range(meta.batch_size) if meta.qo_lens[b] == 1]
+        gather: list[torch.Tensor] = []
+        num_gathered = 0
         decode = None
+        decode_seqs = [b for b in range(meta.batch_size) if meta.qo_lens[b] == 1]
         if decode_seqs:
-            decode = self._plan_decode(meta, decode_seqs, qo_indptr, kv_indptr, kv_indices)
+            decode, page_table = self._plan_decode(
+                meta, decode_seqs, qo_indptr, kv_indptr, kv_indices, dtype
+            )
+            gather.append(page_table.reshape(-1))
+            num_gathered = decode.num_seqs * decode.max_pages
 
         prefills = []
         for b in range(meta.batch_size):
@@ -85,13 +108,24 @@ class TorchAttentionBackend(AttentionBackend):
             if num_cached > 0:
                 query_pos = torch.arange(num_cached, kv_len, device=device)  # [q_len]
                 key_pos = torch.arange(kv_len, device=device)  # [kv_len]
-                mask = key_pos[None, :] <= query_pos[:, None]  # [q_len, kv_len]
-            pages = kv_indices[kv_indptr[b] : kv_indptr[b + 1]]  # [num_pages]
-            prefills.append(_PrefillSeq(qo_indptr[b], qo_indptr[b + 1], pages, kv_len, mask))
+                mask = _additive(key_pos[None, :] <= query_pos[:, None], dtype)  # [q_len, L]
+            num_pages = kv_indptr[b + 1] - kv_indptr[b]
+            gather.append(kv_indices[kv_indptr[b] : kv_indptr[b + 1]])
+            prefills.append(
+                _PrefillSeq(qo_indptr[b], qo_indptr[b + 1], num_gathered, num_pages, kv_len, mask)
+            )
+            num_gathered += num_pages
 
         self._plan = _Plan(
-            num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
-            meta.num_tokens, decode, prefills,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_size=page_size,
+            dtype=dtype,
+            num_tokens=meta.num_tokens,
+            gather_idx=torch.cat(gather) if gather else kv_indices,
+            decode=decode,
+            prefills=prefills,
         )
 
     @staticmethod
@@ -101,7 +135,9 @@ class TorchAttentionBackend(AttentionBackend):
         qo_indptr: list[int],
         kv_indptr: list[int],
         kv_indices: torch.Tensor,
-    ) -> _DecodeGroup:
+        dtype: torch.dtype,
+    ) -> tuple[_DecodeGroup, torch.Tensor]:
+        """The decode group and its padded page table [Bd, max_pages]."""
         device = kv_indices.device
         page_size = meta.page_size
         starts = [kv_indptr[b] for b in seqs]
@@ -114,66 +150,97 @@ class TorchAttentionBackend(AttentionBackend):
         page_table = kv_indices[flat]  # [Bd, max_pages]
         kv_lens = torch.tensor([meta.kv_lens[b] for b in seqs], device=device)  # [Bd]
         slots = torch.arange(max_pages * page_size, device=device)  # [Lmax]
-        mask = (slots[None, :] < kv_lens[:, None])[None, :, None, :]  # [1, Bd, 1, Lmax]
+        mask = _additive(slots[None, :] < kv_lens[:, None], dtype)[None, :, None, :]
+        # mask: [1, Bd, 1, Lmax]
         token_idx = None
         if len(seqs) != meta.batch_size:
             token_idx = torch.tensor([qo_indptr[b] for b in seqs], device=device)  # [Bd]
-        return _DecodeGroup(token_idx, page_table, mask)
+        return _DecodeGroup(token_idx, len(seqs), max_pages, mask), page_table
+
+    def _gather(self, kv_cache: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """Copy the planned pages of one layer into [2, Hkv, G, page_size, D] scratch."""
+        _, _, hkv, page_size, d = kv_cache.shape
+        shape = (2, hkv, plan.gather_idx.shape[0], page_size, d)
+        numel = math.prod(shape)
+        scratch = self._scratch
+        if (
+            scratch is None
+            or scratch.numel() < numel
+            or scratch.dtype != kv_cache.dtype
+            or scratch.device != kv_cache.device
+        ):
+            scratch = self._scratch = torch.empty(numel, dtype=kv_cache.dtype,
+                                                  device=kv_cache.device)
+        out = scratch[:numel].view(shape)  # [2, Hkv, G, P, D]
+        kv_by_head = kv_cache.permute(1, 2, 0, 3, 4)  # [2, Hkv, N, P, D] (a view)
+        return torch.index_select(kv_by_head, 2, plan.gather_idx, out=out)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, sm_scale: float) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() must run before forward()"
-        hq, hkv, d = plan.num_qo_heads, plan.num_kv_heads, plan.head_dim
+        hq, hkv, d, page_size = plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.page_size
         assert q.shape == (plan.num_tokens, hq, d), (
             f"q shape {tuple(q.shape)} != planned {(plan.num_tokens, hq, d)}"
         )
-        assert kv_cache.shape[1:] == (2, hkv, plan.page_size, d), (
+        assert kv_cache.shape[1:] == (2, hkv, page_size, d), (
             f"kv_cache shape {tuple(kv_cache.shape)} does not match the plan"
         )
         assert q.dtype == kv_cache.dtype, f"q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}"
-        kv_by_head = kv_cache.permute(1, 2, 0, 3, 4)  # [2, Hkv, N, P, D] (a view)
+        kv = self._gather(kv_cache, plan)  # [2, Hkv, G, P, D]
 
         dec = plan.decode
         if dec is not None and dec.token_idx is None and not plan.prefills:
-            return self._decode(q, kv_by_head, dec, hkv, sm_scale)  # [T, Hq, D]
+            return self._decode(q, kv, dec, sm_scale)  # [T, Hq, D]
+        if dec is None and len(plan.prefills) == 1:
+            return self._prefill(q, kv, plan.prefills[0], plan, sm_scale)  # [T, Hq, D]
         out = torch.empty_like(q)  # [T, Hq, D]
         if dec is not None:
-            q_dec = q[dec.token_idx]  # [Bd, Hq, D]
-            out[dec.token_idx] = self._decode(q_dec, kv_by_head, dec, hkv, sm_scale)
+            # NOTE: index_select/index_copy_, not q[idx]/out[idx] = ...: advanced indexing
+            # runs a parallel region even for a few rows, which stalls on a busy CPU.
+            q_dec = q.index_select(0, dec.token_idx)  # [Bd, Hq, D]
+            out.index_copy_(0, dec.token_idx, self._decode(q_dec, kv, dec, sm_scale))
         for seq in plan.prefills:
-            n_pages = seq.pages.shape[0]
-            kv = kv_by_head[:, :, seq.pages].reshape(2, hkv, n_pages * plan.page_size, d)
-            kv = kv[:, :, : seq.kv_len]  # [2, Hkv, L, D]
-            q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-            o = F.scaled_dot_product_attention(
-                q_seq,
-                kv[0][None],  # [1, Hkv, L, D]
-                kv[1][None],  # [1, Hkv, L, D]
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
-                scale=sm_scale,
-                enable_gqa=hq != hkv,
-            )  # [1, Hq, q_len, D]
-            out[seq.start : seq.end] = o[0].transpose(0, 1)
+            out[seq.start : seq.end] = self._prefill(q, kv, seq, plan, sm_scale)
         return out
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor,  # [T, Hq, D]
+        kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages
+        seq: _PrefillSeq,
+        plan: _Plan,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
+        pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
+        kv_seq = pages.reshape(2, hkv, seq.num_pages * page_size, d)[:, :, : seq.kv_len]
+        q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        o = F.scaled_dot_product_attention(
+            q_seq,
+            kv_seq[0][None],  # [1, Hkv, L, D]
+            kv_seq[1][None],  # [1, Hkv, L, D]
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=sm_scale,
+            enable_gqa=plan.num_qo_heads != hkv,
+        )  # [1, Hq, q_len, D], laid out like q_seq: the transpose back is dense
+        return o[0].transpose(0, 1).contiguous()  # [q_len, Hq, D]
 
     @staticmethod
     def _decode(
         q: torch.Tensor,  # [Bd, Hq, D]
-        kv_by_head: torch.Tensor,  # [2, Hkv, N, P, D]
+        kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages, the decode group's first
         dec: _DecodeGroup,
-        hkv: int,
         sm_scale: float,
     ) -> torch.Tensor:
         bd, hq, d = q.shape
+        _, hkv, _, page_size, _ = kv.shape
         group = hq // hkv
-        _, max_pages = dec.page_table.shape
-        page_size = kv_by_head.shape[3]
-        # One gather straight into [2, Hkv, Bd, max_pages, P, D]; merging (max_pages, P) is free.
-        kv = kv_by_head[:, :, dec.page_table].reshape(2, hkv, bd, max_pages * page_size, d)
+        # Rows 0:Bd*max_pages are the padded page table; merging (max_pages, P) is a view.
+        kv_dec = kv[:, :, : bd * dec.max_pages].reshape(2, hkv, bd, dec.max_pages * page_size, d)
         # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
         q_g = q.view(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
         o = F.scaled_dot_product_attention(
-            q_g, kv[0], kv[1], attn_mask=dec.mask, scale=sm_scale
+            q_g, kv_dec[0], kv_dec[1], attn_mask=dec.mask, scale=sm_scale
         )  # [Hkv, Bd, G, D]
         return o.permute(1, 0, 2, 3).reshape(bd, hq, d)
