@@ -162,10 +162,14 @@ def _parse_options(body: dict, max_tokens_names: tuple[str, ...]) -> GenerationO
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_value")
     seed = _opt(body, "seed", int)
     top_k = _int(body, "top_k", -1, -1)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:  # OpenAI allows 0: the limit is "the most likely token only"
+        temperature, top_p = 0.0, 1.0
     return GenerationOptions(
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1.0,
+        temperature=temperature,
+        top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),

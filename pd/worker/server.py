@@ -10,6 +10,7 @@ from aiohttp import web
 
 from pd.protocol import (
     APIError,
+    bad_request,
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
@@ -182,8 +183,8 @@ def _prompt_ids(worker: Worker, req: CompletionRequest | ChatCompletionRequest) 
         return tok.encode(req.prompt)
     bad = [t for t in req.prompt if t >= tok.vocab_size]
     if bad:
-        raise APIError(400, f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})",
-                       param="prompt")
+        raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})",
+                          param="prompt")
     return list(req.prompt)
 
 
@@ -204,5 +205,5 @@ def _sampling_params(worker: Worker, req, prompt_len: int) -> SamplingParams:
     try:
         return SamplingParams(**{**vars(o), "max_tokens": max_tokens})
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise bad_request(str(e)) from None
 

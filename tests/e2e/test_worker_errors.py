@@ -1,0 +1,110 @@
+"""Bad input, auth, a full queue: clear OpenAI-style 4xx/503 answers, and the worker stays up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pd.worker.server import make_app
+from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
+
+LONG = "word " * 3000  # longer than the test worker's 2048-token context
+
+BAD_INPUT = [
+    # (case, path, raw body, status, error code)
+    ("malformed JSON", "/v1/chat/completions", b'{"messages": [', 400, "invalid_json"),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, "invalid_json"),
+    ("missing messages", "/v1/chat/completions", b'{"max_tokens": 4}', 400, "missing_field"),
+    ("missing prompt", "/v1/completions", b'{"max_tokens": 4}', 400, "missing_field"),
+    ("mistyped max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', 400,
+     "invalid_type"),
+    ("mistyped messages", "/v1/chat/completions", b'{"messages": "hello"}', 400, "invalid_value"),
+    ("max_tokens < 1", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400,
+     "invalid_value"),
+    ("prompt longer than the context", "/v1/completions",
+     b'{"prompt": "' + LONG.encode() + b'", "max_tokens": 4}', 400, "context_length_exceeded"),
+    ("unknown model", "/v1/completions", b'{"prompt": "hi", "model": "gpt-17"}', 404,
+     "model_not_found"),
+    ("n > 1", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "unsupported_value"),
+    ("top_logprobs > 5", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
+     400, "invalid_value"),
+    ("token id out of vocabulary", "/v1/completions", b'{"prompt": [1, 99999999]}', 400,
+     "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("case,path,raw,status,code", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+async def test_bad_input_is_a_clear_4xx(client, case, path, raw, status, code):
+    resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+    body = await resp.json()
+    assert resp.status == status, body
+    err = body["error"]
+    assert err["message"] and err["type"] and err["code"] == code, err
+    # The worker is still up and answers a good request.
+    good = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert good.status == 200
+
+
+async def test_api_key_is_required_when_set(aiohttp_client):
+    worker = make_worker(api_key="sekret")
+    client = await aiohttp_client(make_app(worker))
+    resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert resp.status == 401
+    assert (await resp.json())["error"]["type"] == "authentication_error"
+    resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"Authorization": "Bearer wrong"})
+    assert resp.status == 401
+    resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                             headers={"Authorization": "Bearer sekret"})
+    assert resp.status == 200
+    assert (await client.get("/health")).status == 200  # health stays open for routers
+
+
+async def test_a_full_queue_answers_503_with_retry_after(aiohttp_client):
+    worker = make_worker(max_running_requests=1, max_waiting_requests=1)
+    client = await aiohttp_client(make_app(worker), server_kwargs={"handler_cancellation": True})
+    long = {"prompt": "Tell me everything.", "max_tokens": 400, "ignore_eos": True}
+    first = asyncio.create_task(client.post("/v1/completions", json=long))
+    while not worker.engine.scheduler.running:
+        await asyncio.sleep(0.005)
+    second = asyncio.create_task(client.post("/v1/completions", json=long))
+    while not worker.engine.scheduler.waiting:
+        await asyncio.sleep(0.005)
+    resp = await client.post("/v1/completions", json=long)
+    assert resp.status == 503
+    assert resp.headers["Retry-After"] == "1"
+    assert (await resp.json())["error"]["code"] == "queue_full"
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+    await wait_idle(worker)
+    assert_all_pages_free(worker)
+
+
+async def test_streaming_chat_through_the_openai_package(client):
+    openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency")
+    api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused")
+    stream = await api.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage:
+            usage = chunk.usage
+    await api.close()
+    assert "Paris" in text
+    assert usage is not None and usage.completion_tokens > 0
+
+
+async def test_chat_template_and_options_errors_do_not_leak_pages(client, worker):
+    resp = await client.post("/v1/chat/completions", json=chat("hi", temperature=5))
+    assert resp.status == 400
+    resp = await client.post("/v1/chat/completions", json=chat("hi", stop=[""]))
+    assert resp.status == 400
+    await wait_idle(worker)
+    assert_all_pages_free(worker)
