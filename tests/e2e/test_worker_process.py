@@ -1,0 +1,86 @@
+"""A real `pd-worker` process: starts on a free port, serves, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+
+def start_worker(*args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
+    """Start `pd-worker --port 0 ...`; return the process and its URL once it is ready."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pd.worker.main", "--port", "0", "--device", "cpu", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("pd-worker ready:"):
+            return proc, line.split("url=")[1].strip()
+    proc.kill()
+    raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
+
+
+@pytest.fixture
+def worker_process():
+    procs = []
+
+    def start(*args: str):
+        proc, url = start_worker(*args)
+        procs.append(proc)
+        return proc, url
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_sigterm_drains_running_requests_then_exits(worker_process):
+    proc, url = worker_process("--dtype", "float32", "--kv-pages", "64", "--max-model-len", "1024")
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{url}/v1/completions", json={
+            "prompt": "Write about the sea.", "max_tokens": 60, "ignore_eos": True,
+            "stream": True})
+        assert resp.status == 200
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        refused = await http.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert refused.status == 503
+        assert (await refused.json())["error"]["code"] == "draining"
+        body = await resp.content.read()  # the running request still completes
+        assert body.rstrip().endswith(b"data: [DONE]")
+        chunks = [ln for ln in (first + body).split(b"\n\n") if ln.startswith(b"data: {")]
+        assert len(chunks) == 60
+    assert proc.wait(timeout=30) == 0
+
+
+def test_role_prefill_is_refused_until_transfer_lands():
+    out = subprocess.run([sys.executable, "-m", "pd.worker.main", "--role", "prefill"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--role both" in out.stderr
+
+
+def test_every_flag_has_help():
+    out = subprocess.run([sys.executable, "-m", "pd.worker.main", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--role", "--host", "--port", "--model", "--tp", "--dtype", "--page-size",
+                 "--max-model-len", "--kv-pages", "--chunk-size", "--max-running-requests",
+                 "--served-model-name", "--api-key"):
+        assert flag in out.stdout, flag
