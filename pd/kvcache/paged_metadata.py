@@ -99,13 +99,13 @@ def build_paged_metadata(
     T = qo_indptr[-1]
     nnz = len(kv_indices)
     # One int32 and one int64 tensor (one host-to-device copy each); fields are slices.
-    ints = torch.tensor(qo_indptr + kv_indptr + kv_indices + last_page_len, dtype=torch.int32)
-    longs = torch.tensor(positions + write_pages + write_offsets, dtype=torch.int64)
+    pin = device.type == "cuda"  # pinned host memory makes the copies truly asynchronous
+    ints = torch.tensor(
+        qo_indptr + kv_indptr + kv_indices + last_page_len, dtype=torch.int32, pin_memory=pin
+    )
+    longs = torch.tensor(positions + write_pages + write_offsets, dtype=torch.int64, pin_memory=pin)
     ints_host = ints
     if device.type != "cpu":
-        if device.type == "cuda":
-            ints, longs = ints.pin_memory(), longs.pin_memory()
-            ints_host = ints
         ints = ints.to(device, non_blocking=True)
         longs = longs.to(device, non_blocking=True)
 

@@ -12,7 +12,7 @@ def test_mixed_batch_by_hand() -> None:
     page_size = 4
     meta = build_paged_metadata(
         [
-            ([5, 2, 9, 1, 0], 16, 1),  # decode; 16 cached fill 4 pages exactly, new token opens page 5
+            ([5, 2, 9, 1, 0], 16, 1),  # decode: 16 cached fill 4 pages; the new token opens a 5th
             ([7, 8], 0, 4),  # prefill of one exactly full page; page 8 is spare, not used
             ([3, 4, 6], 4, 7),  # chunk after one full page: positions 4..10 on pages 4, 6
         ],

@@ -28,7 +28,9 @@ class Seq:
     pages: list[int]
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Dense causal attention of one whole sequence in fp64. q [L, Hq, D], k/v [L, Hkv, D]."""
     group = q.shape[1] // k.shape[1]
     q, k, v = q.double(), k.double(), v.double()
