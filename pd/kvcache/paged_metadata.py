@@ -9,7 +9,7 @@ the new query i of a sequence sitting at position `num_cached + i`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,6 +53,30 @@ class PagedMetadata:
     @property
     def max_kv_len(self) -> int:
         return max(self.kv_lens, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_indices.device
+
+    def to(self, device: torch.device | str) -> PagedMetadata:
+        """The same metadata on another device (another TP rank's); host copies are shared."""
+        device = torch.device(device)
+        if self.device == device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            qo_indptr=move(self.qo_indptr),
+            kv_indptr=move(self.kv_indptr),
+            kv_indices=move(self.kv_indices),
+            kv_last_page_len=move(self.kv_last_page_len),
+            positions=move(self.positions),
+            write_page_ids=move(self.write_page_ids),
+            write_offsets=move(self.write_offsets),
+        )
 
 
 def build_paged_metadata(

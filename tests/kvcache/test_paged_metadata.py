@@ -70,3 +70,16 @@ def test_rejects_too_few_pages_and_empty_seq() -> None:
         build_paged_metadata([([1], 4, 1)], page_size=4)
     with pytest.raises(ValueError, match="num_new >= 1"):
         build_paged_metadata([([1], 2, 0)], page_size=4)
+
+
+def test_to_another_device_keeps_host_copies() -> None:
+    meta = build_paged_metadata([([3, 1], 5, 2)], page_size=4)
+    assert meta.to("cpu") is meta and meta.device == torch.device("cpu")
+    moved = meta.to("meta")  # torch's data-less device: exercises the move without a GPU
+    assert moved.device.type == "meta"
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions",
+                 "write_page_ids", "write_offsets"):
+        t = getattr(moved, name)
+        assert t.device.type == "meta" and t.shape == getattr(meta, name).shape, name
+    assert moved.kv_indptr_host is meta.kv_indptr_host
+    assert (moved.kv_lens, moved.num_tokens, moved.page_size) == ([7], 2, 4)
