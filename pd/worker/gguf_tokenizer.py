@@ -43,9 +43,7 @@ class PreTokenizerSpec:
 
 _SPECS = {
     # llama.cpp LLAMA_VOCAB_PRE_TYPE_DEFAULT (also used when `pre` is absent).
-    "default": PreTokenizerSpec(
-        (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")
-    ),
+    "default": PreTokenizerSpec((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]")),
     "gpt2": PreTokenizerSpec((_GPT2,)),
     # Every digit on its own, then GPT-2 (SmolLM's tokenizer.json: Digits(individual) + ByteLevel).
     "digits": PreTokenizerSpec((r"\p{N}", _GPT2)),
@@ -115,9 +113,11 @@ def tokenizer_from_gguf_metadata(meta: Mapping[str, Any]) -> Tokenizer:
 
     # Control tokens (<|im_start|>) are special: matched whole in text, dropped by
     # decode(skip_special_tokens=True). User-defined ones are matched whole but always decoded.
-    types = list(meta.get("tokenizer.ggml.token_type", []))
-    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL]
-    user_defined = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if len(types) != len(tokens):
+        raise CheckpointError("GGUF tokenizer.ggml.token_type and tokens differ in length")
+    control = [t for t, k in zip(tokens, types, strict=True) if k == TOKEN_CONTROL]
+    user_defined = [t for t, k in zip(tokens, types, strict=True) if k == TOKEN_USER_DEFINED]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
 

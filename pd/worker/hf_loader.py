@@ -1,5 +1,6 @@
-"""Load a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json (+ the chat
-template and special tokens from tokenizer_config.json, chat_template.jinja, generation_config.json).
+"""Load a Hugging Face checkpoint directory: config.json, *.safetensors and tokenizer.json, with the
+chat template and special tokens from tokenizer_config.json, chat_template.jinja and
+generation_config.json.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def load_hf(
     bar = Progress(total, progress)
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
+            for name in sf.keys():  # noqa: SIM118 (safe_open is not a dict)
                 bar.step()
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer some old checkpoints saved; recomputed by the model

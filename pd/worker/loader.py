@@ -1,9 +1,9 @@
 """Load a checkpoint for the worker: a GGUF file or a Hugging Face directory.
 
-    ckpt = load_checkpoint(default_model_path())
-    ckpt.config      # ModelConfig
-    ckpt.weights     # {"model.layers.0.self_attn.q_proj.weight": Tensor[out, in], ...}
-    ckpt.tokenizer   # Tokenizer (encode / decode / apply_chat_template / eos_token_ids)
+ckpt = load_checkpoint(default_model_path())
+ckpt.config      # ModelConfig
+ckpt.weights     # {"model.layers.0.self_attn.q_proj.weight": Tensor[out, in], ...}
+ckpt.tokenizer   # Tokenizer (encode / decode / apply_chat_template / eos_token_ids)
 """
 
 from __future__ import annotations

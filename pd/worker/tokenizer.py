@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import tokenizers
@@ -115,7 +115,7 @@ class Tokenizer:
 
 
 def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `message` whose content is a string: text parts joined with newlines, None -> ""."""
+    """`message` with a string content: text parts joined with newlines, None as ""."""
     if not isinstance(message, dict) or "role" not in message:
         raise ChatTemplateError(f"a message must be an object with a role, got {message!r}")
     content = message.get("content")
@@ -135,9 +135,9 @@ def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class _GenerationTag(Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): render as-is."""
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant mask): rendered as is."""
 
-    tags = {"generation"}
+    tags: ClassVar[set[str]] = {"generation"}
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno
