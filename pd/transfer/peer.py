@@ -69,6 +69,7 @@ class PeerLink:
         self._sends: set[asyncio.Future] = set()
         self._wake = asyncio.Event()
         self._seq = 0
+        self._probing = False  # heartbeating without clients, after a transport error
         self._last_ack = 0.0
 
     # -- handshake -------------------------------------------------------------------------
@@ -138,6 +139,12 @@ class PeerLink:
         self.clients[transfer_id] = client
         self._wake.set()  # renew at once: this also confirms P still holds the transfer
 
+    def suspect(self) -> None:
+        """A transport error was seen: heartbeat until P answers, or declare it lost."""
+        if self.alive and not self._probing:
+            self._probing = True
+            self._wake.set()
+
     def detach(self, transfer_id: str) -> None:
         self.clients.pop(transfer_id, None)
 
@@ -174,6 +181,7 @@ class PeerLink:
                 if msg.engine_id != self.engine_id:
                     return self._lose(f"prefill {self.host}:{self.port} restarted (engine id changed)")
                 self._last_ack = time.monotonic()
+                self._probing = False
                 for tid in msg.known:
                     if (c := self.clients.get(tid)) is not None:
                         c.on_attached()
@@ -186,7 +194,7 @@ class PeerLink:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            if not self.clients:  # idle: sleep until a transfer attaches or the link expires
+            if not self.clients and not self._probing:  # idle: sleep until a transfer attaches or the link expires
                 self._wake.clear()
                 try:
                     async with asyncio.timeout(self._idle_timeout_s):

@@ -2,7 +2,8 @@
 
 `python -m pd.transfer.peerproc '<json spec>'` starts a manager serving pools whose bytes are a
 function of a seed (`pool_tensors`), so a decode process can rebuild the expected bytes and compare
-exactly. Commands come as JSON lines on stdin, events go out as JSON lines on stdout:
+exactly. Commands come as JSON lines on stdin, events go out as JSON lines on stdout,
+prefixed with EVENT_PREFIX:
 
     -> {"op": "send", "slots": {"kv": [..]}, "lease_ttl_s": 5}   <- {"event": "sender", "params": {..}}
     <- {"event": "released", "transfer_id": .., "reason": "done"|"abort"|"lease_expired"}
@@ -74,8 +75,16 @@ def pool_desc(spec: PoolSpec, tensors: list[torch.Tensor]) -> PoolDesc:
     return whole_pool_from_tensors(spec.name, tensors)
 
 
+EVENT_PREFIX = "@pd-event "  # other libraries (NIXL) log to stdout too
+
+
+def parse_event(line: bytes | str) -> dict[str, Any] | None:
+    text = line.decode() if isinstance(line, bytes) else line
+    return orjson.loads(text[len(EVENT_PREFIX):]) if text.startswith(EVENT_PREFIX) else None
+
+
 def _emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(orjson.dumps(obj).decode() + "\n")
+    sys.stdout.write(EVENT_PREFIX + orjson.dumps(obj).decode() + "\n")
     sys.stdout.flush()
 
 

@@ -139,6 +139,8 @@ class Receiver(KVReceiver):
         if state == "DONE":
             self._succeed()
         elif state == "ERR":
+            if self._link is not None:
+                self._link.suspect()  # a dead peer is then found by its missed heartbeats
             self._fail("TransferFailed: transport error while reading from prefill", tell_prefill=True)
         elif now > self._deadline:
             self._fail(f"TransferFailed: pull not done within {self._m.config.transfer_timeout_s}s",

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
+from pd.transfer.peerproc import parse_event
 from pd.transfer import TransferConfig, TransferManager, create_manager, nixl_available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +66,8 @@ class PrefillProc:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.events.put(orjson.loads(line))
+            if (event := parse_event(line)) is not None:
+                self.events.put(event)
 
     def next_event(self, timeout_s: float = 10.0) -> dict[str, Any]:
         try:
