@@ -123,7 +123,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     """One client session for every worker call; the first health round; the check loop."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
-    session = aiohttp.ClientSession(connector=connector)
+    session = aiohttp.ClientSession(
+        connector=connector,
+        cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies: skip the jar per request
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        auto_decompress=False,  # bytes are relayed as they come; workers do not compress
+    )
     app[PROXY].session = session
     checker = app[HEALTH]
     checker.session = session

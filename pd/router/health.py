@@ -69,7 +69,7 @@ class HealthChecker:
             pool.on_eject = self._count_ejection
 
     def _count_ejection(self, w: Worker) -> None:
-        self.metrics.ejections[w.role].inc()
+        self.metrics.ejections[w.role] += 1
 
     async def check(self, w: Worker) -> bool:
         assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
@@ -87,7 +87,7 @@ class HealthChecker:
                 pool.set_healthy(w, True)
             return
         w.oks, w.fails, w.last_error = 0, w.fails + 1, reason
-        self.metrics.health_failures[w.role].inc()
+        self.metrics.health_failures[w.role] += 1
         if first:
             log.warning("%s worker %s not admitted: %s", w.role, w.url, reason)
         if w.healthy and w.fails >= self.cfg.health_failures:

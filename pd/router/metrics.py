@@ -1,15 +1,23 @@
 """Prometheus metrics of the router, on a registry of its own (one per app).
 
-Hot-path NOTE: labelled children are looked up once and cached in dicts; per-worker gauges are
-read from the registry at scrape time by a collector, so routing never touches them.
+Hot-path NOTE: the router's counters and histograms are plain ints and lists bumped on the
+event loop (one thread, so no locks), and turned into Prometheus families only when
+`/metrics` is scraped; per-worker gauges are read from the registry at scrape time. Routing a
+request costs a few dict and list operations, no label lookups and no locks.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from pd.router.registry import Registry
@@ -18,13 +26,92 @@ LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
     120.0, 300.0,
 )
+ROUTES = ("pd", "both", "none")  # "none": answered before a route was chosen (bad input, 503)
 
 
-class _WorkerCollector(Collector):
+class Hist:
+    """A histogram's buckets as plain counts (`le` semantics: a value on a bound counts in it)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+            total += n
+            out.append((bound, total))
+        return out
+
+
+class RouterMetrics(Collector):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        self.policies = {name: pool.policy.name for name, pool in registry.pools.items()}
+        self.policies["pd"] = f"{self.policies['prefill']}/{self.policies['decode']}"
+        self.requests: dict[tuple[str, str], int] = {}  # (status, route) -> count
+        self.ttft = {route: Hist() for route in ROUTES}
+        self.e2e = {route: Hist() for route in ROUTES}
+        self.prefill = Hist()
+        self.retries = dict.fromkeys(registry.pools, 0)
+        self.ejections = dict.fromkeys(registry.pools, 0)
+        self.health_failures = dict.fromkeys(registry.pools, 0)
+        self.prom = CollectorRegistry()
+        self.prom.register(self)
+
+    def request_done(self, status: str, route: str, ttft: float | None, e2e: float) -> None:
+        key = (status, route)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        if ttft is not None:
+            self.ttft[route].observe(ttft)
+        self.e2e[route].observe(e2e)
+
+    def render(self) -> bytes:
+        return generate_latest(self.prom)
+
+    # ---------------------------------------------------------------------- exposition
 
     def collect(self) -> Iterable[Metric]:
+        requests = CounterMetricFamily(
+            "pd_router_requests", "Client requests by outcome status (499: the client went "
+            "away; stream_error: cut after the first byte), route and policy",
+            labels=["status", "route", "policy"],
+        )
+        for (status, route), n in sorted(self.requests.items()):
+            requests.add_metric([status, route, self.policies.get(route, "none")], n)
+        yield requests
+        for name, doc, hists in (
+            ("pd_router_ttft_seconds", "Arrival to the first byte to the client (stream) or the "
+             "first token from the worker (no stream)", self.ttft),
+            ("pd_router_e2e_seconds", "Arrival to the end of the answer", self.e2e),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=["route"])
+            for route, h in hists.items():
+                family.add_metric([route], h.buckets(), h.sum)
+            yield family
+        prefill = HistogramMetricFamily("pd_router_prefill_seconds",
+                                        "Time the prefill worker took to answer")
+        prefill.add_metric([], self.prefill.buckets(), self.prefill.sum)
+        yield prefill
+        for name, doc, counts in (
+            ("pd_router_retries", "Requests sent again to another worker", self.retries),
+            ("pd_router_ejections", "Workers ejected from a pool", self.ejections),
+            ("pd_router_health_check_failures", "Failed health checks", self.health_failures),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["pool"])
+            for pool, n in counts.items():
+                family.add_metric([pool], n)
+            yield family
+        yield from self._workers()
+
+    def _workers(self) -> Iterable[Metric]:
         labels = ["pool", "worker"]
         inflight = GaugeMetricFamily(
             "pd_router_worker_inflight", "Requests the router has in flight on a worker", labels=labels
@@ -51,59 +138,3 @@ class _WorkerCollector(Collector):
                 running.add_metric(lv, w.load.running)
                 kv.add_metric(lv, w.load.kv_usage)
         return [inflight, healthy, queued, running, kv]
-
-
-class RouterMetrics:
-    def __init__(self, registry: Registry) -> None:
-        self.prom = CollectorRegistry()
-        r = self.prom
-        self._requests = Counter(
-            "pd_router_requests", "Client requests by outcome status, route and policy",
-            ["status", "route", "policy"], registry=r,
-        )
-        self._ttft = Histogram(
-            "pd_router_ttft_seconds", "Arrival to first byte to the client (stream) or first "
-            "token from the worker (no stream)", ["route"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self._e2e = Histogram(
-            "pd_router_e2e_seconds", "Arrival to the end of the answer", ["route"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self._prefill = Histogram(
-            "pd_router_prefill_seconds", "Time the prefill worker took to answer", [],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self._retries = Counter(
-            "pd_router_retries", "Requests sent again to another worker", ["pool"], registry=r
-        )
-        self._ejections = Counter(
-            "pd_router_ejections", "Workers ejected from a pool", ["pool"], registry=r
-        )
-        self._health_failures = Counter(
-            "pd_router_health_check_failures", "Failed health checks", ["pool"], registry=r
-        )
-        r.register(_WorkerCollector(registry))
-        self.policies = {name: pool.policy.name for name, pool in registry.pools.items()}
-        self.policies["pd"] = f"{self.policies['prefill']}/{self.policies['decode']}"
-        self._req_children: dict[tuple[str, str], Counter] = {}
-        self._ttft_children = {route: self._ttft.labels(route) for route in ("pd", "both")}
-        self._e2e_children = {route: self._e2e.labels(route) for route in ("pd", "both", "none")}
-        self.retries = {p: self._retries.labels(p) for p in registry.pools}
-        self.ejections = {p: self._ejections.labels(p) for p in registry.pools}
-        self.health_failures = {p: self._health_failures.labels(p) for p in registry.pools}
-        self.prefill_seconds = self._prefill
-
-    def request_done(
-        self, status: str, route: str, ttft: float | None, e2e: float
-    ) -> None:
-        child = self._req_children.get((status, route))
-        if child is None:
-            policy = self.policies.get(route, "none")
-            child = self._req_children[(status, route)] = self._requests.labels(status, route, policy)
-        child.inc()
-        if ttft is not None:
-            self._ttft_children[route].observe(ttft)
-        self._e2e_children[route].observe(e2e)
-
-    def render(self) -> bytes:
-        return generate_latest(self.prom)

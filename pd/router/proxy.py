@@ -42,6 +42,12 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON, headers=headers)
 
 
+class _SSEResponse(web.StreamResponse):
+    # NOTE: aiohttp's own knob (web.Response sets it too): the headers leave with the first
+    # chunk in one write instead of a write of their own. Syscalls are the relay's main cost.
+    _send_headers_immediately = False
+
+
 @dataclass(slots=True)
 class Exchange:
     """One client request on its way through the router."""
@@ -127,7 +133,7 @@ class Proxy:
         answer = await self._prefill(ex, orjson.dumps(p_body))
         if isinstance(answer, web.StreamResponse):
             return answer
-        self.metrics.prefill_seconds.observe(perf_counter() - t)
+        self.metrics.prefill.observe(perf_counter() - t)
         params = answer.pop(KV, None)
         if final or not params:  # final on P (EOS, a stop, or the client's max_tokens is 1)
             ex.ttft = perf_counter() - ex.t0
@@ -156,7 +162,7 @@ class Proxy:
             if w is None:
                 break
             if attempt:
-                self.metrics.retries["prefill"].inc()
+                self.metrics.retries["prefill"] += 1
             tried.append(w)
             w.acquire(ex.tokens)
             try:
@@ -196,7 +202,7 @@ class Proxy:
             if w is None:
                 break
             if attempt:
-                self.metrics.retries[pool.name].inc()
+                self.metrics.retries[pool.name] += 1
             tried.append(w)
             w.acquire(0)
             resp = None
@@ -241,12 +247,20 @@ class Proxy:
     async def _pipe(
         self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(headers=SSE_HEADERS)
+        resp = _SSEResponse(headers=SSE_HEADERS)
+        content = upstream.content
         try:
             await resp.prepare(ex.request)
+            if content.at_eof():  # the whole stream came at once: one write, headers included
+                await resp.write_eof(first)
+                ex.ttft = perf_counter() - ex.t0
+                return resp
             await resp.write(first)
             ex.ttft = perf_counter() - ex.t0
-            async for chunk in upstream.content.iter_any():
+            async for chunk in content.iter_any():
+                if content.at_eof():  # the last bytes go out with the end of the body
+                    await resp.write_eof(chunk)
+                    return resp
                 await resp.write(chunk)
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"

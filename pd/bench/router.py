@@ -1,0 +1,295 @@
+"""`pd-bench router`: what the router costs, measured against talking to decode directly.
+
+Processes: stub P and D workers (no model; D streams `--chunks` fixed SSE chunks) in one, the
+router (`pd-router`, production settings: load-aware policies, health polling, metrics, client
+auth) in another, optionally a bare relay (aiohttp + uvloop + orjson, P then D, no features) in a
+third, and the closed-loop load generator here. Rounds alternate direct / router / bare at each
+concurrency, so the figures are side by side under the same noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+import orjson
+
+API_KEY = "bench-key"
+TARGET_ADDED_P50_MS = 1.0
+TARGET_C64_RATIO = 0.45
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per phase (default: 3)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    p.add_argument("--chunks", type=int, default=32, help="SSE chunks D streams (default: 32)")
+    p.add_argument("--concurrency", type=int, default=64, help="high concurrency (default: 64)")
+    p.add_argument("--policy", default="load-aware", help="router policy (default: load-aware)")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare-relay reference")
+
+
+# ------------------------------------------------------------------------ helper processes
+
+
+def _serve_stubs(p_port: int, d_port: int, chunks: int) -> None:
+    from aiohttp import web
+
+    from pd.router.stub import StubWorker
+
+    async def main() -> None:
+        runners = []
+        for role, port in (("prefill", p_port), ("decode", d_port)):
+            runner = web.AppRunner(StubWorker(role, chunks=chunks, record=False).app(),
+                                   access_log=None, handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+        await asyncio.Event().wait()
+
+    _run_forever(main())
+
+
+def _serve_bare(port: int, p_url: str, d_url: str) -> None:
+    """The least a PD relay can do: no validation, policy, metrics, auth or retries."""
+    from aiohttp import web
+
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = {"Content-Type": "application/json"}
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            body = orjson.loads(await request.read())
+            p_body = {**body, "stream": False, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True}}
+            async with session.post(p_url + request.path, data=orjson.dumps(p_body),
+                                    headers=headers) as r:
+                answer = orjson.loads(await r.read())
+            d_body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
+            async with session.post(d_url + request.path, data=orjson.dumps(d_body),
+                                    headers=headers) as r:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", handle)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+
+    _run_forever(main())
+
+
+def _run_forever(coro: Any) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+async def _wait_ready(session: aiohttp.ClientSession, url: str, procs: list) -> None:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a helper exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            async with session.get(url + "/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+# ------------------------------------------------------------------------------ load
+
+
+async def _one(session: aiohttp.ClientSession, url: str, payload: bytes,
+               headers: dict[str, str]) -> float:
+    t = perf_counter()
+    async with session.post(url, data=payload, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url} answered {r.status}: {(await r.read())[:300]!r}")
+        last = b""
+        async for chunk in r.content.iter_any():
+            last = chunk
+    if not last.endswith(b"data: [DONE]\n\n"):
+        raise RuntimeError(f"{url}: the stream did not end with [DONE]")
+    return perf_counter() - t
+
+
+async def _closed_loop(session, url, payload, headers, concurrency, duration):
+    latencies: list[float] = []
+    stop = perf_counter() + duration
+
+    async def client() -> None:
+        while perf_counter() < stop:
+            latencies.append(await _one(session, url, payload, headers))
+
+    start = perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return latencies, perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
+
+
+async def _drive(args: argparse.Namespace, targets: dict[str, tuple[str, bytes, dict]]) -> dict:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    results: dict[str, dict[str, Any]] = {}
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for name, (url, payload, headers) in targets.items():  # warm connections and caches
+            await _closed_loop(session, url, payload, headers, args.concurrency, 0.5)
+        for _ in range(args.rounds):
+            for c in (1, args.concurrency):
+                for name, (url, payload, headers) in targets.items():
+                    lat, elapsed = await _closed_loop(session, url, payload, headers, c,
+                                                      args.duration / (2 if c == 1 else 1))
+                    r = results.setdefault(f"c{c}_{name}", {"lat": [], "elapsed": 0.0, "rps": []})
+                    r["lat"] += lat
+                    r["elapsed"] += elapsed
+                    r["rps"].append(len(lat) / elapsed)
+    return results
+
+
+# ------------------------------------------------------------------------------ run
+
+
+def run(args: argparse.Namespace) -> int:
+    p_port, d_port, r_port, b_port = (_free_port() for _ in range(4))
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    me = "pd.bench.router"
+    procs = [
+        _spawn(["-m", me, "_stubs", str(p_port), str(d_port), str(args.chunks)]),
+        _spawn(["-m", "pd.router.main", "--port", str(r_port), "--prefill", p_url,
+                "--decode", d_url, "--policy", args.policy, "--api-key", API_KEY,
+                "--admin-token", "bench-admin", "--health-interval", "1",
+                "--log-level", "warning"]),
+    ]
+    if not args.no_bare:
+        procs.append(_spawn(["-m", me, "_bare", str(b_port), p_url, d_url]))
+    body = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
+            "max_tokens": args.chunks, "stream": True}
+    direct_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "b"}}
+    json_headers = {"Content-Type": "application/json"}
+    targets = {
+        "direct": (d_url + "/v1/completions", orjson.dumps(direct_body), json_headers),
+        "router": (f"http://127.0.0.1:{r_port}/v1/completions", orjson.dumps(body),
+                   {**json_headers, "Authorization": f"Bearer {API_KEY}"}),
+    }
+    if not args.no_bare:
+        targets["bare"] = (f"http://127.0.0.1:{b_port}/v1/completions", orjson.dumps(body),
+                           json_headers)
+
+    async def main() -> dict:
+        async with aiohttp.ClientSession() as s:
+            for url in (p_url, d_url, f"http://127.0.0.1:{r_port}",
+                        *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"])):
+                await _wait_ready(s, url, procs)
+        return await _drive(args, targets)
+
+    try:
+        import uvloop
+
+        raw = uvloop.run(main())
+    finally:
+        for proc in procs:
+            with _suppress():
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            proc.wait(timeout=10)
+
+    out: dict[str, Any] = {"chunks": args.chunks, "concurrency": args.concurrency,
+                           "duration_s": args.duration, "rounds": args.rounds,
+                           "policy": args.policy, "cpus": os.cpu_count()}
+    for key, r in raw.items():
+        out[f"{key}_p50_ms"] = round(_pct(r["lat"], 0.50), 3)
+        out[f"{key}_p90_ms"] = round(_pct(r["lat"], 0.90), 3)
+        out[f"{key}_p99_ms"] = round(_pct(r["lat"], 0.99), 3)
+        out[f"{key}_rps"] = round(len(r["lat"]) / r["elapsed"], 1)
+        out[f"{key}_rps_per_round"] = [round(x, 1) for x in r["rps"]]
+    c = args.concurrency
+    out["c1_added_p50_ms"] = round(out["c1_router_p50_ms"] - out["c1_direct_p50_ms"], 3)
+    out[f"c{c}_ratio"] = round(out[f"c{c}_router_rps"] / out[f"c{c}_direct_rps"], 3)
+    out["c64_router_rps"] = out.get("c64_router_rps", out[f"c{c}_router_rps"])
+    out["c64_direct_rps"] = out.get("c64_direct_rps", out[f"c{c}_direct_rps"])
+    out["c64_ratio"] = out.get("c64_ratio", out[f"c{c}_ratio"])
+    # Per-round ratios (each round's phases ran back to back): the spread shows the noise.
+    out["c64_ratio_per_round"] = [
+        round(a / b, 3) for a, b in zip(raw[f"c{c}_router"]["rps"], raw[f"c{c}_direct"]["rps"])
+    ]
+    if not args.no_bare:
+        out["c1_bare_added_p50_ms"] = round(out["c1_bare_p50_ms"] - out["c1_direct_p50_ms"], 3)
+        out["c64_bare_ratio"] = round(out[f"c{c}_bare_rps"] / out[f"c{c}_direct_rps"], 3)
+    out["meets_targets"] = bool(out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS
+                                and out["c64_ratio"] >= TARGET_C64_RATIO)
+    if args.json:
+        print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+    else:
+        _print_table(out, list(targets), c)
+    return 0
+
+
+def _print_table(out: dict, names: list[str], c: int) -> None:
+    print(f"{'':10}{'req/s':>10}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}")
+    for conc in (1, c):
+        for name in names:
+            k = f"c{conc}_{name}"
+            print(f"{k:10}{out[k + '_rps']:>10}{out[k + '_p50_ms']:>10}"
+                  f"{out[k + '_p90_ms']:>10}{out[k + '_p99_ms']:>10}")
+    print(f"router adds {out['c1_added_p50_ms']} ms to p50 at c=1 (target <= "
+          f"{TARGET_ADDED_P50_MS}); c={c} ratio {out['c64_ratio']} (target >= {TARGET_C64_RATIO})"
+          + (f"; bare relay: +{out['c1_bare_added_p50_ms']} ms, ratio {out['c64_bare_ratio']}"
+             if "c64_bare_ratio" in out else ""))
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["_stubs"]:
+        _serve_stubs(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1:2] == ["_bare"]:
+        _serve_bare(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    else:
+        from pd.bench.cli import main as cli_main
+
+        sys.exit(cli_main(["router", *sys.argv[1:]]))
