@@ -200,8 +200,8 @@ def load_gguf(
             raise CheckpointError(f"{path}: unsupported tensor {name!r} ({config.architecture})")
         # dequantize gives numpy's (reversed GGUF) shape: [out, in] for a Linear, as in HF.
         # F32 tensors come back as a read-only view of the mapped file: copy those.
-        array = dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=not array.flags.writeable))
+        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = torch.from_numpy(array if array.flags.writeable else array.copy())
         if permuted and ".attn_q." in name:
             w = unpermute_qk(w, config.num_heads)
         elif permuted and ".attn_k." in name:
