@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
+import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,7 @@ import orjson
 import torch
 
 from pd.transfer.config import TransferConfig
+from pd.transfer.messages import b64
 from pd.transfer.pools import PoolDesc, kv_pool_from_tensors, whole_pool_from_tensors
 
 
@@ -40,6 +44,7 @@ class PoolSpec:
     head_dim: int = 8
     slot_elems: int = 64  # "whole" pools
     seed: int = 0
+    random: bool = True  # False: zeros (fast to set up when the content does not matter)
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -52,6 +57,8 @@ def global_tensor(spec: PoolSpec, rank: int = 0) -> torch.Tensor:
         shape = (spec.num_slots, spec.layers, 2, spec.heads, spec.page_size, spec.head_dim)
     else:
         shape = (spec.num_slots, spec.slot_elems)
+    if not spec.random:
+        return torch.zeros(shape, dtype=torch.int16)
     return torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=g)
 
 
@@ -100,7 +107,9 @@ async def _main(spec: dict[str, Any]) -> None:
         tensors = pool_tensors(ps, fill=True)
         keep.append(tensors)
         mgr.register_pool(pool_desc(ps, tensors))
-    _emit({"event": "ready", "port": mgr.bootstrap_port, "engine_id": mgr.engine_id, "pid": os.getpid()})
+    _emit({"event": "ready", "port": mgr.bootstrap_port, "engine_id": mgr.engine_id, "pid": os.getpid(),
+           "agent_metadata": b64(mgr.backend.metadata()),  # for bare-NIXL comparisons
+           "pools": [p.to_dict() for p in mgr.pools.values()]})
 
     def released(sender, reason: str) -> None:
         _emit({"event": "released", "transfer_id": sender.transfer_id, "reason": reason})
@@ -118,6 +127,65 @@ async def _main(spec: dict[str, Any]) -> None:
             break
     await mgr.close()
     os._exit(0)  # the stdin reader thread may still block
+
+
+class PeerProcess:
+    """Client side: starts `python -m pd.transfer.peerproc` and talks to it. `close()` SIGKILLs it."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None,
+                 start_timeout_s: float = 60.0) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pd.transfer.peerproc", orjson.dumps(spec).decode()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})},
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.ready = self.next_event(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        assert self.ready["event"] == "ready", self.ready
+        self.port, self.engine_id, self.pid = self.ready["port"], self.ready["engine_id"], self.ready["pid"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if (event := parse_event(line)) is not None:
+                self.events.put(event)
+
+    def next_event(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        try:
+            return self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no event from the peer process within {timeout_s}s") from None
+
+    async def aevent(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return await asyncio.to_thread(self.next_event, timeout_s)
+
+    async def send(self, slots: dict[str, list[int]], lease_ttl_s: float = 10.0) -> dict[str, Any]:
+        """Create a sender over `slots`; returns its transfer params (a dict)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(orjson.dumps({"op": "send", "slots": slots, "lease_ttl_s": lease_ttl_s}) + b"\n")
+        self.proc.stdin.flush()
+        ev = await self.aevent()
+        assert ev["event"] == "sender", ev
+        return ev["params"]
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 if __name__ == "__main__":

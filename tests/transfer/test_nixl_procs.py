@@ -68,7 +68,7 @@ async def test_two_processes_exact_bytes_hetero_tp_and_second_pool(prefill_procs
 async def test_prefill_dies_mid_pull(prefill_procs, monkeypatch, sig):
     # Over TCP a pull is asynchronous (shared memory/CMA would finish inside the post call).
     monkeypatch.setenv("UCX_TLS", "tcp")
-    big = PoolSpec("kv", 256, layers=16, heads=4, page_size=16, head_dim=64, seed=5)  # 64 MiB
+    big = PoolSpec("kv", 256, layers=16, heads=4, page_size=16, head_dim=64, random=False)  # 64 MiB
     proc = prefill_procs({"config": CFG, "pools": [big.to_dict()]}, env={"UCX_TLS": "tcp"})
     D = await start_manager("nixl", serve=False, heartbeat_interval_s=0.2, heartbeat_misses=3)
     try:
