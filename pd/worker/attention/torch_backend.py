@@ -239,7 +239,7 @@ class TorchAttentionBackend(AttentionBackend):
         # Rows 0:Bd*max_pages are the padded page table; merging (max_pages, P) is a view.
         kv_dec = kv[:, :, : bd * dec.max_pages].reshape(2, hkv, bd, dec.max_pages * page_size, d)
         # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
-        q_g = q.view(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
+        q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
         o = F.scaled_dot_product_attention(
             q_g, kv_dec[0], kv_dec[1], attn_mask=dec.mask, scale=sm_scale
         )  # [Hkv, Bd, G, D]
