@@ -10,6 +10,8 @@ import pytest
 from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 from pd.worker.server import make_app
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 
 async def post(client, path: str, body: dict) -> tuple[int, dict]:
     resp = await client.post(path, json=body)

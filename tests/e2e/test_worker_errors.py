@@ -9,6 +9,8 @@ import pytest
 from pd.worker.server import make_app
 from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 LONG = "word " * 3000  # longer than the test worker's 2048-token context
 
 BAD_INPUT = [

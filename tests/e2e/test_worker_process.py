@@ -12,6 +12,8 @@ import time
 import aiohttp
 import pytest
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 
 def start_worker(*args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
     """Start `pd-worker --port 0 ...`; return the process and its URL once it is ready."""

@@ -5,6 +5,8 @@ import torch
 
 from tests.model_fixtures import default_checkpoint, forward_chunk, greedy_generate, make_runner
 
+pytestmark = pytest.mark.slow  # loads the real model
+
 transformers = pytest.importorskip("transformers", reason="the reference forward is transformers'")
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1492, Columbus sailed the ocean blue."
