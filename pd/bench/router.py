@@ -31,8 +31,12 @@ TARGET_C64_RATIO = 0.45
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
-    p.add_argument("--duration", type=float, default=3.0, help="seconds per phase (default: 3)")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
+    p.add_argument("--duration", type=float, default=3.0,
+                   help="seconds of each closed-loop phase at high concurrency (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="alternating rounds of those phases (default: 3)")
+    p.add_argument("--c1-requests", type=int, default=3000,
+                   help="sequential requests per target at concurrency 1 (default: 3000)")
     p.add_argument("--chunks", type=int, default=32, help="SSE chunks D streams (default: 32)")
     p.add_argument("--concurrency", type=int, default=64, help="high concurrency (default: 64)")
     p.add_argument("--policy", default="load-aware", help="router policy (default: load-aware)")
@@ -168,20 +172,30 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _drive(args: argparse.Namespace, targets: dict[str, tuple[str, bytes, dict]]) -> dict:
+    """c=1: slices of 100 sequential requests, alternating targets (drift hits all alike).
+    c=N: closed-loop phases of `duration` seconds, alternating targets, `rounds` times."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     results: dict[str, dict[str, Any]] = {}
+
+    def add(key: str, lat: list[float], elapsed: float) -> None:
+        r = results.setdefault(key, {"lat": [], "elapsed": 0.0, "rps": []})
+        r["lat"] += lat
+        r["elapsed"] += elapsed
+        r["rps"].append(len(lat) / elapsed)
+
     async with aiohttp.ClientSession(connector=connector) as session:
-        for name, (url, payload, headers) in targets.items():  # warm connections and caches
+        for url, payload, headers in targets.values():  # warm connections and caches
             await _closed_loop(session, url, payload, headers, args.concurrency, 0.5)
+        for _ in range(max(1, args.c1_requests // 100)):
+            for name, (url, payload, headers) in targets.items():
+                start = perf_counter()
+                lat = [await _one(session, url, payload, headers) for _ in range(100)]
+                add(f"c1_{name}", lat, perf_counter() - start)
         for _ in range(args.rounds):
-            for c in (1, args.concurrency):
-                for name, (url, payload, headers) in targets.items():
-                    lat, elapsed = await _closed_loop(session, url, payload, headers, c,
-                                                      args.duration / (2 if c == 1 else 1))
-                    r = results.setdefault(f"c{c}_{name}", {"lat": [], "elapsed": 0.0, "rps": []})
-                    r["lat"] += lat
-                    r["elapsed"] += elapsed
-                    r["rps"].append(len(lat) / elapsed)
+            for name, (url, payload, headers) in targets.items():
+                lat, elapsed = await _closed_loop(session, url, payload, headers,
+                                                  args.concurrency, args.duration)
+                add(f"c{args.concurrency}_{name}", lat, elapsed)
     return results
 
 
@@ -234,13 +248,15 @@ def run(args: argparse.Namespace) -> int:
 
     out: dict[str, Any] = {"chunks": args.chunks, "concurrency": args.concurrency,
                            "duration_s": args.duration, "rounds": args.rounds,
+                           "c1_requests": args.c1_requests,
                            "policy": args.policy, "cpus": os.cpu_count()}
     for key, r in raw.items():
         out[f"{key}_p50_ms"] = round(_pct(r["lat"], 0.50), 3)
         out[f"{key}_p90_ms"] = round(_pct(r["lat"], 0.90), 3)
         out[f"{key}_p99_ms"] = round(_pct(r["lat"], 0.99), 3)
         out[f"{key}_rps"] = round(len(r["lat"]) / r["elapsed"], 1)
-        out[f"{key}_rps_per_round"] = [round(x, 1) for x in r["rps"]]
+        if not key.startswith("c1_"):
+            out[f"{key}_rps_per_round"] = [round(x, 1) for x in r["rps"]]
     c = args.concurrency
     out["c1_added_p50_ms"] = round(out["c1_router_p50_ms"] - out["c1_direct_p50_ms"], 3)
     out[f"c{c}_ratio"] = round(out[f"c{c}_router_rps"] / out[f"c{c}_direct_rps"], 3)
