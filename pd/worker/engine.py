@@ -190,17 +190,20 @@ class Engine:
             if handle is None or seq.is_finished:  # aborted while the step ran
                 continue
             token = out.token_ids[row]
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                if self.metrics:
-                    self.metrics.ttft.observe(now - seq.arrival_time)
-            elif self.metrics:
-                self.metrics.itl.observe(now - getattr(seq, "_last_token_time", now))
-            seq._last_token_time = now  # type: ignore[attr-defined]
-            seq.output_ids.append(token)
             if self.metrics:
-                self.metrics.generation_tokens.inc()
+                self._observe(seq, now)
+            seq.output_ids.append(token)
             self._emit(handle, token, out, row)
+
+    def _observe(self, seq: Sequence, now: float) -> None:
+        m = self.metrics
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            m.ttft.observe(now - seq.arrival_time)
+        else:
+            m.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        m.generation_tokens.inc()
 
     def _emit(self, handle: RequestHandle, token: int, out: SampleOutput, row: int) -> None:
         seq, params = handle.seq, handle.seq.params
@@ -220,6 +223,8 @@ class Engine:
                 finish, text = "length", text + self._tail(handle)
         if finish:
             self.scheduler.finish(seq, finish)
+            if self.metrics:
+                self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
             self.handles.pop(seq.request_id, None)
         handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
 

@@ -27,6 +27,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     num_preemptions: int = 0
 
     @property
