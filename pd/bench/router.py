@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -31,12 +31,21 @@ TARGET_C64_RATIO = 0.45
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object of the figures")
-    p.add_argument("--duration", type=float, default=3.0,
-                   help="seconds of each closed-loop phase at high concurrency (default: 3)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="alternating rounds of those phases (default: 3)")
-    p.add_argument("--c1-requests", type=int, default=3000,
-                   help="sequential requests per target at concurrency 1 (default: 3000)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=3.0,
+        help="seconds of each closed-loop phase at high concurrency (default: 3)",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=3, help="alternating rounds of those phases (default: 3)"
+    )
+    p.add_argument(
+        "--c1-requests",
+        type=int,
+        default=3000,
+        help="sequential requests per target at concurrency 1 (default: 3000)",
+    )
     p.add_argument("--chunks", type=int, default=32, help="SSE chunks D streams (default: 32)")
     p.add_argument("--concurrency", type=int, default=64, help="high concurrency (default: 64)")
     p.add_argument("--policy", default="load-aware", help="router policy (default: load-aware)")
@@ -54,8 +63,11 @@ def _serve_stubs(p_port: int, d_port: int, chunks: int) -> None:
     async def main() -> None:
         runners = []
         for role, port in (("prefill", p_port), ("decode", d_port)):
-            runner = web.AppRunner(StubWorker(role, chunks=chunks, record=False).app(),
-                                   access_log=None, handler_cancellation=True)
+            runner = web.AppRunner(
+                StubWorker(role, chunks=chunks, record=False).app(),
+                access_log=None,
+                handler_cancellation=True,
+            )
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
@@ -74,14 +86,20 @@ def _serve_bare(port: int, p_url: str, d_url: str) -> None:
 
         async def handle(request: web.Request) -> web.StreamResponse:
             body = orjson.loads(await request.read())
-            p_body = {**body, "stream": False, "max_tokens": 1,
-                      "kv_transfer_params": {"do_remote_decode": True}}
-            async with session.post(p_url + request.path, data=orjson.dumps(p_body),
-                                    headers=headers) as r:
+            p_body = {
+                **body,
+                "stream": False,
+                "max_tokens": 1,
+                "kv_transfer_params": {"do_remote_decode": True},
+            }
+            async with session.post(
+                p_url + request.path, data=orjson.dumps(p_body), headers=headers
+            ) as r:
                 answer = orjson.loads(await r.read())
             d_body = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
-            async with session.post(d_url + request.path, data=orjson.dumps(d_body),
-                                    headers=headers) as r:
+            async with session.post(
+                d_url + request.path, data=orjson.dumps(d_body), headers=headers
+            ) as r:
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
                 async for chunk in r.content.iter_any():
@@ -116,8 +134,12 @@ def _free_port() -> int:
 
 
 def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 async def _wait_ready(session: aiohttp.ClientSession, url: str, procs: list) -> None:
@@ -139,8 +161,9 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str, procs: list) -> 
 # ------------------------------------------------------------------------------ load
 
 
-async def _one(session: aiohttp.ClientSession, url: str, payload: bytes,
-               headers: dict[str, str]) -> float:
+async def _one(
+    session: aiohttp.ClientSession, url: str, payload: bytes, headers: dict[str, str]
+) -> float:
     t = perf_counter()
     async with session.post(url, data=payload, headers=headers) as r:
         if r.status != 200:
@@ -193,8 +216,9 @@ async def _drive(args: argparse.Namespace, targets: dict[str, tuple[str, bytes, 
                 add(f"c1_{name}", lat, perf_counter() - start)
         for _ in range(args.rounds):
             for name, (url, payload, headers) in targets.items():
-                lat, elapsed = await _closed_loop(session, url, payload, headers,
-                                                  args.concurrency, args.duration)
+                lat, elapsed = await _closed_loop(
+                    session, url, payload, headers, args.concurrency, args.duration
+                )
                 add(f"c{args.concurrency}_{name}", lat, elapsed)
     return results
 
@@ -208,30 +232,62 @@ def run(args: argparse.Namespace) -> int:
     me = "pd.bench.router"
     procs = [
         _spawn(["-m", me, "_stubs", str(p_port), str(d_port), str(args.chunks)]),
-        _spawn(["-m", "pd.router.main", "--port", str(r_port), "--prefill", p_url,
-                "--decode", d_url, "--policy", args.policy, "--api-key", API_KEY,
-                "--admin-token", "bench-admin", "--health-interval", "1",
-                "--log-level", "warning"]),
+        _spawn(
+            [
+                "-m",
+                "pd.router.main",
+                "--port",
+                str(r_port),
+                "--prefill",
+                p_url,
+                "--decode",
+                d_url,
+                "--policy",
+                args.policy,
+                "--api-key",
+                API_KEY,
+                "--admin-token",
+                "bench-admin",
+                "--health-interval",
+                "1",
+                "--log-level",
+                "warning",
+            ]
+        ),
     ]
     if not args.no_bare:
         procs.append(_spawn(["-m", me, "_bare", str(b_port), p_url, d_url]))
-    body = {"model": "stub-model", "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
-            "max_tokens": args.chunks, "stream": True}
+    body = {
+        "model": "stub-model",
+        "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
+        "max_tokens": args.chunks,
+        "stream": True,
+    }
     direct_body = {**body, "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "b"}}
     json_headers = {"Content-Type": "application/json"}
     targets = {
         "direct": (d_url + "/v1/completions", orjson.dumps(direct_body), json_headers),
-        "router": (f"http://127.0.0.1:{r_port}/v1/completions", orjson.dumps(body),
-                   {**json_headers, "Authorization": f"Bearer {API_KEY}"}),
+        "router": (
+            f"http://127.0.0.1:{r_port}/v1/completions",
+            orjson.dumps(body),
+            {**json_headers, "Authorization": f"Bearer {API_KEY}"},
+        ),
     }
     if not args.no_bare:
-        targets["bare"] = (f"http://127.0.0.1:{b_port}/v1/completions", orjson.dumps(body),
-                           json_headers)
+        targets["bare"] = (
+            f"http://127.0.0.1:{b_port}/v1/completions",
+            orjson.dumps(body),
+            json_headers,
+        )
 
     async def main() -> dict:
         async with aiohttp.ClientSession() as s:
-            for url in (p_url, d_url, f"http://127.0.0.1:{r_port}",
-                        *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"])):
+            for url in (
+                p_url,
+                d_url,
+                f"http://127.0.0.1:{r_port}",
+                *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"]),
+            ):
                 await _wait_ready(s, url, procs)
         return await _drive(args, targets)
 
@@ -241,15 +297,20 @@ def run(args: argparse.Namespace) -> int:
         raw = uvloop.run(main())
     finally:
         for proc in procs:
-            with _suppress():
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             proc.wait(timeout=10)
 
-    out: dict[str, Any] = {"chunks": args.chunks, "concurrency": args.concurrency,
-                           "duration_s": args.duration, "rounds": args.rounds,
-                           "c1_requests": args.c1_requests,
-                           "policy": args.policy, "cpus": os.cpu_count()}
+    out: dict[str, Any] = {
+        "chunks": args.chunks,
+        "concurrency": args.concurrency,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "c1_requests": args.c1_requests,
+        "policy": args.policy,
+        "cpus": os.cpu_count(),
+    }
     for key, r in raw.items():
         out[f"{key}_p50_ms"] = round(_pct(r["lat"], 0.50), 3)
         out[f"{key}_p90_ms"] = round(_pct(r["lat"], 0.90), 3)
@@ -265,13 +326,15 @@ def run(args: argparse.Namespace) -> int:
     out["c64_ratio"] = out.get("c64_ratio", out[f"c{c}_ratio"])
     # Per-round ratios (each round's phases ran back to back): the spread shows the noise.
     out["c64_ratio_per_round"] = [
-        round(a / b, 3) for a, b in zip(raw[f"c{c}_router"]["rps"], raw[f"c{c}_direct"]["rps"])
+        round(a / b, 3)
+        for a, b in zip(raw[f"c{c}_router"]["rps"], raw[f"c{c}_direct"]["rps"], strict=True)
     ]
     if not args.no_bare:
         out["c1_bare_added_p50_ms"] = round(out["c1_bare_p50_ms"] - out["c1_direct_p50_ms"], 3)
         out["c64_bare_ratio"] = round(out[f"c{c}_bare_rps"] / out[f"c{c}_direct_rps"], 3)
-    out["meets_targets"] = bool(out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS
-                                and out["c64_ratio"] >= TARGET_C64_RATIO)
+    out["meets_targets"] = bool(
+        out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS and out["c64_ratio"] >= TARGET_C64_RATIO
+    )
     if args.json:
         print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
     else:
@@ -284,20 +347,19 @@ def _print_table(out: dict, names: list[str], c: int) -> None:
     for conc in (1, c):
         for name in names:
             k = f"c{conc}_{name}"
-            print(f"{k:10}{out[k + '_rps']:>10}{out[k + '_p50_ms']:>10}"
-                  f"{out[k + '_p90_ms']:>10}{out[k + '_p99_ms']:>10}")
-    print(f"router adds {out['c1_added_p50_ms']} ms to p50 at c=1 (target <= "
-          f"{TARGET_ADDED_P50_MS}); c={c} ratio {out['c64_ratio']} (target >= {TARGET_C64_RATIO})"
-          + (f"; bare relay: +{out['c1_bare_added_p50_ms']} ms, ratio {out['c64_bare_ratio']}"
-             if "c64_bare_ratio" in out else ""))
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> bool:
-        return exc[0] is not None and issubclass(exc[0], ProcessLookupError)
+            print(
+                f"{k:10}{out[k + '_rps']:>10}{out[k + '_p50_ms']:>10}"
+                f"{out[k + '_p90_ms']:>10}{out[k + '_p99_ms']:>10}"
+            )
+    print(
+        f"router adds {out['c1_added_p50_ms']} ms to p50 at c=1 (target <= "
+        f"{TARGET_ADDED_P50_MS}); c={c} ratio {out['c64_ratio']} (target >= {TARGET_C64_RATIO})"
+        + (
+            f"; bare relay: +{out['c1_bare_added_p50_ms']} ms, ratio {out['c64_bare_ratio']}"
+            if "c64_bare_ratio" in out
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,13 +20,18 @@ def _authorize(request: web.Request, change: bool) -> None:
     token = request.app[CONFIG].admin_token
     if token is None:
         if change:
-            raise APIError(403, "the admin API is read-only: start the router with --admin-token",
-                           "permission_error", "admin_disabled")
+            raise APIError(
+                403,
+                "the admin API is read-only: start the router with --admin-token",
+                "permission_error",
+                "admin_disabled",
+            )
         return
     given = request.headers.get("Authorization", "").encode()
     if not hmac.compare_digest(given, f"Bearer {token}".encode()):
-        raise APIError(401, "invalid or missing admin token", "invalid_request_error",
-                       "invalid_admin_token")
+        raise APIError(
+            401, "invalid or missing admin token", "invalid_request_error", "invalid_admin_token"
+        )
 
 
 async def list_workers(request: web.Request) -> web.Response:
@@ -58,7 +63,7 @@ async def remove_worker(request: web.Request) -> web.Response:
     if url is None and request.can_read_body:
         url = parse_json_body(await request.read()).get("url")
     if not isinstance(url, str) or not url:
-        raise bad_request("give the worker as ?url=... or a body {\"url\": ...}", "url")
+        raise bad_request('give the worker as ?url=... or a body {"url": ...}', "url")
     try:
         w = request.app[REGISTRY].remove(url)
     except ValueError as e:

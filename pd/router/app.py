@@ -25,8 +25,13 @@ from pd.router.registry import Registry
 log = logging.getLogger("pd.router")
 
 
-def _error(status: int, message: str, type: str, code: str | None = None,
-           headers: dict[str, str] | None = None) -> web.Response:
+def _error(
+    status: int,
+    message: str,
+    type: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     return json_response(error_body(message, type, code), status, headers)
 
 
@@ -40,19 +45,31 @@ def _middleware(cfg: RouterConfig):
             if expected is not None and request.path.startswith("/v1/"):
                 given = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
-                    raise APIError(401, "invalid or missing API key (send 'Authorization: "
-                                   "Bearer KEY')", "invalid_request_error", "invalid_api_key")
+                    raise APIError(
+                        401,
+                        "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                        "invalid_request_error",
+                        "invalid_api_key",
+                    )
             return await handler(request)
         except APIError as e:
             return json_response(e.body(), e.status, e.headers or None)
         except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body is larger than {cfg.max_body_bytes} bytes",
-                          "invalid_request_error", "request_too_large")
+            return _error(
+                413,
+                f"request body is larger than {cfg.max_body_bytes} bytes",
+                "invalid_request_error",
+                "request_too_large",
+            )
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return _error(e.status, e.reason, "invalid_request_error",
-                          "not_found" if e.status == 404 else None)
+            return _error(
+                e.status,
+                e.reason,
+                "invalid_request_error",
+                "not_found" if e.status == 404 else None,
+            )
 
     return middleware
 
@@ -110,14 +127,18 @@ async def health(request: web.Request) -> web.Response:
         mode, status = registry.route(), 200
     except APIError:
         mode, status = None, 503
-    body = {"status": "ok" if status == 200 else "unavailable", "mode": mode,
-            "pools": registry.snapshot()}
+    body = {
+        "status": "ok" if status == 200 else "unavailable",
+        "mode": mode,
+        "pools": registry.snapshot(),
+    }
     return json_response(body, status)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(
+        body=request.app[METRICS].render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -147,7 +168,9 @@ def make_app(cfg: RouterConfig) -> web.Application:
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_middleware(cfg)])
     registry = Registry(cfg)
     router_metrics = RouterMetrics(registry)
-    worker_headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
+    worker_headers = (
+        {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
+    )
     checker = HealthChecker(cfg, registry, router_metrics, worker_headers)
     app[CONFIG] = cfg
     app[REGISTRY] = registry

@@ -1,4 +1,4 @@
-"""Router configuration: one frozen dataclass, validated once; CLI flags take their defaults here."""
+"""Router configuration: one frozen dataclass, validated once; CLI flags take defaults from it."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ class RouterConfig:
         None, "require 'Authorization: Bearer KEY' on /v1/* (env PD_ROUTER_API_KEY)"
     )
     admin_token: str | None = _flag(
-        None, "bearer token for POST/DELETE /workers; without it the admin API is read-only "
-        "(env PD_ROUTER_ADMIN_TOKEN)"
+        None,
+        "bearer token for POST/DELETE /workers; without it the admin API is read-only "
+        "(env PD_ROUTER_ADMIN_TOKEN)",
     )
     worker_api_key: str | None = _flag(
         None, "bearer key sent to workers started with --api-key (env PD_WORKER_API_KEY)"
@@ -83,8 +84,10 @@ class RouterConfig:
         check(len(set(all_urls)) == len(all_urls), "a worker URL is given more than once")
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
-            check(value is None or value in POLICIES, f"--{name.replace('_', '-')} must be one "
-                  f"of {', '.join(POLICIES)}")
+            check(
+                value is None or value in POLICIES,
+                f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}",
+            )
         check(0 <= self.port < 65536, "--port must be in 0..65535")
         check(self.health_interval > 0, "--health-interval must be > 0")
         check(self.health_timeout > 0, "--health-timeout must be > 0")

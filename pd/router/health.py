@@ -23,7 +23,9 @@ log = logging.getLogger("pd.router")
 
 
 async def probe(
-    session: aiohttp.ClientSession, w: Worker, timeout: aiohttp.ClientTimeout,
+    session: aiohttp.ClientSession,
+    w: Worker,
+    timeout: aiohttp.ClientTimeout,
     headers: dict[str, str] | None = None,
 ) -> str | None:
     """GET the worker's /health; None when good (load and model refreshed), else the reason."""
@@ -54,7 +56,10 @@ async def probe(
 
 class HealthChecker:
     def __init__(
-        self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics,
+        self,
+        cfg: RouterConfig,
+        registry: Registry,
+        metrics: RouterMetrics,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.cfg = cfg

@@ -21,7 +21,9 @@ EPILOG = """examples:
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser = argparse.ArgumentParser(
-        prog="pd-router", description=__doc__, epilog=EPILOG,
+        prog="pd-router",
+        description=__doc__,
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     RouterConfig.add_arguments(parser)
@@ -47,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     pools = ", ".join(
         f"{name}={len(urls)} ({cfg.policy_of(pool)})"
-        for name, pool, urls in (("prefill", "prefill", cfg.prefill),
-                                 ("decode", "decode", cfg.decode),
-                                 ("worker", "both", cfg.worker))
+        for name, pool, urls in (
+            ("prefill", "prefill", cfg.prefill),
+            ("decode", "decode", cfg.decode),
+            ("worker", "both", cfg.worker),
+        )
         if urls
     )
     log.info("pd-router on http://%s:%d; %s", cfg.host, cfg.port, pools or "no workers yet")

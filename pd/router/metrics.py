@@ -23,8 +23,23 @@ from prometheus_client.registry import Collector
 from pd.router.registry import Registry
 
 LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    120.0, 300.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
 )
 ROUTES = ("pd", "both", "none")  # "none": answered before a route was chosen (bad input, 503)
 
@@ -45,7 +60,7 @@ class Hist:
 
     def buckets(self) -> list[tuple[str, int]]:
         out, total = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts):
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
             total += n
             out.append((bound, total))
         return out
@@ -80,7 +95,8 @@ class RouterMetrics(Collector):
 
     def collect(self) -> Iterable[Metric]:
         requests = CounterMetricFamily(
-            "pd_router_requests", "Client requests by outcome status (499: the client went "
+            "pd_router_requests",
+            "Client requests by outcome status (499: the client went "
             "away; stream_error: cut after the first byte), route and policy",
             labels=["status", "route", "policy"],
         )
@@ -88,16 +104,21 @@ class RouterMetrics(Collector):
             requests.add_metric([status, route, self.policies.get(route, "none")], n)
         yield requests
         for name, doc, hists in (
-            ("pd_router_ttft_seconds", "Arrival to the first byte to the client (stream) or the "
-             "first token from the worker (no stream)", self.ttft),
+            (
+                "pd_router_ttft_seconds",
+                "Arrival to the first byte to the client (stream) or the "
+                "first token from the worker (no stream)",
+                self.ttft,
+            ),
             ("pd_router_e2e_seconds", "Arrival to the end of the answer", self.e2e),
         ):
             family = HistogramMetricFamily(name, doc, labels=["route"])
             for route, h in hists.items():
                 family.add_metric([route], h.buckets(), h.sum)
             yield family
-        prefill = HistogramMetricFamily("pd_router_prefill_seconds",
-                                        "Time the prefill worker took to answer")
+        prefill = HistogramMetricFamily(
+            "pd_router_prefill_seconds", "Time the prefill worker took to answer"
+        )
         prefill.add_metric([], self.prefill.buckets(), self.prefill.sum)
         yield prefill
         for name, doc, counts in (
@@ -114,13 +135,18 @@ class RouterMetrics(Collector):
     def _workers(self) -> Iterable[Metric]:
         labels = ["pool", "worker"]
         inflight = GaugeMetricFamily(
-            "pd_router_worker_inflight", "Requests the router has in flight on a worker", labels=labels
+            "pd_router_worker_inflight",
+            "Requests the router has in flight on a worker",
+            labels=labels,
         )
         healthy = GaugeMetricFamily(
-            "pd_router_worker_healthy", "1 when the worker is admitted, 0 when ejected", labels=labels
+            "pd_router_worker_healthy",
+            "1 when the worker is admitted, 0 when ejected",
+            labels=labels,
         )
         queued = GaugeMetricFamily(
-            "pd_router_worker_queued_prefill_tokens", "Queued prefill tokens a worker reported",
+            "pd_router_worker_queued_prefill_tokens",
+            "Queued prefill tokens a worker reported",
             labels=labels,
         )
         running = GaugeMetricFamily(

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class Policy(ABC):
     name: str
 
-    def rebuild(self, workers: Sequence[Worker]) -> None:
+    def rebuild(self, workers: Sequence[Worker]) -> None:  # noqa: B027 (optional hook)
         """Called when the pool's membership changes (not on health changes)."""
 
     @abstractmethod
@@ -107,7 +107,9 @@ class StickyToRoom(Policy):
         self._owners: list[Worker] = []
 
     def rebuild(self, workers):
-        ring = sorted((_hash(f"{w.url}#{i}"), w.url, w) for w in workers for i in range(self.vnodes))
+        ring = sorted(
+            (_hash(f"{w.url}#{i}"), w.url, w) for w in workers for i in range(self.vnodes)
+        )
         self._points = [p for p, _, _ in ring]
         self._owners = [w for _, _, w in ring]
 

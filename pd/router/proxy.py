@@ -24,6 +24,7 @@ from aiohttp import web
 
 from pd.protocol import error_body
 from pd.router.config import RouterConfig
+from pd.router.failure import JSON, Failure, json_response
 from pd.router.health import HealthChecker
 from pd.router.metrics import RouterMetrics
 from pd.router.registry import Pool, Registry
@@ -35,11 +36,6 @@ log = logging.getLogger("pd.router")
 KV = "kv_transfer_params"
 RETRYABLE = frozenset((429, 500, 502, 503, 504))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-JSON = "application/json"
-
-
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON, headers=headers)
 
 
 class _SSEResponse(web.StreamResponse):
@@ -65,36 +61,6 @@ class Exchange:
     t0: float
     ttft: float | None = None
     status: str | None = None  # overrides the response status in metrics ("stream_error")
-
-
-@dataclass(slots=True)
-class Failure:
-    """Why the last attempt failed; becomes the client's answer when no retry is left."""
-
-    status: int
-    body: bytes
-    retry_after: str | None = None
-
-    @classmethod
-    def local(cls, status: int, message: str, code: str) -> Failure:
-        return cls(status, orjson.dumps(error_body(message, "upstream_error", code)))
-
-    @classmethod
-    def upstream(cls, w: Worker, resp: aiohttp.ClientResponse, data: bytes) -> Failure:
-        try:
-            ok = isinstance(orjson.loads(data).get("error"), dict)
-        except (orjson.JSONDecodeError, AttributeError):
-            ok = False
-        if not ok:
-            text = data[:200].decode(errors="replace")
-            data = orjson.dumps(error_body(
-                f"{w.role} worker answered {resp.status}: {text}", "upstream_error", "upstream_error"
-            ))
-        return cls(resp.status, data, resp.headers.get("Retry-After"))
-
-    def response(self) -> web.Response:
-        headers = {"Retry-After": self.retry_after} if self.retry_after else None
-        return web.Response(body=self.body, status=self.status, content_type=JSON, headers=headers)
 
 
 class Proxy:
@@ -139,8 +105,9 @@ class Proxy:
             ex.ttft = perf_counter() - ex.t0
             if not ex.stream:
                 return json_response(answer)
-            return web.Response(body=answer_to_sse(answer, ex.chat, ex.include_usage),
-                                headers=SSE_HEADERS)
+            return web.Response(
+                body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
+            )
         d_body = dict(ex.body)
         d_body[KV] = params
         d_body["stream"] = True
@@ -177,8 +144,9 @@ class Proxy:
                         answer = None
                     if isinstance(answer, dict):
                         return answer
-                    failure = Failure.local(502, f"prefill worker {w.url} answered no JSON "
-                                            "object", "prefill_failed")
+                    failure = Failure.local(
+                        502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
+                    )
                     continue
                 failure = Failure.upstream(w, resp, data)
                 if resp.status not in RETRYABLE:
@@ -218,8 +186,11 @@ class Proxy:
                     continue
                 first = await resp.content.readany()
                 if not first:
-                    failure = Failure.local(502, f"{pool.name} worker {w.url} sent an empty "
-                                            "answer", f"{pool.name}_failed")
+                    failure = Failure.local(
+                        502,
+                        f"{pool.name} worker {w.url} sent an empty answer",
+                        f"{pool.name}_failed",
+                    )
                     continue
                 if not sse:  # a plain JSON answer: the client gets nothing until it is whole
                     body = first + await resp.read()
@@ -269,8 +240,11 @@ class Proxy:
             # Bytes already reached the client: no retry; say so in the stream and end it.
             ex.status = "stream_error"
             message = f"the worker's stream broke off: {type(e).__name__}"
-            await resp.write(b"data: " + orjson.dumps(error_body(message, "upstream_error",
-                                                                 "stream_broken")) + b"\n\n")
+            await resp.write(
+                b"data: "
+                + orjson.dumps(error_body(message, "upstream_error", "stream_broken"))
+                + b"\n\n"
+            )
         await resp.write_eof()
         return resp
 
@@ -286,13 +260,15 @@ class Proxy:
         except StreamError as e:
             return json_response(e.body, 502)
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
-            return Failure.local(502, f"the decode stream broke off: {type(e).__name__}",
-                                 "stream_broken").response()
+            return Failure.local(
+                502, f"the decode stream broke off: {type(e).__name__}", "stream_broken"
+            ).response()
         except orjson.JSONDecodeError:
             return Failure.local(502, "the decode stream carried bad JSON", "bad_stream").response()
         if not collector.done:
-            return Failure.local(502, "the decode stream ended before [DONE]",
-                                 "stream_broken").response()
+            return Failure.local(
+                502, "the decode stream ended before [DONE]", "stream_broken"
+            ).response()
         return json_response(collector.result())
 
     # ------------------------------------------------------------------------------ errors
@@ -303,12 +279,15 @@ class Proxy:
             return Failure.local(504, f"{w.role} worker {w.url} timed out", f"{phase}_timeout")
         if isinstance(e, aiohttp.ClientConnectorError):
             self.health.eject(w, f"cannot connect: {e}")
-        return Failure.local(502, f"{w.role} worker {w.url} failed: {type(e).__name__} {e}",
-                             f"{phase}_failed")
+        return Failure.local(
+            502, f"{w.role} worker {w.url} failed: {type(e).__name__} {e}", f"{phase}_failed"
+        )
 
     def _no_worker(self, pool: Pool, tried: list[Worker]) -> Failure:
         if tried:
-            return Failure.local(502, f"every {pool.name} worker tried failed", f"{pool.name}_failed")
+            return Failure.local(
+                502, f"every {pool.name} worker tried failed", f"{pool.name}_failed"
+            )
         f = Failure.local(503, f"no healthy {pool.name} worker", "no_healthy_worker")
         f.retry_after = "1"
         return f

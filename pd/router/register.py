@@ -31,41 +31,54 @@ def _message(data: bytes) -> str:
 
 
 async def register_with_router(
-    router_url: str, worker_url: str, role: str, admin_token: str | None,
-    session: aiohttp.ClientSession, timeout: float = 10.0,
+    router_url: str,
+    worker_url: str,
+    role: str,
+    admin_token: str | None,
+    session: aiohttp.ClientSession,
+    timeout: float = 10.0,
 ) -> dict[str, Any]:
     """POST {url, role} to ROUTER/workers. Returns the router's answer:
     `{"worker": {...,"healthy": bool}, "created": bool}`. Raises RegistrationError."""
     url = normalize_url(router_url) + "/workers"
     body = {"url": worker_url, "role": role}
     try:
-        async with session.post(url, data=orjson.dumps(body), headers={
-            **_headers(admin_token), "Content-Type": "application/json"
-        }, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.post(
+            url,
+            data=orjson.dumps(body),
+            headers={**_headers(admin_token), "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
             data = await resp.read()
     except (aiohttp.ClientError, TimeoutError) as e:
         raise RegistrationError(f"cannot reach router {url}: {type(e).__name__} {e}") from e
     if resp.status not in (200, 201):
-        raise RegistrationError(f"router {url} refused to register {worker_url} "
-                                f"({resp.status}): {_message(data)}")
+        raise RegistrationError(
+            f"router {url} refused to register {worker_url} ({resp.status}): {_message(data)}"
+        )
     return orjson.loads(data)
 
 
 async def deregister_from_router(
-    router_url: str, worker_url: str, admin_token: str | None,
-    session: aiohttp.ClientSession, timeout: float = 10.0,
+    router_url: str,
+    worker_url: str,
+    admin_token: str | None,
+    session: aiohttp.ClientSession,
+    timeout: float = 10.0,
 ) -> bool:
     """DELETE ROUTER/workers?url=WORKER. True if removed, False if the router did not know it."""
     url = f"{normalize_url(router_url)}/workers?url={quote(worker_url, safe='')}"
     try:
-        async with session.delete(url, headers=_headers(admin_token),
-                                  timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.delete(
+            url, headers=_headers(admin_token), timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             data = await resp.read()
     except (aiohttp.ClientError, TimeoutError) as e:
         raise RegistrationError(f"cannot reach router {url}: {type(e).__name__} {e}") from e
     if resp.status == 404:
         return False
     if resp.status != 200:
-        raise RegistrationError(f"router refused to remove {worker_url} ({resp.status}): "
-                                f"{_message(data)}")
+        raise RegistrationError(
+            f"router refused to remove {worker_url} ({resp.status}): {_message(data)}"
+        )
     return True

@@ -112,8 +112,9 @@ class Registry:
             message = f"no healthy {empty} worker"
         else:
             message = "no healthy worker"
-        raise APIError(503, message, "service_unavailable", "no_healthy_worker",
-                       headers={"Retry-After": "1"})
+        raise APIError(
+            503, message, "service_unavailable", "no_healthy_worker", headers={"Retry-After": "1"}
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -22,8 +22,10 @@ def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> by
             message = c.get("message") or {}
             choice = {
                 "index": c.get("index", 0),
-                "delta": {"role": message.get("role", "assistant"),
-                          "content": message.get("content") or ""},
+                "delta": {
+                    "role": message.get("role", "assistant"),
+                    "content": message.get("content") or "",
+                },
                 "logprobs": c.get("logprobs"),
                 "finish_reason": c.get("finish_reason"),
             }
@@ -34,14 +36,21 @@ def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> by
                 "logprobs": c.get("logprobs"),
                 "finish_reason": c.get("finish_reason"),
             }
-        obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
-               "choices": [choice]}
+        obj = {
+            **head,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "choices": [choice],
+        }
         if include_usage:
             obj["usage"] = None
         events.append(_event(obj))
     if include_usage and answer.get("usage") is not None:
-        obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion",
-               "choices": [], "usage": answer["usage"]}
+        obj = {
+            **head,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "choices": [],
+            "usage": answer["usage"],
+        }
         events.append(_event(obj))
     events.append(DONE)
     return b"".join(events)
@@ -112,11 +121,19 @@ class SSECollector:
     def result(self) -> dict[str, Any]:
         text = "".join(self._text)
         if self.chat:
-            choice = {"index": 0, "message": {"role": self._role, "content": text},
-                      "logprobs": self._logprobs, "finish_reason": self._finish}
+            choice = {
+                "index": 0,
+                "message": {"role": self._role, "content": text},
+                "logprobs": self._logprobs,
+                "finish_reason": self._finish,
+            }
             kind = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs,
-                      "finish_reason": self._finish}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": self._logprobs,
+                "finish_reason": self._finish,
+            }
             kind = "text_completion"
         return {**self._head, "object": kind, "choices": [choice], "usage": self._usage}

@@ -22,16 +22,22 @@ KV = "kv_transfer_params"
 
 
 class StubWorker:
-    def __init__(self, role: str = "both", model: str = "stub-model", chunks: int = 4,
-                 record: bool = True) -> None:
+    def __init__(
+        self, role: str = "both", model: str = "stub-model", chunks: int = 4, record: bool = True
+    ) -> None:
         self.role = role
         self.model = model
         self.chunks = chunks  # completion tokens a stream carries
         self.record = record
         self.health_status = 200  # anything else: 503 {"status": "unavailable"}
-        self.load: dict[str, Any] = {"role": role, "running": 0, "waiting": 0,
-                                     "queued_prefill_tokens": 0, "kv_pages_total": 100,
-                                     "kv_pages_free": 100}
+        self.load: dict[str, Any] = {
+            "role": role,
+            "running": 0,
+            "waiting": 0,
+            "queued_prefill_tokens": 0,
+            "kv_pages_total": 100,
+            "kv_pages_free": 100,
+        }
         self.fail_status: int | None = None  # answer the OpenAI endpoints with this status
         self.fail_times: int | None = None  # ... this many times (None: always)
         self.delay = 0.0  # seconds before the answer's headers
@@ -57,11 +63,14 @@ class StubWorker:
     async def _health(self, request: web.Request) -> web.Response:
         if self.health_status != 200:
             return web.json_response({"status": "unavailable", "role": self.role}, status=503)
-        return web.json_response({"status": "ok", "role": self.role, "model": self.model,
-                                  "load": self.load})
+        return web.json_response(
+            {"status": "ok", "role": self.role, "model": self.model, "load": self.load}
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -76,8 +85,11 @@ class StubWorker:
                 if self.fail_times is not None:
                     self.fail_times -= 1
                 headers = {"Retry-After": "1"} if self.fail_status == 503 else None
-                return web.json_response(error_body("stub failure", "server_error"),
-                                         status=self.fail_status, headers=headers)
+                return web.json_response(
+                    error_body("stub failure", "server_error"),
+                    status=self.fail_status,
+                    headers=headers,
+                )
             chat = request.path.endswith("/chat/completions")
             kvp = body.get(KV) or {}
             if kvp.get("do_remote_decode"):
@@ -99,18 +111,26 @@ class StubWorker:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {"id": f"cmpl-{next(self._ids)}", "object": "chat.completion" if chat
-                else "text_completion", "created": int(time.time()), "model": self.model,
-                "choices": [choice],
-                "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+        return {
+            "id": f"cmpl-{next(self._ids)}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+        }
 
     def _prefill_answer(self, body: dict, chat: bool) -> web.Response:
         self.completed += 1
         if self.final:
             return web.json_response(self._answer(chat, "x", "stop", body))
         answer = self._answer(chat, "x", "length", body)
-        answer[KV] = {"do_remote_prefill": True, "transfer_id": answer["id"],
-                      "first_token_id": 7, "pd_version": 1}
+        answer[KV] = {
+            "do_remote_prefill": True,
+            "transfer_id": answer["id"],
+            "first_token_id": 7,
+            "pd_version": 1,
+        }
         return web.json_response(answer)
 
     def _events(self, chat: bool, usage: bool) -> list[bytes]:
@@ -118,15 +138,24 @@ class StubWorker:
         cached = self._chunk_cache.get(key)
         if cached is not None:
             return cached
-        head = {"id": "cmpl-stub", "created": 0, "model": self.model,
-                "object": "chat.completion.chunk" if chat else "text_completion"}
+        head = {
+            "id": "cmpl-stub",
+            "created": 0,
+            "model": self.model,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
         events = []
         for i in range(self.chunks):
             last = i == self.chunks - 1
-            choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                      "finish_reason": "length" if last else None}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "logprobs": None,
+                "finish_reason": "length" if last else None,
+            }
             if chat:
-                choice["delta"] = {"role": "assistant", "content": "x"} if i == 0 else {"content": "x"}
+                choice["delta"] = (
+                    {"role": "assistant", "content": "x"} if i == 0 else {"content": "x"}
+                )
             else:
                 choice["text"] = "x"
             events.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")

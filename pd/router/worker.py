@@ -15,8 +15,18 @@ class Worker:
     """
 
     __slots__ = (
-        "url", "role", "healthy", "checked", "inflight", "inflight_tokens", "load", "model",
-        "fails", "oks", "last_error", "ejections",
+        "url",
+        "role",
+        "healthy",
+        "checked",
+        "inflight",
+        "inflight_tokens",
+        "load",
+        "model",
+        "fails",
+        "oks",
+        "last_error",
+        "ejections",
     )
 
     def __init__(self, url: str, role: str) -> None:
@@ -55,4 +65,6 @@ class Worker:
         }
 
     def __repr__(self) -> str:
-        return f"Worker({self.url!r}, {self.role}, healthy={self.healthy}, inflight={self.inflight})"
+        return (
+            f"Worker({self.url!r}, {self.role}, healthy={self.healthy}, inflight={self.inflight})"
+        )

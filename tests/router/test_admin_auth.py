@@ -21,7 +21,9 @@ async def test_admin_api_lists_adds_and_removes(stub, router):
     assert (await resp.json())["worker"]["healthy"] is True
     listed = await (await client.get("/workers", headers=ADMIN)).json()
     assert {(w["url"], w["role"]) for w in listed["workers"]} == {
-        (p.url, "prefill"), (d.url, "decode")}
+        (p.url, "prefill"),
+        (d.url, "decode"),
+    }
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
     assert len(p.requests) == 1
     resp = await client.delete("/workers", params={"url": p.url}, headers=ADMIN)
@@ -33,8 +35,9 @@ async def test_admin_api_lists_adds_and_removes(stub, router):
 async def test_admin_api_refuses_bad_tokens_and_bad_bodies(stub, router):
     client = await router(admin_token="admin-secret")
     wrong = {"Authorization": "Bearer nope"}
-    resp = await client.post("/workers", json={"url": "http://x:1", "role": "decode"},
-                             headers=wrong)
+    resp = await client.post(
+        "/workers", json={"url": "http://x:1", "role": "decode"}, headers=wrong
+    )
     assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_admin_token"
     resp = await client.post("/workers", json={"url": "http://x:1", "role": "chef"}, headers=ADMIN)
     assert resp.status == 400
@@ -75,8 +78,14 @@ async def test_worker_registers_and_deregisters_itself(stub, router):
 async def test_register_with_an_unreachable_router_raises(unused_tcp_port):
     async with aiohttp.ClientSession() as session:
         try:
-            await register_with_router(f"http://127.0.0.1:{unused_tcp_port}", "http://w:1",
-                                       "decode", None, session, timeout=1.0)
+            await register_with_router(
+                f"http://127.0.0.1:{unused_tcp_port}",
+                "http://w:1",
+                "decode",
+                None,
+                session,
+                timeout=1.0,
+            )
             raise AssertionError("must raise")
         except RegistrationError as e:
             assert "cannot reach router" in str(e)
@@ -88,12 +97,14 @@ async def test_api_key_accepted_and_refused(stub, router):
     resp = await client.post("/v1/completions", json=COMPLETION)
     assert resp.status == 401
     assert (await resp.json())["error"]["code"] == "invalid_api_key"
-    bad = await client.post("/v1/completions", json=COMPLETION,
-                            headers={"Authorization": "Bearer sk-other"})
+    bad = await client.post(
+        "/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer sk-other"}
+    )
     assert bad.status == 401
     assert (await client.get("/v1/models")).status == 401
-    ok = await client.post("/v1/completions", json=COMPLETION,
-                           headers={"Authorization": "Bearer sk-client"})
+    ok = await client.post(
+        "/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer sk-client"}
+    )
     assert ok.status == 200
     assert "Authorization" not in w.headers[0]  # the client's key is not passed on
     assert (await client.get("/health")).status == 200  # probes need no key
@@ -102,8 +113,11 @@ async def test_api_key_accepted_and_refused(stub, router):
 async def test_worker_api_key_is_sent_to_workers(stub, router):
     w = await stub("both")
     client = await router(worker=[w], api_key="sk-client", worker_api_key="sk-worker")
-    await client.post("/v1/completions", json=COMPLETION,
-                      headers={"Authorization": "Bearer sk-client", "X-Request-Id": "r1"})
+    await client.post(
+        "/v1/completions",
+        json=COMPLETION,
+        headers={"Authorization": "Bearer sk-client", "X-Request-Id": "r1"},
+    )
     assert w.headers[0]["Authorization"] == "Bearer sk-worker"
     assert w.headers[0]["X-Request-Id"] == "r1"
 
@@ -119,8 +133,9 @@ async def test_bad_input_is_answered_by_the_router(stub, router):
         (b'{"prompt": "' + b"x" * 5000 + b'"}', 413, "request_too_large"),
     ]
     for raw, status, code in cases:
-        resp = await client.post("/v1/completions", data=raw,
-                                 headers={"Content-Type": "application/json"})
+        resp = await client.post(
+            "/v1/completions", data=raw, headers={"Content-Type": "application/json"}
+        )
         assert resp.status == status, raw[:40]
         assert (await resp.json())["error"]["code"] == code
     resp = await client.post("/v1/chat/completions", json={"messages": []})
@@ -146,7 +161,7 @@ async def test_metrics_are_exposed(stub, router):
         'pd_router_requests_total{policy="none",route="none",status="400"} 1.0',
         'pd_router_ttft_seconds_count{route="pd"} 1.0',
         'pd_router_e2e_seconds_count{route="pd"} 2.0',
-        'pd_router_prefill_seconds_count 1.0',
+        "pd_router_prefill_seconds_count 1.0",
         f'pd_router_worker_inflight{{pool="prefill",worker="{p1.url}"}} 0.0',
         f'pd_router_worker_healthy{{pool="decode",worker="{d.url}"}} 1.0',
         'pd_router_retries_total{pool="prefill"} 0.0',

@@ -29,8 +29,10 @@ async def test_disconnect_during_prefill_cancels_it_and_skips_decode(stub, route
     assert registry_of(client).prefill.healthy[0].inflight == 1
     task.cancel()  # closes the client's connection
     await wait_for(lambda: p.cancelled == 1, timeout=1.0)
-    await wait_for(lambda: all(w.inflight == 0 and w.inflight_tokens == 0
-                               for w in registry_of(client)), timeout=1.0)
+    await wait_for(
+        lambda: all(w.inflight == 0 and w.inflight_tokens == 0 for w in registry_of(client)),
+        timeout=1.0,
+    )
     assert d.requests == []
 
 
@@ -80,8 +82,9 @@ async def test_sticky_room_maps_to_the_same_prefill_and_decode(stub, router):
     client = await router(prefill=ps, decode=ds, policy="sticky-to-room")
     for room in ("a", "b", "c", "d"):
         for _ in range(3):
-            resp = await client.post("/v1/completions", json=COMPLETION,
-                                     headers={"X-Room-Id": room})
+            resp = await client.post(
+                "/v1/completions", json=COMPLETION, headers={"X-Room-Id": room}
+            )
             assert resp.status == 200
         for pool in (ps, ds):  # one worker of each pool saw all three of this room
             assert sorted(len(s.requests) for s in pool)[-1] >= 3
@@ -97,8 +100,9 @@ async def test_sticky_room_maps_to_the_same_prefill_and_decode(stub, router):
 async def test_sticky_prefill_with_load_aware_decode(stub, router):
     p = await stub("prefill")
     d = await stub("decode")
-    client = await router(prefill=[p], decode=[d], prefill_policy="sticky-to-room",
-                          decode_policy="round-robin")
+    client = await router(
+        prefill=[p], decode=[d], prefill_policy="sticky-to-room", decode_policy="round-robin"
+    )
     reg = registry_of(client)
     assert reg.prefill.policy.name == "sticky-to-room"
     assert reg.decode.policy.name == "round-robin"

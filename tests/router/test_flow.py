@@ -64,8 +64,10 @@ async def test_final_prefill_answer_never_reaches_decode(stub, router):
     answer = await resp.json()
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert "kv_transfer_params" not in answer
-    resp = await client.post("/v1/chat/completions", json={
-        **CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    resp = await client.post(
+        "/v1/chat/completions",
+        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    )
     events = [orjson.loads(e) for e in sse_events(await resp.read())[:-1]]
     assert events[0]["object"] == "chat.completion.chunk"
     assert events[0]["choices"][0]["delta"]["content"] == "x"
@@ -76,8 +78,9 @@ async def test_final_prefill_answer_never_reaches_decode(stub, router):
 
 async def test_client_max_tokens_one_is_served_by_prefill_alone(stub, router):
     p, d, client = await pd_pair(stub, router)
-    resp = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1,
-                                                      "stream": True})
+    resp = await client.post(
+        "/v1/completions", json={**COMPLETION, "max_tokens": 1, "stream": True}
+    )
     events = sse_events(await resp.read())
     assert orjson.loads(events[0])["choices"][0]["text"] == "x"
     assert events[-1] == b"[DONE]"

@@ -9,8 +9,9 @@ async def test_failing_worker_is_ejected_and_readmitted(stub, router):
     p = await stub("prefill")
     d1 = await stub("decode")
     d2 = await stub("decode")
-    client = await router(prefill=[p], decode=[d1, d2], policy="round-robin",
-                          health_failures=2, health_successes=2)
+    client = await router(
+        prefill=[p], decode=[d1, d2], policy="round-robin", health_failures=2, health_successes=2
+    )
     reg = registry_of(client)
     w1 = reg.find(d1.url)
     assert w1.healthy

@@ -1,0 +1,55 @@
+"""Errors answered on behalf of workers, and JSON responses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from pd.protocol import error_body
+from pd.router.worker import Worker
+
+JSON = "application/json"
+
+
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON, headers=headers)
+
+
+@dataclass(slots=True)
+class Failure:
+    """Why the last attempt failed; becomes the client's answer when no retry is left."""
+
+    status: int
+    body: bytes
+    retry_after: str | None = None
+
+    @classmethod
+    def local(cls, status: int, message: str, code: str) -> Failure:
+        return cls(status, orjson.dumps(error_body(message, "upstream_error", code)))
+
+    @classmethod
+    def upstream(cls, w: Worker, resp: aiohttp.ClientResponse, data: bytes) -> Failure:
+        try:
+            ok = isinstance(orjson.loads(data).get("error"), dict)
+        except (orjson.JSONDecodeError, AttributeError):
+            ok = False
+        if not ok:
+            text = data[:200].decode(errors="replace")
+            data = orjson.dumps(
+                error_body(
+                    f"{w.role} worker answered {resp.status}: {text}",
+                    "upstream_error",
+                    "upstream_error",
+                )
+            )
+        return cls(resp.status, data, resp.headers.get("Retry-After"))
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        return web.Response(body=self.body, status=self.status, content_type=JSON, headers=headers)
