@@ -128,3 +128,15 @@ async def test_all_decode_busy_passes_503_and_retry_after(stub, router):
     resp = await client.post("/v1/completions", json=COMPLETION)
     assert resp.status == 503 and resp.headers["Retry-After"] == "1"
     assert idle(client)
+
+
+async def test_decode_dying_after_headers_but_before_a_byte_is_retried(stub, router):
+    p = await stub("prefill")
+    d1 = await stub("decode", break_after=0)  # 200 and headers, then the connection drops
+    d2 = await stub("decode")
+    client = await router(prefill=[p], decode=[d1, d2], policy="round-robin")
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+        assert sse_events(await resp.read())[-1] == b"[DONE]"
+    assert len(d1.requests) == 2 and len(d2.requests) == 2
+    assert idle(client)
