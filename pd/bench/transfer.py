@@ -50,7 +50,9 @@ def _page_ids(args: argparse.Namespace, n: int, pool: int, rng: random.Random) -
 
 async def _interleaved(args, peer: PeerProcess, spec: PoolSpec, n: int, page_bytes: int, rng):
     """Ours and bare NIXL alternate, so both see the same machine load."""
-    cfg = TransferConfig(backend="nixl", serve=False, cluster_token=args.token)
+    # The reading side progresses UCX from its own checks (ours: the poller; bare: its loop), so
+    # neither D agent runs NIXL's progress thread, which spins a core.
+    cfg = TransferConfig(backend="nixl", serve=False, cluster_token=args.token, nixl_progress_thread=False)
     mgr = create_manager(cfg)
     await mgr.start()
     dst_mem = pool_tensors(spec, fill=False)
@@ -87,7 +89,7 @@ class _BareNixl:
 
     def __init__(self, peer: PeerProcess, spec: PoolSpec, page_bytes: int) -> None:
         nixl = import_nixl()
-        self.agent = nixl.nixl_agent("bench-bare", nixl.nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl.nixl_agent("bench-bare", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.dst = pool_tensors(spec, fill=False)[0]
         self.agent.register_memory(self.dst)
         self.remote = self.agent.add_remote_agent(unb64(peer.ready["agent_metadata"]))

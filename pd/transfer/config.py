@@ -24,6 +24,10 @@ class TransferConfig:
     default_lease_ttl_s: float = 30.0
     poll_interval_s: float = 0.0005
     max_desc_bytes: int = 0  # cap on a coalesced descriptor (0: none)
+    # NIXL's UCX progress thread. Needed where the read target must progress (UCX over TCP);
+    # not for RDMA or same-host shared memory/CMA. NOTE: this NIXL build spins it without delay
+    # (~0.85 core per idle agent measured), so turn it off where the transport allows.
+    nixl_progress_thread: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("nixl", "fake"):

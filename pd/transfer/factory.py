@@ -12,11 +12,11 @@ from pd.transfer.manager import TransferManager
 BACKENDS = ("nixl", "fake")
 
 
-def make_backend(name: str, agent_name: str) -> Backend:
+def make_backend(name: str, agent_name: str, *, nixl_progress_thread: bool = True) -> Backend:
     if name == "nixl":
         from pd.transfer.nixl_backend import NixlBackend
 
-        return NixlBackend(agent_name)
+        return NixlBackend(agent_name, progress_thread=nixl_progress_thread)
     if name == "fake":
         from pd.transfer.fake_backend import FakeBackend
 
@@ -29,5 +29,6 @@ def create_manager(
 ) -> TransferManager:
     """A manager with the backend named in the config (call `await manager.start()` next)."""
     resolve_token(config.cluster_token)  # fail before creating an agent
-    backend = make_backend(config.backend, f"pd-{config.engine_id}")
+    backend = make_backend(config.backend, f"pd-{config.engine_id}",
+                           nixl_progress_thread=config.nixl_progress_thread)
     return TransferManager(config, backend, wire_tap=wire_tap)

@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 class NixlBackend(Backend):
     name = "nixl"
 
-    def __init__(self, agent_name: str, *, ucx_backend: str = "UCX") -> None:
+    def __init__(self, agent_name: str, *, progress_thread: bool = True, ucx_backend: str = "UCX") -> None:
         nixl = import_nixl()
         self.agent_name = agent_name
-        self._agent = nixl.nixl_agent(agent_name, nixl.nixl_agent_config(backends=[ucx_backend]))
+        conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[ucx_backend])
+        self._agent = nixl.nixl_agent(agent_name, conf)
         self._reg: list[object] = []  # registration descriptor lists, for deregistration
         self._peers: set[str] = set()
         self._xfers: dict[int, tuple[str, list[object]]] = {}  # id -> (agent, nixl handles)

@@ -14,7 +14,7 @@ from pd.transfer import auth
 from pd.transfer.errors import AuthError, ProtocolError
 from pd.transfer.messages import Auth, Challenge, Hello, Refused, decode, encode
 from pd.transfer.peerproc import PoolSpec, pool_desc, pool_tensors
-from transfer_helpers import TOKEN, eventually, start_manager
+from transfer_helpers import D_SIDE, TOKEN, eventually, start_manager
 
 WRONG = "not-the-cluster-token-9876543210"
 
@@ -28,7 +28,7 @@ def leaked(frames: list[bytes], secret: str) -> bool:
 async def managers(p_token: str, d_token: str):
     p_wire, d_wire = [], []
     P = await start_manager("fake", token=p_token, wire_tap=p_wire.append)
-    D = await start_manager("fake", token=d_token, serve=False, wire_tap=d_wire.append)
+    D = await start_manager("fake", token=d_token, **D_SIDE, wire_tap=d_wire.append)
     spec = PoolSpec("kv", 4, seed=3)
     P.register_pool(pool_desc(spec, pool_tensors(spec, fill=True)))
     keep = pool_tensors(spec, fill=False)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from transfer_helpers import backends, eventually, start_manager
+from transfer_helpers import D_SIDE, backends, eventually, start_manager
 from pd.transfer import KVPoll, TransferParams, kv_pool_from_tensors, whole_pool_from_tensors
 from pd.transfer.peerproc import PoolSpec, global_tensor, pool_desc, pool_tensors
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.parametrize("backend", backends())
 async def pair(backend):
     """(P, D) managers with a KV pool (P TP=1, D TP=2, 4 heads) and a 'state' pool."""
     P = await start_manager(backend)
-    D = await start_manager(backend, serve=False)
+    D = await start_manager(backend, **D_SIDE)
     kv_p, kv_d = PoolSpec("kv", 32, tp=1, seed=1), PoolSpec("kv", 32, tp=2, seed=1)
     st = PoolSpec("state", 8, kind="whole", slot_elems=96, seed=2)
     mem = {"P": pool_tensors(kv_p, fill=True) + pool_tensors(st, fill=True),

@@ -12,7 +12,7 @@ import torch
 
 from pd.transfer import KVPoll, TransferParams
 from pd.transfer.peerproc import PoolSpec, global_tensor, pool_desc, pool_tensors
-from transfer_helpers import TOKEN, eventually, needs_nixl, start_manager
+from transfer_helpers import D_SIDE, TOKEN, eventually, needs_nixl, start_manager
 
 pytestmark = [needs_nixl, pytest.mark.nixl, pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def local_spec(p: PoolSpec) -> PoolSpec:
 
 async def test_two_processes_exact_bytes_hetero_tp_and_second_pool(prefill_procs):
     proc = prefill_procs({"config": CFG, "pools": [p.to_dict() for p in P_POOLS]})
-    D = await start_manager("nixl", serve=False)
+    D = await start_manager("nixl", **D_SIDE)
     mem = {}
     try:
         for p in P_POOLS:
@@ -70,7 +70,7 @@ async def test_prefill_dies_mid_pull(prefill_procs, monkeypatch, sig):
     monkeypatch.setenv("UCX_TLS", "tcp")
     big = PoolSpec("kv", 256, layers=16, heads=4, page_size=16, head_dim=64, random=False)  # 64 MiB
     proc = prefill_procs({"config": CFG, "pools": [big.to_dict()]}, env={"UCX_TLS": "tcp"})
-    D = await start_manager("nixl", serve=False, heartbeat_interval_s=0.2, heartbeat_misses=3)
+    D = await start_manager("nixl", **D_SIDE, heartbeat_interval_s=0.2, heartbeat_misses=3)
     try:
         keep = pool_tensors(big, fill=False)
         D.register_pool(pool_desc(big, keep))

@@ -14,6 +14,9 @@ from pd.transfer import TransferConfig, TransferManager, create_manager, nixl_av
 TOKEN = "test-cluster-token-0123456789"
 FAST = dict(heartbeat_interval_s=0.1, heartbeat_misses=3, handshake_timeout_s=2.0,
             transfer_timeout_s=10.0)
+# The reading side (D) progresses UCX from the poller's checks; its NIXL progress thread would
+# only spin a core. The read target (P) needs one (UCX wire-up, TCP reads).
+D_SIDE = dict(serve=False, nixl_progress_thread=False)
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="no NIXL package (nixl, nixl_cu12, nixl_cu13) importable")
 
