@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+
+from pd.cli_args import flag as _flag
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def _flag(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
@@ -43,7 +38,9 @@ class WorkerConfig:
     chunk_size: int = _flag(512, "token budget of one step: prefill chunks and decode tokens together")
     max_running_requests: int = _flag(64, "most requests in the running batch")
     max_waiting_requests: int = _flag(256, "most requests queued; more are answered 503 + Retry-After")
-    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY' on the OpenAI endpoints")
+    api_key: str | None = _flag(
+        None, "require 'Authorization: Bearer KEY' on the OpenAI endpoints", env="PD_API_KEY"
+    )
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
     advertise_url: str | None = _flag(None, "URL the router should use for this worker")
@@ -67,30 +64,3 @@ class WorkerConfig:
         check(self.chunk_size >= 1, "--chunk-size must be >= 1")
         check(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
-
-    # ------------------------------------------------------------------------------ CLI
-
-    @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kw: dict[str, Any] = {"help": f.metadata["help"], "dest": f.name}
-            default = f.default if f.default is not MISSING else None
-            kind = f.type if isinstance(f.type, type) else str(f.type)
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            if kind in ("int", int):
-                kw["type"] = int
-            elif kind in ("float", float):
-                kw["type"] = float
-            kw["default"] = default
-            if default is not None:
-                kw["help"] += f" (default: {default})"
-            parser.add_argument(flag, **kw)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls)}
-        if values["api_key"] is None:
-            values["api_key"] = os.environ.get("PD_API_KEY") or None
-        return cls(**values)

@@ -11,6 +11,7 @@ import sys
 
 from aiohttp import web
 
+from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.config import WorkerConfig
 
 log = logging.getLogger("pd.worker")
@@ -20,10 +21,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     parser = argparse.ArgumentParser(
         prog="pd-worker", description="Serve an LLM with a paged KV cache and continuous batching."
     )
-    WorkerConfig.add_arguments(parser)
+    add_dataclass_arguments(parser, WorkerConfig)
     args = parser.parse_args(argv)
     try:
-        return WorkerConfig.from_args(args)
+        return dataclass_from_args(WorkerConfig, args)
     except ValueError as e:
         parser.error(str(e))
 
