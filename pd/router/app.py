@@ -154,13 +154,15 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     checker = app[HEALTH]
     checker.session = session
     await checker.check_all()
-    task = asyncio.create_task(checker.run())
+    tasks = [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.close()
 
 

@@ -13,6 +13,7 @@ upstream connection and so tells the worker) all release it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -26,6 +27,7 @@ from pd.protocol import error_body
 from pd.router.config import RouterConfig
 from pd.router.failure import JSON, Failure, json_response
 from pd.router.health import HealthChecker
+from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse
@@ -44,7 +46,7 @@ class _SSEResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Exchange:
     """One client request on its way through the router."""
 
@@ -61,6 +63,14 @@ class Exchange:
     t0: float
     ttft: float | None = None
     status: str | None = None  # overrides the response status in metrics ("stream_error")
+    reads: int = 0  # chunks read from the upstream stream (for the idle watch)
+    timed_out: bool = False  # the idle watch closed the upstream
+
+
+def _broken(ex: Exchange, e: BaseException) -> str:
+    if ex.timed_out:
+        return "the worker's stream was silent for longer than the read timeout"
+    return f"the worker's stream broke off: {type(e).__name__}"
 
 
 class Proxy:
@@ -78,9 +88,10 @@ class Proxy:
         self.prefill_timeout = aiohttp.ClientTimeout(
             total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
         )
-        self.stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=cfg.connect_timeout, sock_read=cfg.read_timeout
-        )
+        # No sock_read: silence is timed by `asyncio.timeout` up to the first byte, then by the
+        # idle watch (see idle.py).
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
+        self.idle = IdleWatch(cfg.read_timeout)
 
     # ------------------------------------------------------------------------------ flows
 
@@ -113,10 +124,13 @@ class Proxy:
         d_body["stream"] = True
         if not ex.stream:
             d_body["stream_options"] = {"include_usage": True}
-        return await self._relay(self.registry.decode, ex, orjson.dumps(d_body), sse=True)
+        return await self._relay(self.registry.decode, ex, orjson.dumps(d_body))
 
     async def colocated(self, ex: Exchange) -> web.StreamResponse:
-        return await self._relay(self.registry.both, ex, orjson.dumps(ex.body), sse=ex.stream)
+        body = ex.body
+        if not ex.stream:  # a stream collected here, as for D: one code path, and a TTFT
+            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        return await self._relay(self.registry.both, ex, orjson.dumps(body))
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -159,10 +173,8 @@ class Proxy:
 
     # ------------------------------------------------------------------------------ relay
 
-    async def _relay(
-        self, pool: Pool, ex: Exchange, payload: bytes, sse: bool
-    ) -> web.StreamResponse:
-        """Send to a worker of `pool` and relay its answer; retry while the client has nothing."""
+    async def _relay(self, pool: Pool, ex: Exchange, payload: bytes) -> web.StreamResponse:
+        """Send to a worker of `pool` and relay its stream; retry while the client has nothing."""
         tried: list[Worker] = []
         failure = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -176,15 +188,19 @@ class Proxy:
             resp = None
             handed_over = False
             try:
-                resp = await self.session.post(
-                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
-                )
-                if resp.status != 200:
-                    failure = Failure.upstream(w, resp, await resp.read())
-                    if resp.status not in RETRYABLE:
-                        return failure.response()
-                    continue
-                first = await resp.content.readany()
+                async with asyncio.timeout(self.cfg.read_timeout):  # up to the first byte
+                    resp = await self.session.post(
+                        w.url + ex.path,
+                        data=payload,
+                        headers=ex.headers,
+                        timeout=self.stream_timeout,
+                    )
+                    if resp.status != 200:
+                        failure = Failure.upstream(w, resp, await resp.read())
+                        if resp.status not in RETRYABLE:
+                            return failure.response()
+                        continue
+                    first = await resp.content.readany()
                 if not first:
                     failure = Failure.local(
                         502,
@@ -192,9 +208,6 @@ class Proxy:
                         f"{pool.name}_failed",
                     )
                     continue
-                if not sse:  # a plain JSON answer: the client gets nothing until it is whole
-                    body = first + await resp.read()
-                    return web.Response(body=body, content_type=JSON)
                 handed_over = True
             except (aiohttp.ClientError, TimeoutError) as e:
                 failure = self._on_error(w, e)
@@ -206,11 +219,13 @@ class Proxy:
             if not handed_over:
                 continue
             # The worker answered a first byte: from here on there is no retry.
+            self.idle.watch(ex, resp)
             try:
                 if ex.stream:
                     return await self._pipe(ex, resp, first)
                 return await self._collect(ex, resp, first)
             finally:
+                self.idle.unwatch(ex)
                 w.release(0)
                 resp.close()  # a no-op once the body was read to its end
         return (failure or self._no_worker(pool, tried)).response()
@@ -229,6 +244,7 @@ class Proxy:
             await resp.write(first)
             ex.ttft = perf_counter() - ex.t0
             async for chunk in content.iter_any():
+                ex.reads += 1
                 if content.at_eof():  # the last bytes go out with the end of the body
                     await resp.write_eof(chunk)
                     return resp
@@ -236,10 +252,10 @@ class Proxy:
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
+        except aiohttp.ClientError as e:
             # Bytes already reached the client: no retry; say so in the stream and end it.
             ex.status = "stream_error"
-            message = f"the worker's stream broke off: {type(e).__name__}"
+            message = _broken(ex, e)
             await resp.write(
                 b"data: "
                 + orjson.dumps(error_body(message, "upstream_error", "stream_broken"))
@@ -256,13 +272,12 @@ class Proxy:
         try:
             collector.feed(first)
             async for chunk in upstream.content.iter_any():
+                ex.reads += 1
                 collector.feed(chunk)
         except StreamError as e:
             return json_response(e.body, 502)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as e:
-            return Failure.local(
-                502, f"the decode stream broke off: {type(e).__name__}", "stream_broken"
-            ).response()
+        except aiohttp.ClientError as e:
+            return Failure.local(502, _broken(ex, e), "stream_broken").response()
         except orjson.JSONDecodeError:
             return Failure.local(502, "the decode stream carried bad JSON", "bad_stream").response()
         if not collector.done:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from tests.router.conftest import COMPLETION, registry_of, sse_events
+from tests.router.conftest import COMPLETION, registry_of, sse_events, wait_for
 
 
 def idle(client) -> bool:
@@ -117,7 +117,24 @@ async def test_decode_silence_past_read_timeout_fails(stub, router):
     client = await router(prefill=[p], decode=[d], read_timeout=0.2)
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     events = sse_events(await resp.read())
-    assert orjson.loads(events[-1])["error"]["code"] == "stream_broken"
+    error = orjson.loads(events[-1])["error"]
+    assert error["code"] == "stream_broken" and "silent" in error["message"]
+    await wait_for(lambda: d.cancelled == 1)  # the silent worker was told
+    assert idle(client)
+
+
+async def test_decode_silent_before_its_first_byte_is_retried(stub, router):
+    p = await stub("prefill")
+    d1 = await stub("decode", delay=2.0)
+    d2 = await stub("decode")
+    client = await router(prefill=[p], decode=[d1, d2], policy="round-robin", read_timeout=0.2)
+    for _ in range(2):
+        resp = await client.post("/v1/completions", json=COMPLETION)
+        assert resp.status == 200
+    assert len(d1.requests) == 2 and len(d2.requests) == 2
+    d2.fail_status = 500
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status in (500, 504)  # the last failure is answered
     assert idle(client)
 
 

@@ -96,7 +96,10 @@ async def test_colocated_workers_relay_stream_and_json(stub, router):
     resp = await client.post("/v1/chat/completions", json=CHAT)
     assert (await resp.json())["choices"][0]["message"]["content"] == "xxxx"
     assert all("kv_transfer_params" not in b for b in w.requests)
-    assert [b["stream"] if "stream" in b else False for b in w.requests] == [True, False]
+    # A client without a stream is served from a stream collected by the router, as in PD.
+    assert [b["stream"] for b in w.requests] == [True, True]
+    assert w.requests[1]["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in w.requests[0]
 
 
 async def test_pd_preferred_and_colocated_when_a_pd_pool_is_empty(stub, router):
