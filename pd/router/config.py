@@ -60,7 +60,9 @@ class RouterConfig:
     connect_timeout: float = _flag(3.0, "seconds to connect to a worker")
     prefill_timeout: float = _flag(300.0, "seconds a prefill request may take in all")
     read_timeout: float = _flag(
-        120.0, "longest silence (seconds) on a decode or co-located response before it fails"
+        120.0,
+        "longest silence (seconds) of a decode or co-located worker, before its first byte "
+        "(then retried elsewhere) or between chunks (then the stream ends with an error)",
     )
     max_retries: int = _flag(
         2, "retries on other workers per phase, only before the client got a byte"
