@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass
+
+from pd.cli_args import add_dataclass_arguments, dataclass_from_args
+from pd.cli_args import flag as _flag
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room")
 POOLS = ("prefill", "decode", "both")
-
-
-def _flag(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
 
 
 def normalize_url(url: str) -> str:
@@ -43,15 +40,15 @@ class RouterConfig:
         None, "policy of the decode pool (default: --policy)", choices=POLICIES
     )
     api_key: str | None = _flag(
-        None, "require 'Authorization: Bearer KEY' on /v1/* (env PD_ROUTER_API_KEY)"
+        None, "require 'Authorization: Bearer KEY' on /v1/*", env="PD_ROUTER_API_KEY"
     )
     admin_token: str | None = _flag(
         None,
-        "bearer token for POST/DELETE /workers; without it the admin API is read-only "
-        "(env PD_ROUTER_ADMIN_TOKEN)",
+        "bearer token of the worker admin API (/workers); without it the API is read-only",
+        env="PD_ROUTER_ADMIN_TOKEN",
     )
     worker_api_key: str | None = _flag(
-        None, "bearer key sent to workers started with --api-key (env PD_WORKER_API_KEY)"
+        None, "bearer key sent to workers started with --api-key", env="PD_WORKER_API_KEY"
     )
     health_interval: float = _flag(2.0, "seconds between health checks of each worker")
     health_timeout: float = _flag(1.0, "seconds a health check may take")
@@ -116,39 +113,8 @@ class RouterConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            meta = f.metadata
-            kw: dict[str, Any] = {"help": meta["help"], "dest": f.name}
-            if meta.get("repeat"):
-                parser.add_argument(flag, action="append", default=[], metavar="URL", **kw)
-                continue
-            if meta.get("store_true"):
-                parser.add_argument(flag, action="store_true", **kw)
-                continue
-            default = f.default if f.default is not MISSING else None
-            kind = str(f.type)
-            if "choices" in meta:
-                kw["choices"] = meta["choices"]
-            if kind == "int":
-                kw["type"] = int
-            elif kind == "float":
-                kw["type"] = float
-            kw["default"] = default
-            if default is not None:
-                kw["help"] += f" (default: {default})"
-            parser.add_argument(flag, **kw)
+        add_dataclass_arguments(parser, cls)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
-        values = {f.name: getattr(args, f.name) for f in fields(cls)}
-        for name in ("prefill", "decode", "worker"):
-            values[name] = tuple(values[name])
-        for name, env in (
-            ("api_key", "PD_ROUTER_API_KEY"),
-            ("admin_token", "PD_ROUTER_ADMIN_TOKEN"),
-            ("worker_api_key", "PD_WORKER_API_KEY"),
-        ):
-            if values[name] is None:
-                values[name] = os.environ.get(env) or None
-        return cls(**values)
+        return dataclass_from_args(cls, args)
