@@ -47,18 +47,43 @@ async def serve(cfg: WorkerConfig) -> None:
     print(f"pd-worker ready: role={cfg.role} model={worker.model_name} "
           f"url=http://{cfg.host}:{port}", flush=True)
 
+    my_url = cfg.advertise_url or f"http://{cfg.host}:{port}"
+    if cfg.register_with:
+        await _register(cfg, my_url)
+
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # Drain: refuse new requests (503), let the running ones finish, then exit.
     worker.draining = True
+    if cfg.register_with:
+        await _register(cfg, my_url, leave=True)
     log.info("draining: %d requests in flight", len(worker.engine.handles))
     deadline = loop.time() + cfg.drain_timeout_s
     while worker.engine.handles and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.05)  # let the last responses flush
     await runner.cleanup()
+
+
+async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None:
+    """Join (or leave) the router given by --register-with; a refusal is logged, not fatal."""
+    import aiohttp
+
+    from pd.router.register import RegistrationError, deregister_from_router, register_with_router
+
+    async with aiohttp.ClientSession() as session:
+        try:
+            if leave:
+                await deregister_from_router(cfg.register_with, my_url, cfg.admin_token, session)
+            else:
+                await register_with_router(
+                    cfg.register_with, my_url, cfg.role, cfg.admin_token, session
+                )
+                log.info("registered %s with router %s", my_url, cfg.register_with)
+        except RegistrationError as e:
+            log.error("%s", e)
 
 
 def main(argv: list[str] | None = None) -> int:

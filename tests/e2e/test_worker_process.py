@@ -12,6 +12,9 @@ import time
 import aiohttp
 import pytest
 
+from pd.router import RouterConfig
+from pd.router import make_app as make_router
+
 pytestmark = pytest.mark.slow  # loads the real model
 
 
@@ -51,9 +54,24 @@ def worker_process():
         proc.wait(timeout=10)
 
 
-async def test_sigterm_drains_running_requests_then_exits(worker_process):
-    proc, url = worker_process("--dtype", "float32", "--kv-pages", "64", "--max-model-len", "1024")
+async def router_workers(http, router_url: str, until: list[str]) -> list[str]:
+    """The router's worker URLs, polled for a few seconds until they equal `until`."""
+    for _ in range(100):
+        resp = await http.get(f"{router_url}/workers", headers={"Authorization": "Bearer adm"})
+        urls = [w["url"] for w in (await resp.json())["workers"]]
+        if urls == until:
+            break
+        await asyncio.sleep(0.05)
+    return urls
+
+
+async def test_sigterm_drains_running_requests_then_exits(worker_process, aiohttp_server):
+    router = await aiohttp_server(make_router(RouterConfig(admin_token="adm", port=0)))
+    router_url = str(router.make_url("")).rstrip("/")
+    proc, url = worker_process("--dtype", "float32", "--kv-pages", "64", "--max-model-len", "1024",
+                               "--register-with", router_url, "--admin-token", "adm")
     async with aiohttp.ClientSession() as http:
+        assert await router_workers(http, router_url, until=[url]) == [url]  # registered itself
         resp = await http.post(f"{url}/v1/completions", json={
             "prompt": "Write about the sea.", "max_tokens": 60, "ignore_eos": True,
             "stream": True})
@@ -69,7 +87,8 @@ async def test_sigterm_drains_running_requests_then_exits(worker_process):
         assert body.rstrip().endswith(b"data: [DONE]")
         chunks = [ln for ln in (first + body).split(b"\n\n") if ln.startswith(b"data: {")]
         assert len(chunks) == 60
-    assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 0
+        assert await router_workers(http, router_url, until=[]) == []  # and left it when draining
 
 
 def test_role_prefill_is_refused_until_transfer_lands():
