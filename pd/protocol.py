@@ -44,7 +44,10 @@ class APIError(Exception):
 
 
 def error_body(
-    message: str, type: str = "invalid_request_error", code: str | None = None, param: str | None = None
+    message: str,
+    type: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "code": code, "param": param}}
 
@@ -75,7 +78,9 @@ def _opt(body: dict, name: str, types: type | tuple[type, ...], default: Any = N
     is_bool = isinstance(value, bool)
     wants_bool = types is bool or (isinstance(types, tuple) and bool in types)
     if not isinstance(value, types) or (is_bool and not wants_bool):
-        names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        names = (
+            types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
+        )
         raise bad_request(f"'{name}' must be of type {names}", param=name, code="invalid_type")
     if isinstance(value, float) and not math.isfinite(value):
         raise bad_request(f"'{name}' must be a finite number", param=name)

@@ -17,15 +17,29 @@ def default_checkpoint() -> LoadedCheckpoint:
     return load_checkpoint(default_model_path(), dtype=torch.float32, progress=False)
 
 
-def make_runner(tp: int = 1, dtype: torch.dtype = torch.float32, num_pages: int = 64,
-                page_size: int = 16) -> ModelRunner:
+def make_runner(
+    tp: int = 1, dtype: torch.dtype = torch.float32, num_pages: int = 64, page_size: int = 16
+) -> ModelRunner:
     ckpt = default_checkpoint()
-    return ModelRunner(ckpt.config, ckpt.weights, tp=tp, dtype=dtype, device="cpu",
-                       num_pages=num_pages, page_size=page_size, max_model_len=2048)
+    return ModelRunner(
+        ckpt.config,
+        ckpt.weights,
+        tp=tp,
+        dtype=dtype,
+        device="cpu",
+        num_pages=num_pages,
+        page_size=page_size,
+        max_model_len=2048,
+    )
 
 
-def forward_chunk(runner: ModelRunner, page_ids: list[int], tokens: list[int], num_cached: int,
-                  all_logits: bool = True) -> torch.Tensor:
+def forward_chunk(
+    runner: ModelRunner,
+    page_ids: list[int],
+    tokens: list[int],
+    num_cached: int,
+    all_logits: bool = True,
+) -> torch.Tensor:
     """Run `tokens` after `num_cached` cached ones; logits of every new token ([T, V] fp32)."""
     meta = build_paged_metadata([(page_ids, num_cached, len(tokens))], runner.page_size, "cpu")
     ids = torch.tensor(tokens, dtype=torch.long)
@@ -33,8 +47,9 @@ def forward_chunk(runner: ModelRunner, page_ids: list[int], tokens: list[int], n
     return runner.model.forward(ids, meta, rows)
 
 
-def greedy_generate(runner: ModelRunner, prompt: list[int], steps: int, chunk: int = 7
-                    ) -> tuple[list[int], list[torch.Tensor]]:
+def greedy_generate(
+    runner: ModelRunner, prompt: list[int], steps: int, chunk: int = 7
+) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill in chunks, then decode greedily; returns the tokens and each step's logits row."""
     pages = list(range(-(-(len(prompt) + steps) // runner.page_size)))
     rows = []

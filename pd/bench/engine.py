@@ -29,8 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def one_stream(http: aiohttp.ClientSession, url: str, max_tokens: int, i: int):
-    body = {"prompt": f"Request {i}: write a long story about the number {i}.",
-            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "prompt": f"Request {i}: write a long story about the number {i}.",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     times = []
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -57,10 +62,25 @@ async def measure(url: str, n: int, max_tokens: int) -> dict:
 
 
 def start_worker(args) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "pd.worker.main", "--role", "both", "--port", "0",
-           "--dtype", args.dtype, *args.worker_args.split()]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "pd.worker.main",
+        "--role",
+        "both",
+        "--port",
+        "0",
+        "--dtype",
+        args.dtype,
+        *args.worker_args.split(),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     for line in proc.stdout:
         if not args.json:
             print("  worker:", line.rstrip(), file=sys.stderr)
@@ -91,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
     else:
         for r in results:
-            print(f"{r['concurrency']:>4} streams: {r['decode_tok_s']:8.1f} decode tok/s  "
-                  f"ITL {r['mean_itl_ms']:6.1f} ms  TTFT {r['mean_ttft_s'] * 1000:7.1f} ms  "
-                  f"x{r['decode_tok_s'] / base:.2f}")
+            print(
+                f"{r['concurrency']:>4} streams: {r['decode_tok_s']:8.1f} decode tok/s  "
+                f"ITL {r['mean_itl_ms']:6.1f} ms  TTFT {r['mean_ttft_s'] * 1000:7.1f} ms  "
+                f"x{r['decode_tok_s'] / base:.2f}"
+            )
     return 0

@@ -14,7 +14,6 @@ import asyncio
 import random
 import statistics
 import time
-from typing import Any
 
 import numpy as np
 import orjson
@@ -52,7 +51,9 @@ async def _interleaved(args, peer: PeerProcess, spec: PoolSpec, n: int, page_byt
     """Ours and bare NIXL alternate, so both see the same machine load."""
     # The reading side progresses UCX from its own checks (ours: the poller; bare: its loop), so
     # neither D agent runs NIXL's progress thread, which spins a core.
-    cfg = TransferConfig(backend="nixl", serve=False, cluster_token=args.token, nixl_progress_thread=False)
+    cfg = TransferConfig(
+        backend="nixl", serve=False, cluster_token=args.token, nixl_progress_thread=False
+    )
     mgr = create_manager(cfg)
     await mgr.start()
     dst_mem = pool_tensors(spec, fill=False)
@@ -61,7 +62,9 @@ async def _interleaved(args, peer: PeerProcess, spec: PoolSpec, n: int, page_byt
     pull, total, bare_times = [], [], []
     try:
         for i in range(args.iters + 2):
-            params = TransferParams.from_dict(await peer.send({"kv": _page_ids(args, n, spec.num_slots, rng)}))
+            params = TransferParams.from_dict(
+                await peer.send({"kv": _page_ids(args, n, spec.num_slots, rng)})
+            )
             t0 = time.perf_counter()
             rx = mgr.create_receiver(params)
             while rx.poll() is KVPoll.Bootstrapping:  # attach confirmed by P (handshake cached)
@@ -89,7 +92,9 @@ class _BareNixl:
 
     def __init__(self, peer: PeerProcess, spec: PoolSpec, page_bytes: int) -> None:
         nixl = import_nixl()
-        self.agent = nixl.nixl_agent("bench-bare", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = nixl.nixl_agent(
+            "bench-bare", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        )
         self.dst = pool_tensors(spec, fill=False)[0]
         self.agent.register_memory(self.dst)
         self.remote = self.agent.add_remote_agent(unb64(peer.ready["agent_metadata"]))
@@ -101,13 +106,26 @@ class _BareNixl:
         remote, remote_base = self.remote, self.remote_base
         src = np.array(_page_ids(args, n, spec.num_slots, rng), dtype=np.uint64)
         dsti = np.array(_page_ids(args, n, spec.num_slots, rng), dtype=np.uint64)
-        local = np.stack([dst.data_ptr() + dsti * page_bytes, np.full(n, page_bytes, np.uint64),
-                          np.zeros(n, np.uint64)], axis=1).astype(np.uint64)
-        rem = np.stack([remote_base + src * page_bytes, np.full(n, page_bytes, np.uint64),
-                        np.zeros(n, np.uint64)], axis=1).astype(np.uint64)
+        local = np.stack(
+            [
+                dst.data_ptr() + dsti * page_bytes,
+                np.full(n, page_bytes, np.uint64),
+                np.zeros(n, np.uint64),
+            ],
+            axis=1,
+        ).astype(np.uint64)
+        rem = np.stack(
+            [
+                remote_base + src * page_bytes,
+                np.full(n, page_bytes, np.uint64),
+                np.zeros(n, np.uint64),
+            ],
+            axis=1,
+        ).astype(np.uint64)
         t0 = time.perf_counter()
-        h = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
-                                  agent.get_xfer_descs(rem, "DRAM"), remote)
+        h = agent.initialize_xfer(
+            "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(rem, "DRAM"), remote
+        )
         state = agent.transfer(h)
         while state == "PROC":
             state = agent.check_xfer_state(h)
@@ -139,21 +157,36 @@ def _memcpy(args, spec: PoolSpec, n: int, page_bytes: int, rng) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     args.token = "pd-bench-transfer-token"
     n = -(-args.tokens // args.page_size)
-    spec = PoolSpec("kv", 2 * n, tp=1, layers=args.layers, heads=args.kv_heads,
-                    page_size=args.page_size, head_dim=args.head_dim, random=False)
-    page_bytes = args.layers * 2 * args.kv_heads * args.page_size * args.head_dim * 2  # 2-byte dtype
+    spec = PoolSpec(
+        "kv",
+        2 * n,
+        tp=1,
+        layers=args.layers,
+        heads=args.kv_heads,
+        page_size=args.page_size,
+        head_dim=args.head_dim,
+        random=False,
+    )
+    page_bytes = (
+        args.layers * 2 * args.kv_heads * args.page_size * args.head_dim * 2
+    )  # 2-byte dtype
     nbytes = n * page_bytes
     rng = random.Random(args.seed)
-    peer = PeerProcess({"config": {"backend": "nixl", "cluster_token": args.token},
-                        "pools": [spec.to_dict()]})
+    peer = PeerProcess(
+        {"config": {"backend": "nixl", "cluster_token": args.token}, "pools": [spec.to_dict()]}
+    )
     try:
         pull, total, bare, state = asyncio.run(_interleaved(args, peer, spec, n, page_bytes, rng))
     finally:
         peer.close()
     mem = _memcpy(args, spec, n, page_bytes, rng)
     result = {
-        "tokens": args.tokens, "pages": n, "page_bytes": page_bytes, "bytes": nbytes,
-        "layout": "contiguous" if args.contiguous else "random pages", "iters": args.iters,
+        "tokens": args.tokens,
+        "pages": n,
+        "page_bytes": page_bytes,
+        "bytes": nbytes,
+        "layout": "contiguous" if args.contiguous else "random pages",
+        "iters": args.iters,
         "ours_gbps": round(_gbps(nbytes, pull), 3),
         "ours_incl_attach_gbps": round(_gbps(nbytes, total), 3),
         "bare_nixl_gbps": round(_gbps(nbytes, bare), 3),
@@ -166,11 +199,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(result).decode())
     else:
-        print(f"KV of a {args.tokens}-token prompt: {n} pages x {page_bytes} B = {nbytes / 1e6:.1f} MB "
-              f"({result['layout']}), median of {args.iters}")
-        print(f"  (a) ours       {result['ours_gbps']:7.2f} GB/s  ({result['ours_ms']} ms; "
-              f"{result['ours_incl_attach_gbps']:.2f} GB/s incl. attach)")
-        print(f"  (b) bare NIXL  {result['bare_nixl_gbps']:7.2f} GB/s  ({result['bare_nixl_ms']} ms)")
+        print(
+            f"KV of a {args.tokens}-token prompt: {n} pages x {page_bytes} B = {nbytes / 1e6:.1f} MB "
+            f"({result['layout']}), median of {args.iters}"
+        )
+        print(
+            f"  (a) ours       {result['ours_gbps']:7.2f} GB/s  ({result['ours_ms']} ms; "
+            f"{result['ours_incl_attach_gbps']:.2f} GB/s incl. attach)"
+        )
+        print(
+            f"  (b) bare NIXL  {result['bare_nixl_gbps']:7.2f} GB/s  ({result['bare_nixl_ms']} ms)"
+        )
         print(f"  (c) memcpy     {result['memcpy_gbps']:7.2f} GB/s")
         print(f"  a/b = {result['ratio_vs_bare']:.2f} (target >= 0.7)")
     return 0

@@ -101,13 +101,17 @@ def build_paged_metadata(
     kv_lens: list[int] = []
     for b, (page_ids, num_cached, num_new) in enumerate(seqs):
         if num_new < 1 or num_cached < 0:
-            raise ValueError(f"seq {b}: need num_new >= 1 and num_cached >= 0, got "
-                             f"num_cached={num_cached}, num_new={num_new}")
+            raise ValueError(
+                f"seq {b}: need num_new >= 1 and num_cached >= 0, got "
+                f"num_cached={num_cached}, num_new={num_new}"
+            )
         kv_len = num_cached + num_new
         num_pages = (kv_len + page_size - 1) // page_size
         if len(page_ids) < num_pages:
-            raise ValueError(f"seq {b}: {kv_len} tokens need {num_pages} pages of "
-                             f"{page_size}, got {len(page_ids)}")
+            raise ValueError(
+                f"seq {b}: {kv_len} tokens need {num_pages} pages of "
+                f"{page_size}, got {len(page_ids)}"
+            )
         kv_indices.extend(page_ids[:num_pages])
         kv_indptr.append(len(kv_indices))
         last_page_len.append(kv_len - (num_pages - 1) * page_size)

@@ -36,12 +36,41 @@ from pd.transfer.manager import ManagerState, TransferManager
 from pd.transfer.nixl_compat import import_nixl, nixl_available
 from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll
-from pd.transfer.pools import PoolDesc, RankRegion, TpSplit, kv_pool_from_tensors, whole_pool_from_tensors
+from pd.transfer.pools import (
+    PoolDesc,
+    RankRegion,
+    TpSplit,
+    kv_pool_from_tensors,
+    whole_pool_from_tensors,
+)
 
 __all__ = [
-    "AuthError", "BACKENDS", "BackendUnavailable", "HandshakeError", "KVBootstrapServer", "KVManager",
-    "KVPoll", "KVReceiver", "KVSender", "ManagerState", "PeerLostError", "PoolDesc", "PoolError",
-    "ProtocolError", "RankRegion", "SlotIds", "TpSplit", "TransferConfig", "TransferError",
-    "TransferFailed", "TransferManager", "TransferParams", "create_manager", "import_nixl",
-    "kv_pool_from_tensors", "make_backend", "nixl_available", "whole_pool_from_tensors",
+    "AuthError",
+    "BACKENDS",
+    "BackendUnavailable",
+    "HandshakeError",
+    "KVBootstrapServer",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "ManagerState",
+    "PeerLostError",
+    "PoolDesc",
+    "PoolError",
+    "ProtocolError",
+    "RankRegion",
+    "SlotIds",
+    "TpSplit",
+    "TransferConfig",
+    "TransferError",
+    "TransferFailed",
+    "TransferManager",
+    "TransferParams",
+    "create_manager",
+    "import_nixl",
+    "kv_pool_from_tensors",
+    "make_backend",
+    "nixl_available",
+    "whole_pool_from_tensors",
 ]

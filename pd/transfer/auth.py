@@ -39,11 +39,15 @@ def _mac(token: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def prefill_proof(token: bytes, d_nonce: bytes, p_nonce: bytes, p_engine: str, d_engine: str) -> bytes:
+def prefill_proof(
+    token: bytes, d_nonce: bytes, p_nonce: bytes, p_engine: str, d_engine: str
+) -> bytes:
     return _mac(token, b"P", d_nonce, p_nonce, p_engine.encode(), d_engine.encode())
 
 
-def decode_proof(token: bytes, d_nonce: bytes, p_nonce: bytes, p_engine: str, d_engine: str) -> bytes:
+def decode_proof(
+    token: bytes, d_nonce: bytes, p_nonce: bytes, p_engine: str, d_engine: str
+) -> bytes:
     return _mac(token, b"D", p_nonce, d_nonce, d_engine.encode(), p_engine.encode())
 
 

@@ -79,7 +79,9 @@ class KVBootstrapServer(ABC):
     async def close(self) -> None: ...
 
 
-ReleaseCallback = Callable[[KVSender, str], None]  # (sender, reason: "done"|"abort"|"lease_expired")
+ReleaseCallback = Callable[
+    [KVSender, str], None
+]  # (sender, reason: "done"|"abort"|"lease_expired")
 
 
 class KVManager(ABC):

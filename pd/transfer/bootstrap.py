@@ -207,9 +207,13 @@ class BootstrapServer(KVBootstrapServer):
     def _sweep(self) -> None:
         self._sweep_timer = None
         now = time.monotonic()
-        for ident in [i for i, p in self.pending.items() if now - p.started > self._handshake_timeout_s]:
+        for ident in [
+            i for i, p in self.pending.items() if now - p.started > self._handshake_timeout_s
+        ]:
             del self.pending[ident]
-        for ident in [i for i, s in self.sessions.items() if now - s.last_seen > self._session_timeout_s]:
+        for ident in [
+            i for i, s in self.sessions.items() if now - s.last_seen > self._session_timeout_s
+        ]:
             log.info("bootstrap: session of %s timed out", self.sessions[ident].d_engine)
             del self.sessions[ident]
         if self.pending or self.sessions:

@@ -34,9 +34,15 @@ class TransferConfig:
             raise ValueError(f"unknown transfer backend {self.backend!r} (nixl or fake)")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port out of range: {self.bootstrap_port}")
-        for name in ("handshake_timeout_s", "transfer_timeout_s", "heartbeat_interval_s",
-                     "session_timeout_s", "peer_idle_timeout_s", "default_lease_ttl_s",
-                     "poll_interval_s"):
+        for name in (
+            "handshake_timeout_s",
+            "transfer_timeout_s",
+            "heartbeat_interval_s",
+            "session_timeout_s",
+            "peer_idle_timeout_s",
+            "default_lease_ttl_s",
+            "poll_interval_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.heartbeat_misses < 1:

@@ -29,6 +29,7 @@ def create_manager(
 ) -> TransferManager:
     """A manager with the backend named in the config (call `await manager.start()` next)."""
     resolve_token(config.cluster_token)  # fail before creating an agent
-    backend = make_backend(config.backend, f"pd-{config.engine_id}",
-                           nixl_progress_thread=config.nixl_progress_thread)
+    backend = make_backend(
+        config.backend, f"pd-{config.engine_id}", nixl_progress_thread=config.nixl_progress_thread
+    )
     return TransferManager(config, backend, wire_tap=wire_tap)

@@ -68,8 +68,13 @@ class FakeBackend(Backend):
 
     def _covered(self, regions: list[MemRegion], kind: str, descs) -> bool:
         for addr, n, dev in descs.tolist():
-            if not any(r.kind == kind and r.device_id == dev and r.addr <= addr
-                       and addr + n <= r.addr + r.nbytes for r in regions):
+            if not any(
+                r.kind == kind
+                and r.device_id == dev
+                and r.addr <= addr
+                and addr + n <= r.addr + r.nbytes
+                for r in regions
+            ):
                 return False
         return True
 

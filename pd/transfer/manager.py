@@ -243,15 +243,23 @@ class TransferManager(KVManager):
         assert self._ctx is not None
         cfg = self.config
         link = PeerLink(
-            ctx=self._ctx, host=key[0], port=key[1], my_engine_id=self.engine_id, token=self._token,
-            heartbeat_interval_s=cfg.heartbeat_interval_s, heartbeat_misses=cfg.heartbeat_misses,
-            idle_timeout_s=cfg.peer_idle_timeout_s, on_lost=self._on_link_lost,
+            ctx=self._ctx,
+            host=key[0],
+            port=key[1],
+            my_engine_id=self.engine_id,
+            token=self._token,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            heartbeat_misses=cfg.heartbeat_misses,
+            idle_timeout_s=cfg.peer_idle_timeout_s,
+            on_lost=self._on_link_lost,
             wire_tap=self._wire_tap,
         )
         await link.handshake(cfg.handshake_timeout_s)
         try:
             if link.backend != self.backend.name:
-                raise HandshakeError(f"prefill uses backend {link.backend!r}, we use {self.backend.name!r}")
+                raise HandshakeError(
+                    f"prefill uses backend {link.backend!r}, we use {self.backend.name!r}"
+                )
             link.agent = self.backend.add_peer(link.agent_metadata)
         except Exception as e:
             await link.close()

@@ -117,7 +117,8 @@ class Abort:
 
 Message = Hello | Challenge | Auth | Welcome | Refused | Heartbeat | HeartbeatAck | Done | Abort
 _TYPES: dict[str, type] = {
-    c.TYPE: c for c in (Hello, Challenge, Auth, Welcome, Refused, Heartbeat, HeartbeatAck, Done, Abort)
+    c.TYPE: c
+    for c in (Hello, Challenge, Auth, Welcome, Refused, Heartbeat, HeartbeatAck, Done, Abort)
 }
 MAX_MESSAGE_BYTES = 16 << 20
 

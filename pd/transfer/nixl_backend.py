@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 class NixlBackend(Backend):
     name = "nixl"
 
-    def __init__(self, agent_name: str, *, progress_thread: bool = True, ucx_backend: str = "UCX") -> None:
+    def __init__(
+        self, agent_name: str, *, progress_thread: bool = True, ucx_backend: str = "UCX"
+    ) -> None:
         nixl = import_nixl()
         self.agent_name = agent_name
         conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[ucx_backend])

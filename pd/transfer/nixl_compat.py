@@ -32,7 +32,8 @@ def import_nixl() -> ModuleType:
         _cached = mod
         return mod
     raise BackendUnavailable(
-        "no NIXL package importable (pip install nixl-cu12 or nixl-cu13); tried " + "; ".join(errors)
+        "no NIXL package importable (pip install nixl-cu12 or nixl-cu13); tried "
+        + "; ".join(errors)
     )
 
 

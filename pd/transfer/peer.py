@@ -20,7 +20,17 @@ import zmq.asyncio
 from pd.transfer import auth
 from pd.transfer.errors import AuthError, HandshakeError, ProtocolError
 from pd.transfer.messages import (
-    Abort, Auth, Challenge, Heartbeat, HeartbeatAck, Hello, Message, Refused, Welcome, decode, encode,
+    Abort,
+    Auth,
+    Challenge,
+    Heartbeat,
+    HeartbeatAck,
+    Hello,
+    Message,
+    Refused,
+    Welcome,
+    decode,
+    encode,
     unb64,
 )
 from pd.transfer.pools import PoolDesc
@@ -87,7 +97,9 @@ class PeerLink:
                 await self._handshake(sock)
         except TimeoutError:
             self._close_socket()
-            raise HandshakeError(f"handshake with {self.host}:{self.port} timed out after {timeout_s}s") from None
+            raise HandshakeError(
+                f"handshake with {self.host}:{self.port} timed out after {timeout_s}s"
+            ) from None
         except (AuthError, HandshakeError, ProtocolError):
             self._close_socket()
             raise
@@ -103,7 +115,9 @@ class PeerLink:
         want = auth.prefill_proof(self._token, d_nonce, p_nonce, msg.engine_id, self._my_engine)
         if not auth.verify(want, bytes.fromhex(msg.proof)):
             await self._send_raw([encode(Refused("authentication failed"))])
-            raise AuthError(f"peer {self.host}:{self.port} failed authentication (wrong cluster token?)")
+            raise AuthError(
+                f"peer {self.host}:{self.port} failed authentication (wrong cluster token?)"
+            )
         proof = auth.decode_proof(self._token, d_nonce, p_nonce, msg.engine_id, self._my_engine)
         await self._send_raw([encode(Auth(proof.hex()))])
         key = auth.session_key(self._token, d_nonce, p_nonce)
@@ -113,7 +127,10 @@ class PeerLink:
             raise AuthError(f"refused by {self.host}:{self.port}: {welcome.reason}")
         if not isinstance(welcome, Welcome) or len(frames) != 2:
             raise HandshakeError("expected welcome")
-        if not auth.verify(auth.tag(key, frames[0]), frames[1]) or welcome.engine_id != msg.engine_id:
+        if (
+            not auth.verify(auth.tag(key, frames[0]), frames[1])
+            or welcome.engine_id != msg.engine_id
+        ):
             raise AuthError("welcome not from the authenticated peer")
         self._key, self.engine_id, self.backend = key, welcome.engine_id, welcome.backend
         self.agent_metadata = unb64(welcome.agent_metadata)
@@ -173,13 +190,17 @@ class PeerLink:
                 log.info("peer %s:%s: malformed message: %s", self.host, self.port, e)
                 continue
             if isinstance(msg, Refused):
-                return self._lose(f"prefill {self.host}:{self.port} dropped the session: {msg.reason}")
+                return self._lose(
+                    f"prefill {self.host}:{self.port} dropped the session: {msg.reason}"
+                )
             if len(frames) != 2 or not auth.verify(auth.tag(self._key, frames[0]), frames[1]):
                 log.warning("peer %s:%s: message with a bad tag dropped", self.host, self.port)
                 continue
             if isinstance(msg, HeartbeatAck):
                 if msg.engine_id != self.engine_id:
-                    return self._lose(f"prefill {self.host}:{self.port} restarted (engine id changed)")
+                    return self._lose(
+                        f"prefill {self.host}:{self.port} restarted (engine id changed)"
+                    )
                 self._last_ack = time.monotonic()
                 self._probing = False
                 for tid in msg.known:
@@ -194,7 +215,9 @@ class PeerLink:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            if not self.clients and not self._probing:  # idle: sleep until a transfer attaches or the link expires
+            if (
+                not self.clients and not self._probing
+            ):  # idle: sleep until a transfer attaches or the link expires
                 self._wake.clear()
                 try:
                     async with asyncio.timeout(self._idle_timeout_s):
@@ -214,7 +237,9 @@ class PeerLink:
                 pass
             silent = time.monotonic() - self._last_ack
             if silent > self._interval * self._misses:
-                return self._lose(f"prefill {self.host}:{self.port} missed heartbeats for {silent:.1f}s")
+                return self._lose(
+                    f"prefill {self.host}:{self.port} missed heartbeats for {silent:.1f}s"
+                )
 
     def _lose(self, reason: str, idle: bool = False) -> None:
         if not self.alive:

@@ -68,10 +68,25 @@ def pool_tensors(spec: PoolSpec, *, fill: bool) -> list[torch.Tensor]:
     for r in range(spec.tp):
         if spec.kind == "kv":
             hr = spec.heads // spec.tp
-            t = global_tensor(spec)[:, :, :, r * hr:(r + 1) * hr].contiguous() if fill else torch.zeros(
-                spec.num_slots, spec.layers, 2, hr, spec.page_size, spec.head_dim, dtype=torch.int16)
+            t = (
+                global_tensor(spec)[:, :, :, r * hr : (r + 1) * hr].contiguous()
+                if fill
+                else torch.zeros(
+                    spec.num_slots,
+                    spec.layers,
+                    2,
+                    hr,
+                    spec.page_size,
+                    spec.head_dim,
+                    dtype=torch.int16,
+                )
+            )
         else:
-            t = global_tensor(spec, r) if fill else torch.zeros(spec.num_slots, spec.slot_elems, dtype=torch.int16)
+            t = (
+                global_tensor(spec, r)
+                if fill
+                else torch.zeros(spec.num_slots, spec.slot_elems, dtype=torch.int16)
+            )
         out.append(t)
     return out
 
@@ -87,7 +102,7 @@ EVENT_PREFIX = "@pd-event "  # other libraries (NIXL) log to stdout too
 
 def parse_event(line: bytes | str) -> dict[str, Any] | None:
     text = line.decode() if isinstance(line, bytes) else line
-    return orjson.loads(text[len(EVENT_PREFIX):]) if text.startswith(EVENT_PREFIX) else None
+    return orjson.loads(text[len(EVENT_PREFIX) :]) if text.startswith(EVENT_PREFIX) else None
 
 
 def _emit(obj: dict[str, Any]) -> None:
@@ -107,9 +122,16 @@ async def _main(spec: dict[str, Any]) -> None:
         tensors = pool_tensors(ps, fill=True)
         keep.append(tensors)
         mgr.register_pool(pool_desc(ps, tensors))
-    _emit({"event": "ready", "port": mgr.bootstrap_port, "engine_id": mgr.engine_id, "pid": os.getpid(),
-           "agent_metadata": b64(mgr.backend.metadata()),  # for bare-NIXL comparisons
-           "pools": [p.to_dict() for p in mgr.pools.values()]})
+    _emit(
+        {
+            "event": "ready",
+            "port": mgr.bootstrap_port,
+            "engine_id": mgr.engine_id,
+            "pid": os.getpid(),
+            "agent_metadata": b64(mgr.backend.metadata()),  # for bare-NIXL comparisons
+            "pools": [p.to_dict() for p in mgr.pools.values()],
+        }
+    )
 
     def released(sender, reason: str) -> None:
         _emit({"event": "released", "transfer_id": sender.transfer_id, "reason": reason})
@@ -120,8 +142,12 @@ async def _main(spec: dict[str, Any]) -> None:
             break
         cmd = orjson.loads(line)
         if cmd["op"] == "send":
-            s = mgr.create_sender(cmd["slots"], released, lease_ttl_s=cmd.get("lease_ttl_s"),
-                                  transfer_id=cmd.get("transfer_id"))
+            s = mgr.create_sender(
+                cmd["slots"],
+                released,
+                lease_ttl_s=cmd.get("lease_ttl_s"),
+                transfer_id=cmd.get("transfer_id"),
+            )
             _emit({"event": "sender", "params": s.params().to_dict()})
         elif cmd["op"] == "quit":
             break
@@ -132,13 +158,16 @@ async def _main(spec: dict[str, Any]) -> None:
 class PeerProcess:
     """Client side: starts `python -m pd.transfer.peerproc` and talks to it. `close()` SIGKILLs it."""
 
-    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None,
-                 start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, spec: dict[str, Any], env: dict[str, str] | None = None, start_timeout_s: float = 60.0
+    ) -> None:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd.transfer.peerproc", orjson.dumps(spec).decode()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})},
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -149,7 +178,11 @@ class PeerProcess:
             self.close()
             raise
         assert self.ready["event"] == "ready", self.ready
-        self.port, self.engine_id, self.pid = self.ready["port"], self.ready["engine_id"], self.ready["pid"]
+        self.port, self.engine_id, self.pid = (
+            self.ready["port"],
+            self.ready["engine_id"],
+            self.ready["pid"],
+        )
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -169,7 +202,9 @@ class PeerProcess:
     async def send(self, slots: dict[str, list[int]], lease_ttl_s: float = 10.0) -> dict[str, Any]:
         """Create a sender over `slots`; returns its transfer params (a dict)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(orjson.dumps({"op": "send", "slots": slots, "lease_ttl_s": lease_ttl_s}) + b"\n")
+        self.proc.stdin.write(
+            orjson.dumps({"op": "send", "slots": slots, "lease_ttl_s": lease_ttl_s}) + b"\n"
+        )
         self.proc.stdin.flush()
         ev = await self.aevent()
         assert ev["event"] == "sender", ev

@@ -73,7 +73,9 @@ def rank_segments(local: PoolDesc, remote: PoolDesc) -> list[Segment]:
         h, end = lr.head_start, lr.head_start + ls.heads
         while h < end:
             holders = [
-                p for p, rr in enumerate(remote.ranks) if rr.head_start <= h < rr.head_start + rs.heads
+                p
+                for p, rr in enumerate(remote.ranks)
+                if rr.head_start <= h < rr.head_start + rs.heads
             ]
             if not holders:
                 raise PoolError(f"pool {local.name!r}: no remote rank holds head {h}")
@@ -95,14 +97,20 @@ def rank_segments(local: PoolDesc, remote: PoolDesc) -> list[Segment]:
     return segments
 
 
-def _runs(src: np.ndarray, dst: np.ndarray, max_run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _runs(
+    src: np.ndarray, dst: np.ndarray, max_run: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split (src, dst) into runs adjacent on both sides; returns (src starts, dst starts, lengths)."""
     brk = np.ones(len(src), dtype=bool)
     brk[1:] = (np.diff(src) != 1) | (np.diff(dst) != 1)
     starts = np.flatnonzero(brk)
     lengths = np.diff(np.append(starts, len(src)))
     if max_run and (lengths > max_run).any():  # cut long runs into pieces of at most max_run
-        pieces = [(s + o, min(max_run, n - o)) for s, n in zip(starts, lengths) for o in range(0, n, max_run)]
+        pieces = [
+            (s + o, min(max_run, n - o))
+            for s, n in zip(starts, lengths)
+            for o in range(0, n, max_run)
+        ]
         starts = np.array([p[0] for p in pieces], dtype=np.int64)
         lengths = np.array([p[1] for p in pieces], dtype=np.int64)
     return src[starts], dst[starts], lengths
@@ -121,12 +129,19 @@ def plan_reads(
     `max_desc_bytes` caps a coalesced descriptor (0: no cap; never splits a single slot).
     """
     if len(src_slots) != len(dst_slots):
-        raise PoolError(f"pool {local.name!r}: {len(src_slots)} source vs {len(dst_slots)} dest slots")
+        raise PoolError(
+            f"pool {local.name!r}: {len(src_slots)} source vs {len(dst_slots)} dest slots"
+        )
     if not src_slots:
         return []
     src = np.asarray(src_slots, dtype=np.int64)
     dst = np.asarray(dst_slots, dtype=np.int64)
-    if src.min() < 0 or src.max() >= remote.num_slots or dst.min() < 0 or dst.max() >= local.num_slots:
+    if (
+        src.min() < 0
+        or src.max() >= remote.num_slots
+        or dst.min() < 0
+        or dst.max() >= local.num_slots
+    ):
         raise PoolError(f"pool {local.name!r}: slot id out of range")
     by_kind: dict[tuple[str, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for seg in rank_segments(local, remote):
@@ -142,13 +157,25 @@ def plan_reads(
             assert ls is not None and rs is not None
             outer = np.arange(ls.outer, dtype=np.int64)
             l_row, r_row = ls.heads * ls.inner_bytes, rs.heads * rs.inner_bytes
-            laddr = (lr.base_addr + dst[:, None] * local.slot_bytes + outer[None, :] * l_row + seg.local_off).ravel()
-            raddr = (rr.base_addr + src[:, None] * remote.slot_bytes + outer[None, :] * r_row + seg.remote_off).ravel()
+            laddr = (
+                lr.base_addr
+                + dst[:, None] * local.slot_bytes
+                + outer[None, :] * l_row
+                + seg.local_off
+            ).ravel()
+            raddr = (
+                rr.base_addr
+                + src[:, None] * remote.slot_bytes
+                + outer[None, :] * r_row
+                + seg.remote_off
+            ).ravel()
             lens = np.full(laddr.shape, seg.nbytes, dtype=np.int64)
         ld = np.stack([laddr, lens, np.full_like(lens, lr.device_id)], axis=1).astype(np.uint64)
         rd = np.stack([raddr, lens, np.full_like(lens, rr.device_id)], axis=1).astype(np.uint64)
         by_kind.setdefault((lr.mem_kind, rr.mem_kind), []).append((ld, rd))
     return [
-        ReadBatch(lk, rk, np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts]))
+        ReadBatch(
+            lk, rk, np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])
+        )
         for (lk, rk), parts in by_kind.items()
     ]

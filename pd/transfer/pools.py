@@ -96,7 +96,12 @@ class PoolDesc:
             "ranks": [[r.base_addr, r.device, r.head_start] for r in self.ranks],
             "split": None
             if self.split is None
-            else [self.split.outer, self.split.heads, self.split.inner_bytes, self.split.total_heads],
+            else [
+                self.split.outer,
+                self.split.heads,
+                self.split.inner_bytes,
+                self.split.total_heads,
+            ],
             "replicated": self.replicated,
             "meta": self.meta,
         }
@@ -148,7 +153,8 @@ def kv_pool_from_tensors(name: str, tensors: list[_TensorLike], total_kv_heads: 
     group = heads * tp // total_kv_heads  # ranks holding the same heads
     split = TpSplit(layers * 2, heads, page_size * head_dim * itemsize, total_kv_heads)
     ranks = tuple(
-        RankRegion(t.data_ptr(), _device_str(t), (r // group) * heads) for r, t in enumerate(tensors)
+        RankRegion(t.data_ptr(), _device_str(t), (r // group) * heads)
+        for r, t in enumerate(tensors)
     )
     return PoolDesc(name, num_pages, split.slot_bytes, ranks, split=split)
 

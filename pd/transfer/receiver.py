@@ -58,12 +58,16 @@ class Receiver(KVReceiver):
         if self._dst is not None:
             raise TransferError(f"transfer {self.transfer_id}: init() called twice")
         if set(dst_slots) != set(self.params.page_ids):
-            raise PoolError(f"transfer {self.transfer_id}: pools {sorted(dst_slots)} != "
-                            f"{sorted(self.params.page_ids)}")
+            raise PoolError(
+                f"transfer {self.transfer_id}: pools {sorted(dst_slots)} != "
+                f"{sorted(self.params.page_ids)}"
+            )
         for name, ids in dst_slots.items():
             if len(ids) != len(self.params.page_ids[name]):
-                raise PoolError(f"transfer {self.transfer_id}: pool {name!r} needs "
-                                f"{len(self.params.page_ids[name])} slots, got {len(ids)}")
+                raise PoolError(
+                    f"transfer {self.transfer_id}: pool {name!r} needs "
+                    f"{len(self.params.page_ids[name])} slots, got {len(ids)}"
+                )
         self._dst = {k: list(v) for k, v in dst_slots.items()}
         self._maybe_start()
 
@@ -91,8 +95,11 @@ class Receiver(KVReceiver):
 
     def _handshake_deadline(self) -> None:
         if self._state.state is KVPoll.Bootstrapping:
-            self._fail(f"handshake with {self.params.remote_host}:{self.params.remote_port} not done "
-                       f"within {self._m.config.handshake_timeout_s}s", tell_prefill=True)
+            self._fail(
+                f"handshake with {self.params.remote_host}:{self.params.remote_port} not done "
+                f"within {self._m.config.handshake_timeout_s}s",
+                tell_prefill=True,
+            )
 
     # -- called by the peer link -----------------------------------------------------------
 
@@ -102,8 +109,10 @@ class Receiver(KVReceiver):
             self._maybe_start()
 
     def on_unknown(self) -> None:
-        self._fail(f"prefill does not hold transfer {self.transfer_id} (lease expired or aborted)",
-                   tell_prefill=False)
+        self._fail(
+            f"prefill does not hold transfer {self.transfer_id} (lease expired or aborted)",
+            tell_prefill=False,
+        )
 
     def on_remote_abort(self, reason: str) -> None:
         self._fail(f"aborted by prefill: {reason}", tell_prefill=False)
@@ -114,14 +123,23 @@ class Receiver(KVReceiver):
     # -- pull ------------------------------------------------------------------------------
 
     def _maybe_start(self) -> None:
-        if self._state.state is not KVPoll.WaitingForInput or self._dst is None or self._link is None:
+        if (
+            self._state.state is not KVPoll.WaitingForInput
+            or self._dst is None
+            or self._link is None
+        ):
             return
         link, cfg = self._link, self._m.config
         try:
             batches: list[ReadBatch] = []
             for name, src in self.params.page_ids.items():
-                batches += plan_reads(self._m.pools[name], link.pools[name], src, self._dst[name],
-                                      max_desc_bytes=cfg.max_desc_bytes)
+                batches += plan_reads(
+                    self._m.pools[name],
+                    link.pools[name],
+                    src,
+                    self._dst[name],
+                    max_desc_bytes=cfg.max_desc_bytes,
+                )
             self.started_at = time.monotonic()
             self._xfer = self._m.backend.start_read(link.agent, batches)
         except TransferError as e:
@@ -141,10 +159,14 @@ class Receiver(KVReceiver):
         elif state == "ERR":
             if self._link is not None:
                 self._link.suspect()  # a dead peer is then found by its missed heartbeats
-            self._fail("TransferFailed: transport error while reading from prefill", tell_prefill=True)
+            self._fail(
+                "TransferFailed: transport error while reading from prefill", tell_prefill=True
+            )
         elif now > self._deadline:
-            self._fail(f"TransferFailed: pull not done within {self._m.config.transfer_timeout_s}s",
-                       tell_prefill=True)
+            self._fail(
+                f"TransferFailed: pull not done within {self._m.config.transfer_timeout_s}s",
+                tell_prefill=True,
+            )
         return self._state.done
 
     def _succeed(self) -> None:

@@ -81,13 +81,19 @@ class Engine:
         if self._wakeup is None:
             raise APIError(503, "the engine is not running", "server_busy", "not_ready")
         if len(self.scheduler.waiting) >= self.max_waiting:
-            raise APIError(503, "the worker's request queue is full; retry later",
-                           "server_busy", "queue_full", headers={"Retry-After": "1"})
+            raise APIError(
+                503,
+                "the worker's request queue is full; retry later",
+                "server_busy",
+                "queue_full",
+                headers={"Retry-After": "1"},
+            )
         self.check_fits(len(prompt_ids), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
         seq = Sequence(request_id, prompt_ids, params)
         handle = RequestHandle(
-            seq, IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            seq,
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopChecker(params.stop),
         )
         self.handles[request_id] = handle
@@ -98,13 +104,17 @@ class Engine:
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len >= self.max_model_len:
             raise APIError(
-                400, f"the prompt has {prompt_len} tokens but this model's context length is "
-                f"{self.max_model_len}: shorten it", code="context_length_exceeded", param="messages"
+                400,
+                f"the prompt has {prompt_len} tokens but this model's context length is "
+                f"{self.max_model_len}: shorten it",
+                code="context_length_exceeded",
+                param="messages",
             )
         pages = -(-(prompt_len + max_tokens) // self.scheduler.page_size)
         if pages > self.scheduler.allocator.num_total:
             raise APIError(
-                400, f"prompt + max_tokens ({prompt_len + max_tokens} tokens) exceed this worker's "
+                400,
+                f"prompt + max_tokens ({prompt_len + max_tokens} tokens) exceed this worker's "
                 f"KV cache ({self.scheduler.allocator.num_total * self.scheduler.page_size} tokens)",
                 code="context_length_exceeded",
             )

@@ -44,8 +44,10 @@ async def serve(cfg: WorkerConfig) -> None:
     await site.start()
     port = sock.getsockname()[1]
     # A line that scripts and tests wait for.
-    print(f"pd-worker ready: role={cfg.role} model={worker.model_name} "
-          f"url=http://{cfg.host}:{port}", flush=True)
+    print(
+        f"pd-worker ready: role={cfg.role} model={worker.model_name} url=http://{cfg.host}:{port}",
+        flush=True,
+    )
 
     my_url = cfg.advertise_url or f"http://{cfg.host}:{port}"
     if cfg.register_with:

@@ -12,24 +12,44 @@ class WorkerMetrics:
     def __init__(self, engine_load) -> None:
         """`engine_load()` returns the current `WorkerLoad`; gauges read it at scrape time."""
         self.registry = r = CollectorRegistry()
-        self.prompt_tokens = Counter("pd_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.prompt_tokens = Counter(
+            "pd_prompt_tokens", "prompt tokens of admitted requests", registry=r
+        )
         self.generation_tokens = Counter("pd_generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("pd_requests", "finished requests by finish reason", ["reason"], registry=r)
-        self.aborted = Counter("pd_requests_aborted", "requests aborted by their client", registry=r)
+        self.requests = Counter(
+            "pd_requests", "finished requests by finish reason", ["reason"], registry=r
+        )
+        self.aborted = Counter(
+            "pd_requests_aborted", "requests aborted by their client", registry=r
+        )
         self.preemptions = Counter("pd_preemptions", "requests preempted for pages", registry=r)
-        self.ttft = Histogram("pd_time_to_first_token_seconds", "time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pd_inter_token_latency_seconds", "time between output tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pd_request_latency_seconds", "request latency, arrival to finish",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pd_time_to_first_token_seconds",
+            "time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pd_inter_token_latency_seconds",
+            "time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pd_request_latency_seconds",
+            "request latency, arrival to finish",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         gauges = {
             "pd_kv_pages_total": ("KV pages per rank", lambda w: w.kv_pages_total),
             "pd_kv_pages_free": ("free KV pages per rank", lambda w: w.kv_pages_free),
             "pd_requests_running": ("requests in the running batch", lambda w: w.running),
             "pd_requests_waiting": ("requests waiting for admission", lambda w: w.waiting),
-            "pd_queued_prefill_tokens": ("prompt tokens not yet prefilled",
-                                         lambda w: w.queued_prefill_tokens),
+            "pd_queued_prefill_tokens": (
+                "prompt tokens not yet prefilled",
+                lambda w: w.queued_prefill_tokens,
+            ),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine_load()))

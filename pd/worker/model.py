@@ -35,9 +35,7 @@ class Rotary:
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         dim = config.head_dim
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-        )
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         inv_freq = _scale_llama3(inv_freq, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [P, dim/2]
@@ -123,10 +121,16 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] rows of T whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, V] fp32
         cfg = self.config
-        metas = [meta if r.device == self.ranks[0].device else meta.to(r.device) for r in self.ranks]
+        metas = [
+            meta if r.device == self.ranks[0].device else meta.to(r.device) for r in self.ranks
+        ]
         for rank, m in zip(self.ranks, metas):
             rank.attn.plan(
-                m, rank.num_heads, rank.num_kv_heads, cfg.head_dim, rank.kv.page_size,
+                m,
+                rank.num_heads,
+                rank.num_kv_heads,
+                cfg.head_dim,
+                rank.kv.page_size,
                 rank.kv.dtype,
             )
         h = self.embed[input_ids]  # [T, hidden]
@@ -134,7 +138,9 @@ class LlamaModel:
             in_norm, post_norm = self.norms[i]
             x = rms_norm(h, in_norm, cfg.rms_norm_eps)
             xs = self.comm.broadcast(x)
-            partial = [self._attention(i, rank, m, xr) for rank, m, xr in zip(self.ranks, metas, xs)]
+            partial = [
+                self._attention(i, rank, m, xr) for rank, m, xr in zip(self.ranks, metas, xs)
+            ]
             h = h + self.comm.reduce(partial)
             x = rms_norm(h, post_norm, cfg.rms_norm_eps)
             xs = self.comm.broadcast(x)
@@ -182,13 +188,22 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
 
 def shard_layer(
-    weights: dict[str, torch.Tensor], config: ModelConfig, i: int, rank: int, tp: int,
-    dtype: torch.dtype, device: torch.device,
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    i: int,
+    rank: int,
+    tp: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> LayerShard:
     """Cut rank `rank`'s slice of layer `i` out of Hugging Face weights."""
     p = f"model.layers.{i}."
     d = config.head_dim
-    hq, hkv, inter = config.num_heads // tp, config.num_kv_heads // tp, config.intermediate_size // tp
+    hq, hkv, inter = (
+        config.num_heads // tp,
+        config.num_kv_heads // tp,
+        config.intermediate_size // tp,
+    )
 
     def rows(name: str, n: int) -> torch.Tensor:
         return weights[p + name][rank * n : (rank + 1) * n]
@@ -197,14 +212,20 @@ def shard_layer(
         return weights[p + name][:, rank * n : (rank + 1) * n]
 
     qkv = torch.cat(
-        [rows("self_attn.q_proj.weight", hq * d), rows("self_attn.k_proj.weight", hkv * d),
-         rows("self_attn.v_proj.weight", hkv * d)]
+        [
+            rows("self_attn.q_proj.weight", hq * d),
+            rows("self_attn.k_proj.weight", hkv * d),
+            rows("self_attn.v_proj.weight", hkv * d),
+        ]
     )
     bias = None
     if config.qkv_bias:
         bias = torch.cat(
-            [rows("self_attn.q_proj.bias", hq * d), rows("self_attn.k_proj.bias", hkv * d),
-             rows("self_attn.v_proj.bias", hkv * d)]
+            [
+                rows("self_attn.q_proj.bias", hq * d),
+                rows("self_attn.k_proj.bias", hkv * d),
+                rows("self_attn.v_proj.bias", hkv * d),
+            ]
         )
     gate_up = torch.cat([rows("mlp.gate_proj.weight", inter), rows("mlp.up_proj.weight", inter)])
 

@@ -26,7 +26,9 @@ class ModelConfig:
     rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+        assert self.num_heads % self.num_kv_heads == 0, (
+            "num_heads must be a multiple of num_kv_heads"
+        )
         assert self.head_dim > 0 and self.num_layers > 0
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+
 import torch
 
 from pd.kvcache.kv_pool import KVPool, pages_for_budget
@@ -51,8 +52,13 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 
 def size_kv_pages(
-    config: ModelConfig, tp: int, page_size: int, dtype: torch.dtype, device: str,
-    kv_pages: int, memory_fraction: float,
+    config: ModelConfig,
+    tp: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: str,
+    kv_pages: int,
+    memory_fraction: float,
 ) -> int:
     """Pages per rank: as asked, else a fraction of the device's memory."""
     if kv_pages:
@@ -85,22 +91,35 @@ class ModelRunner:
     ) -> None:
         check_tp(config, tp)
         if device == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+            raise ValueError(
+                f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}"
+            )
         self.config = config
         self.dtype = dtype
         self.page_size = page_size
         self.max_model_len = max_model_len
-        devices = [torch.device("cuda", r) if device == "cuda" else torch.device("cpu") for r in range(tp)]
+        devices = [
+            torch.device("cuda", r) if device == "cuda" else torch.device("cpu") for r in range(tp)
+        ]
         self.device = devices[0]
         ranks = []
         for r, dev in enumerate(devices):
-            layers = [shard_layer(weights, config, i, r, tp, dtype, dev) for i in range(config.num_layers)]
+            layers = [
+                shard_layer(weights, config, i, r, tp, dtype, dev) for i in range(config.num_layers)
+            ]
             ranks.append(
                 RankState(
                     device=dev,
                     layers=layers,
-                    kv=KVPool(num_pages, config.num_layers, config.num_kv_heads // tp, page_size,
-                              config.head_dim, dtype, dev),
+                    kv=KVPool(
+                        num_pages,
+                        config.num_layers,
+                        config.num_kv_heads // tp,
+                        page_size,
+                        config.head_dim,
+                        dtype,
+                        dev,
+                    ),
                     attn=select_attention_backend(dev, dtype),
                     rotary=Rotary(config, max_model_len, dev),
                     num_heads=config.num_heads // tp,
@@ -108,8 +127,10 @@ class ModelRunner:
                 )
             )
         embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
-        lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"].to(
-            device=self.device, dtype=dtype
+        lm_head = (
+            embed
+            if config.tie_word_embeddings
+            else weights["lm_head.weight"].to(device=self.device, dtype=dtype)
         )
         norms = [
             (
@@ -119,8 +140,9 @@ class ModelRunner:
             for i in range(config.num_layers)
         ]
         final_norm = weights["model.norm.weight"].to(self.device, dtype)
-        self.model = LlamaModel(config, ranks, embed, norms, final_norm, lm_head,
-                                make_communicator(devices))
+        self.model = LlamaModel(
+            config, ranks, embed, norms, final_norm, lm_head, make_communicator(devices)
+        )
         self.sampler = Sampler(seed)
         self.num_pages = num_pages
 
@@ -132,7 +154,9 @@ class ModelRunner:
         """Run one step; returns a token for every seq with `sample` set, in batch order."""
         input_ids: list[int] = []
         logits_rows: list[int] = []
-        for seq, cached, n, sample in zip(batch.seqs, batch.num_cached, batch.num_new, batch.sample):
+        for seq, cached, n, sample in zip(
+            batch.seqs, batch.num_cached, batch.num_new, batch.sample
+        ):
             input_ids.extend(seq.token_slice(cached, cached + n))
             if sample:
                 logits_rows.append(len(input_ids) - 1)

@@ -61,19 +61,28 @@ class ResponseBuilder:
             content = []
             for token, lp, top in entries:
                 text = self.token_text(token)
-                content.append({
-                    "token": text, "logprob": lp, "bytes": list(text.encode()),
-                    "top_logprobs": [
-                        {"token": self.token_text(t), "logprob": l,
-                         "bytes": list(self.token_text(t).encode())}
-                        for t, l in (top or [])
-                    ],
-                })
+                content.append(
+                    {
+                        "token": text,
+                        "logprob": lp,
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": self.token_text(t),
+                                "logprob": logprob,
+                                "bytes": list(self.token_text(t).encode()),
+                            }
+                            for t, logprob in (top or [])
+                        ],
+                    }
+                )
             return {"content": content}
         return {
             "tokens": [self.token_text(t) for t, _, _ in entries],
             "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{self.token_text(t): l for t, l in (top or [])} for _, _, top in entries],
+            "top_logprobs": [
+                {self.token_text(t): logprob for t, logprob in (top or [])} for _, _, top in entries
+            ],
         }
 
     # ----------------------------------------------------------------------------- bodies
@@ -103,25 +112,31 @@ class ResponseBuilder:
         """One SSE event for a delta (or the chat stream's opening role chunk)."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": delta.text}
+            choice["delta"] = (
+                {"role": "assistant", "content": ""} if role else {"content": delta.text}
+            )
         else:
             choice["text"] = delta.text if delta else ""
         choice["logprobs"] = self._logprobs(delta.logprobs) if delta else None
         choice["finish_reason"] = delta.finish_reason if delta else None
-        return sse({
-            "id": self.response_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        })
+        return sse(
+            {
+                "id": self.response_id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+            }
+        )
 
     def usage_chunk(self) -> bytes:
-        return sse({
-            "id": self.response_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": self.usage(),
-        })
+        return sse(
+            {
+                "id": self.response_id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": self.usage(),
+            }
+        )

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.sequence import Sequence, SeqStatus
+from pd.worker.sequence import SeqStatus, Sequence
 
 
 @dataclass

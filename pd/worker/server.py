@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+
 import orjson
 from aiohttp import web
 
 from pd.protocol import (
     APIError,
-    bad_request,
     ChatCompletionRequest,
     CompletionRequest,
+    bad_request,
     error_body,
     parse_json_body,
     parse_request,
@@ -29,8 +30,9 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json",
-                        headers=headers)
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
 
 
 @web.middleware
@@ -75,8 +77,12 @@ def _check_auth(worker: Worker, request: web.Request) -> None:
         return
     given = request.headers.get("Authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                       "authentication_error", "invalid_api_key")
+        raise APIError(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            "invalid_api_key",
+        )
 
 
 # ------------------------------------------------------------------------------- endpoints
@@ -96,37 +102,59 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[WORKER].metrics.render(),
-                        content_type="text/plain", charset="utf-8")
+    return web.Response(
+        body=request.app[WORKER].metrics.render(), content_type="text/plain", charset="utf-8"
+    )
 
 
 async def models(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     _check_auth(worker, request)
-    return json_response({
-        "object": "list",
-        "data": [{"id": worker.model_name, "object": "model", "created": 0, "owned_by": "pd",
-                  "max_model_len": worker.engine.max_model_len}],
-    })
+    return json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": worker.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "pd",
+                    "max_model_len": worker.engine.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
     _check_auth(worker, request)
     if worker.draining:
-        raise APIError(503, "the worker is shutting down", "server_busy", "draining",
-                       headers={"Retry-After": "1"})
+        raise APIError(
+            503,
+            "the worker is shutting down",
+            "server_busy",
+            "draining",
+            headers={"Retry-After": "1"},
+        )
     req = parse_request(request.path, parse_json_body(await request.read()))
     if req.model is not None and req.model not in worker.accepted_names:
-        raise APIError(404, f"model '{req.model}' does not exist; this worker serves "
-                       f"'{worker.model_name}'", "invalid_request_error", "model_not_found", "model")
+        raise APIError(
+            404,
+            f"model '{req.model}' does not exist; this worker serves '{worker.model_name}'",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
     prompt_ids = _prompt_ids(worker, req)
     params = _sampling_params(worker, req, len(prompt_ids))
     handle = worker.engine.add_request(prompt_ids, params)
     worker.metrics.prompt_tokens.inc(len(prompt_ids))
     builder = ResponseBuilder(
-        chat=isinstance(req, ChatCompletionRequest), model=worker.model_name,
-        prompt_tokens=len(prompt_ids), token_text=lambda t: worker.tokenizer.decode([t], False),
+        chat=isinstance(req, ChatCompletionRequest),
+        model=worker.model_name,
+        prompt_tokens=len(prompt_ids),
+        token_text=lambda t: worker.tokenizer.decode([t], False),
         wants_logprobs=params.wants_logprobs,
     )
     try:
@@ -146,10 +174,12 @@ def _raise_if_error(finish_reason: str | None) -> None:
         raise APIError(500, finish_reason.removeprefix("error:"), "internal_error")
 
 
-async def _stream(request: web.Request, handle: RequestHandle, builder: ResponseBuilder,
-                  include_usage: bool) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
+async def _stream(
+    request: web.Request, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await resp.prepare(request)
     if builder.chat:
         await resp.write(builder.chunk(None, role=True))
@@ -157,8 +187,9 @@ async def _stream(request: web.Request, handle: RequestHandle, builder: Response
         delta = await handle.queue.get()
         builder.add(delta)
         if delta.finish_reason and delta.finish_reason.startswith("error:"):
-            await resp.write(sse(error_body(delta.finish_reason.removeprefix("error:"),
-                                            "internal_error")))
+            await resp.write(
+                sse(error_body(delta.finish_reason.removeprefix("error:"), "internal_error"))
+            )
             break
         await resp.write(builder.chunk(delta))
     if include_usage:
@@ -183,8 +214,9 @@ def _prompt_ids(worker: Worker, req: CompletionRequest | ChatCompletionRequest) 
         return tok.encode(req.prompt)
     bad = [t for t in req.prompt if t >= tok.vocab_size]
     if bad:
-        raise bad_request(f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})",
-                          param="prompt")
+        raise bad_request(
+            f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})", param="prompt"
+        )
     return list(req.prompt)
 
 
@@ -198,12 +230,14 @@ def _sampling_params(worker: Worker, req, prompt_len: int) -> SamplingParams:
         max_tokens = room
     elif max_tokens > room:
         raise APIError(
-            400, f"this model's context length is {worker.engine.max_model_len} tokens, but "
+            400,
+            f"this model's context length is {worker.engine.max_model_len} tokens, but "
             f"{prompt_len + max_tokens} were asked for ({prompt_len} in the prompt, {max_tokens} "
             "in the completion): lower max_tokens or shorten the prompt",
-            code="context_length_exceeded", param="max_tokens")
+            code="context_length_exceeded",
+            param="max_tokens",
+        )
     try:
         return SamplingParams(**{**vars(o), "max_tokens": max_tokens})
     except ValueError as e:
         raise bad_request(str(e)) from None
-

@@ -9,9 +9,9 @@ import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.allocator import PageAllocator
+from pd.worker.default_model import default_model_path
 from pd.worker.engine import Engine
 from pd.worker.loader import LoadedCheckpoint, load_checkpoint
-from pd.worker.default_model import default_model_path
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.scheduler import Scheduler
@@ -49,13 +49,25 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
     )
     runner = ModelRunner(
-        mcfg, ckpt.weights, tp=cfg.tp, dtype=dtype, device=device, num_pages=num_pages,
-        page_size=cfg.page_size, max_model_len=max_model_len, seed=cfg.seed,
+        mcfg,
+        ckpt.weights,
+        tp=cfg.tp,
+        dtype=dtype,
+        device=device,
+        num_pages=num_pages,
+        page_size=cfg.page_size,
+        max_model_len=max_model_len,
+        seed=cfg.seed,
     )
-    scheduler = Scheduler(PageAllocator(num_pages), cfg.page_size, cfg.chunk_size,
-                          cfg.max_running_requests)
+    scheduler = Scheduler(
+        PageAllocator(num_pages), cfg.page_size, cfg.chunk_size, cfg.max_running_requests
+    )
     engine = Engine(
-        runner, scheduler, ckpt.tokenizer, role=cfg.role, max_model_len=max_model_len,
+        runner,
+        scheduler,
+        ckpt.tokenizer,
+        role=cfg.role,
+        max_model_len=max_model_len,
         max_waiting=cfg.max_waiting_requests,
     )
     metrics = WorkerMetrics(engine.load)
@@ -63,8 +75,15 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     name = cfg.served_model_name or mcfg.name
     log.info(
         "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",
-        name, mcfg.num_layers, cfg.tp, str(dtype).removeprefix("torch."), device, num_pages,
-        cfg.page_size, max_model_len,
+        name,
+        mcfg.num_layers,
+        cfg.tp,
+        str(dtype).removeprefix("torch."),
+        device,
+        num_pages,
+        cfg.page_size,
+        max_model_len,
     )
-    return Worker(cfg, ckpt.tokenizer, engine, metrics, name,
-                  accepted_names=frozenset({name, "default"}))
+    return Worker(
+        cfg, ckpt.tokenizer, engine, metrics, name, accepted_names=frozenset({name, "default"})
+    )

@@ -7,8 +7,8 @@ import asyncio
 import orjson
 import pytest
 
-from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 from pd.worker.server import make_app
+from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 
 pytestmark = pytest.mark.slow  # loads the real model
 
@@ -25,7 +25,7 @@ async def read_sse(resp) -> list[dict]:
         if not line:
             continue
         assert line.startswith(b"data: "), line
-        payload = line[len(b"data: "):]
+        payload = line[len(b"data: ") :]
         if payload == b"[DONE]":
             events.append("[DONE]")
         else:
@@ -35,7 +35,8 @@ async def read_sse(resp) -> list[dict]:
 
 async def test_chat_answers_paris(client):
     status, body = await post(
-        client, "/v1/chat/completions",
+        client,
+        "/v1/chat/completions",
         chat("What is the capital of France?", temperature=0, max_tokens=30),
     )
     assert status == 200, body
@@ -46,7 +47,9 @@ async def test_chat_answers_paris(client):
     assert usage["completion_tokens"] >= 1
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert body["object"] == "chat.completion" and body["choices"][0]["finish_reason"] in (
-        "stop", "length")
+        "stop",
+        "length",
+    )
 
 
 PROMPTS = [
@@ -63,8 +66,9 @@ PROMPTS = [
 
 async def test_concurrent_requests_give_the_same_greedy_text_as_alone(client):
     async def ask(p: str) -> str:
-        status, body = await post(client, "/v1/chat/completions",
-                                  chat(p, temperature=0, max_tokens=24))
+        status, body = await post(
+            client, "/v1/chat/completions", chat(p, temperature=0, max_tokens=24)
+        )
         assert status == 200, body
         return body["choices"][0]["message"]["content"]
 
@@ -74,8 +78,9 @@ async def test_concurrent_requests_give_the_same_greedy_text_as_alone(client):
 
 
 async def test_seeded_sampling_repeats(client):
-    body = chat("Tell me a story about a dragon.", temperature=1.0, top_p=0.9, seed=1234,
-                max_tokens=24)
+    body = chat(
+        "Tell me a story about a dragon.", temperature=1.0, top_p=0.9, seed=1234, max_tokens=24
+    )
     first = (await post(client, "/v1/chat/completions", body))[1]["choices"][0]["message"]
     second = (await post(client, "/v1/chat/completions", body))[1]["choices"][0]["message"]
     other = (await post(client, "/v1/chat/completions", {**body, "seed": 99}))[1]
@@ -84,13 +89,16 @@ async def test_seeded_sampling_repeats(client):
 
 
 async def test_completions_text_and_token_ids_prompts(client, worker):
-    status, by_text = await post(client, "/v1/completions",
-                                 {"prompt": "The capital of France is", "max_tokens": 5,
-                                  "temperature": 0})
+    status, by_text = await post(
+        client,
+        "/v1/completions",
+        {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
+    )
     assert status == 200, by_text
     ids = worker.tokenizer.encode("The capital of France is")
-    status, by_ids = await post(client, "/v1/completions",
-                                {"prompt": ids, "max_tokens": 5, "temperature": 0})
+    status, by_ids = await post(
+        client, "/v1/completions", {"prompt": ids, "max_tokens": 5, "temperature": 0}
+    )
     assert status == 200, by_ids
     assert by_text["choices"][0]["text"] == by_ids["choices"][0]["text"]
     assert by_text["object"] == "text_completion"
@@ -98,9 +106,16 @@ async def test_completions_text_and_token_ids_prompts(client, worker):
 
 
 async def test_streaming_chat_with_usage(client):
-    resp = await client.post("/v1/chat/completions", json=chat(
-        "Count from one to five.", temperature=0, max_tokens=20, stream=True,
-        stream_options={"include_usage": True}))
+    resp = await client.post(
+        "/v1/chat/completions",
+        json=chat(
+            "Count from one to five.",
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    )
     assert resp.status == 200 and resp.content_type == "text/event-stream"
     events = await read_sse(resp)
     assert events[-1] == "[DONE]"
@@ -111,24 +126,38 @@ async def test_streaming_chat_with_usage(client):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert usage["completion_tokens"] == len(chunks) - 1  # one chunk per token after the role
-    status, plain = await post(client, "/v1/chat/completions",
-                               chat("Count from one to five.", temperature=0, max_tokens=20))
+    status, plain = await post(
+        client,
+        "/v1/chat/completions",
+        chat("Count from one to five.", temperature=0, max_tokens=20),
+    )
     assert plain["choices"][0]["message"]["content"] == text
 
 
 async def test_stop_strings_max_tokens_and_logprobs(client):
-    status, body = await post(client, "/v1/completions", {
-        "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 30, "temperature": 0, "stop": [" 9"],
-        "logprobs": 2})
+    status, body = await post(
+        client,
+        "/v1/completions",
+        {
+            "prompt": "1, 2, 3, 4, 5, 6,",
+            "max_tokens": 30,
+            "temperature": 0,
+            "stop": [" 9"],
+            "logprobs": 2,
+        },
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["finish_reason"] == "stop" and " 9" not in choice["text"]
     assert "7" in choice["text"]
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"]
-    assert all(len(t) == 2 for t in lp["top_logprobs"]) and all(x <= 0 for x in lp["token_logprobs"])
-    status, body = await post(client, "/v1/completions",
-                              {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0})
+    assert all(len(t) == 2 for t in lp["top_logprobs"]) and all(
+        x <= 0 for x in lp["token_logprobs"]
+    )
+    status, body = await post(
+        client, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+    )
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3
 
@@ -147,16 +176,29 @@ async def test_model_names_models_health_and_metrics(client, worker):
     for key in ("running", "waiting", "queued_prefill_tokens", "kv_pages_total", "kv_pages_free"):
         assert key in health["load"]
     text = await (await client.get("/metrics")).text()
-    for name in ("pd_kv_pages_total", "pd_kv_pages_free", "pd_requests_running",
-                 "pd_requests_waiting", "pd_prompt_tokens_total", "pd_generation_tokens_total",
-                 "pd_time_to_first_token_seconds_bucket", "pd_inter_token_latency_seconds_bucket"):
+    for name in (
+        "pd_kv_pages_total",
+        "pd_kv_pages_free",
+        "pd_requests_running",
+        "pd_requests_waiting",
+        "pd_prompt_tokens_total",
+        "pd_generation_tokens_total",
+        "pd_time_to_first_token_seconds_bucket",
+        "pd_inter_token_latency_seconds_bucket",
+    ):
         assert name in text, name
 
 
 async def test_client_disconnect_mid_stream_frees_pages(client, worker):
-    resp = await client.post("/v1/completions", json={
-        "prompt": "Write a very long essay about rivers.", "max_tokens": 500, "ignore_eos": True,
-        "stream": True})
+    resp = await client.post(
+        "/v1/completions",
+        json={
+            "prompt": "Write a very long essay about rivers.",
+            "max_tokens": 500,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    )
     assert resp.status == 200
     got = 0
     async for line in resp.content:
@@ -171,9 +213,16 @@ async def test_client_disconnect_mid_stream_frees_pages(client, worker):
 
 
 async def test_client_disconnect_while_waiting_for_a_plain_answer(client, worker):
-    task = asyncio.create_task(client.post("/v1/completions", json={
-        "prompt": "Write a very long essay about mountains.", "max_tokens": 500,
-        "ignore_eos": True}))
+    task = asyncio.create_task(
+        client.post(
+            "/v1/completions",
+            json={
+                "prompt": "Write a very long essay about mountains.",
+                "max_tokens": 500,
+                "ignore_eos": True,
+            },
+        )
+    )
     while worker.engine.scheduler.allocator.num_used == 0:
         await asyncio.sleep(0.01)
     task.cancel()  # closes the connection before any answer
@@ -190,9 +239,11 @@ async def test_preemption_under_a_tiny_page_budget(aiohttp_client):
     prompts = ["Describe a cat.", "Describe a dog.", "Describe a bird.", "Describe a fish."]
 
     async def ask(p: str) -> str:
-        status, body = await post(client, "/v1/completions",
-                                  {"prompt": p, "max_tokens": 40, "temperature": 0,
-                                   "ignore_eos": True})
+        status, body = await post(
+            client,
+            "/v1/completions",
+            {"prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True},
+        )
         assert status == 200, body
         return body["choices"][0]["text"]
 
@@ -206,8 +257,9 @@ async def test_preemption_under_a_tiny_page_budget(aiohttp_client):
 
 
 async def test_health_answers_during_a_long_prefill(client, worker):
-    task = asyncio.create_task(client.post("/v1/completions", json={
-        "prompt": "word " * 1500, "max_tokens": 1}))
+    task = asyncio.create_task(
+        client.post("/v1/completions", json={"prompt": "word " * 1500, "max_tokens": 1})
+    )
     while not worker.engine.scheduler.running:
         await asyncio.sleep(0.002)
     loop = asyncio.get_running_loop()

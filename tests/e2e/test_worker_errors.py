@@ -19,21 +19,50 @@ BAD_INPUT = [
     ("not an object", "/v1/completions", b"[1, 2]", 400, "invalid_json"),
     ("missing messages", "/v1/chat/completions", b'{"max_tokens": 4}', 400, "missing_field"),
     ("missing prompt", "/v1/completions", b'{"max_tokens": 4}', 400, "missing_field"),
-    ("mistyped max_tokens", "/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', 400,
-     "invalid_type"),
+    (
+        "mistyped max_tokens",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": "ten"}',
+        400,
+        "invalid_type",
+    ),
     ("mistyped messages", "/v1/chat/completions", b'{"messages": "hello"}', 400, "invalid_value"),
-    ("max_tokens < 1", "/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400,
-     "invalid_value"),
-    ("prompt longer than the context", "/v1/completions",
-     b'{"prompt": "' + LONG.encode() + b'", "max_tokens": 4}', 400, "context_length_exceeded"),
-    ("unknown model", "/v1/completions", b'{"prompt": "hi", "model": "gpt-17"}', 404,
-     "model_not_found"),
+    (
+        "max_tokens < 1",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 0}',
+        400,
+        "invalid_value",
+    ),
+    (
+        "prompt longer than the context",
+        "/v1/completions",
+        b'{"prompt": "' + LONG.encode() + b'", "max_tokens": 4}',
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "unknown model",
+        "/v1/completions",
+        b'{"prompt": "hi", "model": "gpt-17"}',
+        404,
+        "model_not_found",
+    ),
     ("n > 1", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "unsupported_value"),
-    ("top_logprobs > 5", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
-     400, "invalid_value"),
-    ("token id out of vocabulary", "/v1/completions", b'{"prompt": [1, 99999999]}', 400,
-     "invalid_value"),
+    (
+        "top_logprobs > 5",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
+        400,
+        "invalid_value",
+    ),
+    (
+        "token id out of vocabulary",
+        "/v1/completions",
+        b'{"prompt": [1, 99999999]}',
+        400,
+        "invalid_value",
+    ),
 ]
 
 
@@ -55,11 +84,17 @@ async def test_api_key_is_required_when_set(aiohttp_client):
     resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert resp.status == 401
     assert (await resp.json())["error"]["type"] == "authentication_error"
-    resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
-                             headers={"Authorization": "Bearer wrong"})
+    resp = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer wrong"},
+    )
     assert resp.status == 401
-    resp = await client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
-                             headers={"Authorization": "Bearer sekret"})
+    resp = await client.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer sekret"},
+    )
     assert resp.status == 200
     assert (await client.get("/health")).status == 200  # health stays open for routers
 
@@ -89,8 +124,12 @@ async def test_streaming_chat_through_the_openai_package(client):
     openai = pytest.importorskip("openai", reason="the OpenAI client is a test dependency")
     api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused")
     stream = await api.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "What is the capital of France?"}],
-        temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True},
+        model="default",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     text, usage = "", None
     async for chunk in stream:

@@ -22,7 +22,9 @@ def start_worker(*args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, 
     """Start `pd-worker --port 0 ...`; return the process and its URL once it is ready."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pd.worker.main", "--port", "0", "--device", "cpu", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     deadline = time.monotonic() + timeout
@@ -68,13 +70,29 @@ async def router_workers(http, router_url: str, until: list[str]) -> list[str]:
 async def test_sigterm_drains_running_requests_then_exits(worker_process, aiohttp_server):
     router = await aiohttp_server(make_router(RouterConfig(admin_token="adm", port=0)))
     router_url = str(router.make_url("")).rstrip("/")
-    proc, url = worker_process("--dtype", "float32", "--kv-pages", "64", "--max-model-len", "1024",
-                               "--register-with", router_url, "--admin-token", "adm")
+    proc, url = worker_process(
+        "--dtype",
+        "float32",
+        "--kv-pages",
+        "64",
+        "--max-model-len",
+        "1024",
+        "--register-with",
+        router_url,
+        "--admin-token",
+        "adm",
+    )
     async with aiohttp.ClientSession() as http:
         assert await router_workers(http, router_url, until=[url]) == [url]  # registered itself
-        resp = await http.post(f"{url}/v1/completions", json={
-            "prompt": "Write about the sea.", "max_tokens": 60, "ignore_eos": True,
-            "stream": True})
+        resp = await http.post(
+            f"{url}/v1/completions",
+            json={
+                "prompt": "Write about the sea.",
+                "max_tokens": 60,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        )
         assert resp.status == 200
         first = await resp.content.readline()
         assert first.startswith(b"data: ")
@@ -92,16 +110,36 @@ async def test_sigterm_drains_running_requests_then_exits(worker_process, aiohtt
 
 
 def test_role_prefill_is_refused_until_transfer_lands():
-    out = subprocess.run([sys.executable, "-m", "pd.worker.main", "--role", "prefill"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pd.worker.main", "--role", "prefill"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "--role both" in out.stderr
 
 
 def test_every_flag_has_help():
-    out = subprocess.run([sys.executable, "-m", "pd.worker.main", "--help"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "pd.worker.main", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0
-    for flag in ("--role", "--host", "--port", "--model", "--tp", "--dtype", "--page-size",
-                 "--max-model-len", "--kv-pages", "--chunk-size", "--max-running-requests",
-                 "--served-model-name", "--api-key"):
+    for flag in (
+        "--role",
+        "--host",
+        "--port",
+        "--model",
+        "--tp",
+        "--dtype",
+        "--page-size",
+        "--max-model-len",
+        "--kv-pages",
+        "--chunk-size",
+        "--max-running-requests",
+        "--served-model-name",
+        "--api-key",
+    ):
         assert flag in out.stdout, flag

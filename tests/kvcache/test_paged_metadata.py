@@ -77,8 +77,15 @@ def test_to_another_device_keeps_host_copies() -> None:
     assert meta.to("cpu") is meta and meta.device == torch.device("cpu")
     moved = meta.to("meta")  # torch's data-less device: exercises the move without a GPU
     assert moved.device.type == "meta"
-    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "positions",
-                 "write_page_ids", "write_offsets"):
+    for name in (
+        "qo_indptr",
+        "kv_indptr",
+        "kv_indices",
+        "kv_last_page_len",
+        "positions",
+        "write_page_ids",
+        "write_offsets",
+    ):
         t = getattr(moved, name)
         assert t.device.type == "meta" and t.shape == getattr(meta, name).shape, name
     assert moved.kv_indptr_host is meta.kv_indptr_host

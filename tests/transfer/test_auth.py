@@ -8,13 +8,12 @@ import base64
 import pytest
 import zmq
 import zmq.asyncio
+from transfer_helpers import D_SIDE, TOKEN, eventually, start_manager
 
-from pd.transfer import KVPoll, TransferParams
-from pd.transfer import auth
+from pd.transfer import KVPoll, TransferParams, auth
 from pd.transfer.errors import AuthError, ProtocolError
 from pd.transfer.messages import Auth, Challenge, Hello, Refused, decode, encode
 from pd.transfer.peerproc import PoolSpec, pool_desc, pool_tensors
-from transfer_helpers import D_SIDE, TOKEN, eventually, start_manager
 
 WRONG = "not-the-cluster-token-9876543210"
 
@@ -72,7 +71,7 @@ async def test_prefill_refuses_a_forged_proof_and_forgets_it():
         await sock.send_multipart([encode(Hello("mallory", auth.new_nonce().hex()))])
         ch = decode((await asyncio.wait_for(sock.recv_multipart(), 5))[0])
         assert isinstance(ch, Challenge) and P.state().pending_handshakes == 1
-        await sock.send_multipart([encode(Auth(("00" * 32)))])
+        await sock.send_multipart([encode(Auth("00" * 32))])
         refused = decode((await asyncio.wait_for(sock.recv_multipart(), 5))[0])
         assert isinstance(refused, Refused) and "authentication" in refused.reason
         assert (P.state().sessions, P.state().pending_handshakes) == (0, 0)

@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-
 from transfer_helpers import D_SIDE, backends, eventually, start_manager
-from pd.transfer import KVPoll, TransferParams, kv_pool_from_tensors, whole_pool_from_tensors
+
+from pd.transfer import KVPoll, TransferParams
 from pd.transfer.peerproc import PoolSpec, global_tensor, pool_desc, pool_tensors
 
 pytestmark = pytest.mark.parametrize("backend", backends())
@@ -22,8 +22,10 @@ async def pair(backend):
     D = await start_manager(backend, **D_SIDE)
     kv_p, kv_d = PoolSpec("kv", 32, tp=1, seed=1), PoolSpec("kv", 32, tp=2, seed=1)
     st = PoolSpec("state", 8, kind="whole", slot_elems=96, seed=2)
-    mem = {"P": pool_tensors(kv_p, fill=True) + pool_tensors(st, fill=True),
-           "D": pool_tensors(kv_d, fill=False) + pool_tensors(st, fill=False)}
+    mem = {
+        "P": pool_tensors(kv_p, fill=True) + pool_tensors(st, fill=True),
+        "D": pool_tensors(kv_d, fill=False) + pool_tensors(st, fill=False),
+    }
     P.register_pool(pool_desc(kv_p, mem["P"][:1]))
     P.register_pool(pool_desc(st, mem["P"][1:]))
     D.register_pool(pool_desc(kv_d, mem["D"][:2]))
@@ -35,7 +37,10 @@ async def pair(backend):
 
 def assert_clean(P, D):
     ps, ds = P.state(), D.state()
-    assert (ps.senders, ds.receivers, ds.in_flight, ds.backend.xfer_handles) == (0, 0, 0, 0), (ps, ds)
+    assert (ps.senders, ds.receivers, ds.in_flight, ds.backend.xfer_handles) == (0, 0, 0, 0), (
+        ps,
+        ds,
+    )
 
 
 async def test_pull_kv_and_second_pool_in_one_request(pair):
@@ -61,14 +66,20 @@ async def test_pull_kv_and_second_pool_in_one_request(pair):
 async def test_done_and_aborts_release_at_once(pair):
     P, D, _, _, _ = pair
     released = {}
-    mk = lambda tid: P.create_sender({"kv": [1, 2]}, lambda s, r: released.setdefault(s.transfer_id, r),
-                                     transfer_id=tid, lease_ttl_s=30)
+    mk = lambda tid: P.create_sender(  # noqa: E731
+        {"kv": [1, 2]},
+        lambda s, r: released.setdefault(s.transfer_id, r),
+        transfer_id=tid,
+        lease_ttl_s=30,
+    )
     a, b, c = mk("a"), mk("b"), mk("c")
     ra = D.create_receiver(TransferParams.from_dict(a.params().to_dict()))
     rb = D.create_receiver(TransferParams.from_dict(b.params().to_dict()))
     rc = D.create_receiver(TransferParams.from_dict(c.params().to_dict()))
     ra.init({"kv": [3, 4]})
-    await eventually(lambda: rb.poll() is KVPoll.WaitingForInput and rc.poll() is KVPoll.WaitingForInput)
+    await eventually(
+        lambda: rb.poll() is KVPoll.WaitingForInput and rc.poll() is KVPoll.WaitingForInput
+    )
     rb.abort("client went away")
     c.abort("prefill shutting down")
     took = await eventually(lambda: len(released) == 3, timeout_s=2, what="three releases")
@@ -83,17 +94,21 @@ async def test_done_and_aborts_release_at_once(pair):
 async def test_lease_expires_without_decode_and_renewal_keeps_it(pair):
     P, D, _, _, _ = pair
     released = {}
-    cb = lambda s, r: released.setdefault(s.transfer_id, r)
+    cb = lambda s, r: released.setdefault(s.transfer_id, r)  # noqa: E731
     warm = P.create_sender({"kv": [2]}, cb, transfer_id="warm")  # first pull sets the link up
     rx = D.create_receiver(TransferParams.from_dict(warm.params().to_dict()))
     rx.init({"kv": [2]})
     assert await asyncio.wait_for(rx.wait(), 10) is KVPoll.Success
     lone = P.create_sender({"kv": [0]}, cb, transfer_id="lone", lease_ttl_s=0.3)
     kept = P.create_sender({"kv": [1]}, cb, transfer_id="kept", lease_ttl_s=0.3)
-    rx = D.create_receiver(TransferParams.from_dict(kept.params().to_dict()))  # D has it, no pages yet
+    rx = D.create_receiver(
+        TransferParams.from_dict(kept.params().to_dict())
+    )  # D has it, no pages yet
     await eventually(lambda: "lone" in released, timeout_s=2)
     assert released["lone"] == "lease_expired" and lone.poll() is KVPoll.Failed
-    await asyncio.sleep(0.8)  # well past the TTL: renewals keep "kept" alive while D waits for pages
+    await asyncio.sleep(
+        0.8
+    )  # well past the TTL: renewals keep "kept" alive while D waits for pages
     assert "kept" not in released and rx.poll() is KVPoll.WaitingForInput
     rx.init({"kv": [9]})
     assert await asyncio.wait_for(rx.wait(), 10) is KVPoll.Success
@@ -138,6 +153,7 @@ async def test_handshake_deadline_and_engine_change(pair):
     d = s.params().to_dict()
     # a port where nothing answers: Failed within the handshake deadline, nothing cached
     import socket
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]

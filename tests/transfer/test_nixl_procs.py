@@ -9,17 +9,21 @@ import time
 
 import pytest
 import torch
+from transfer_helpers import D_SIDE, TOKEN, eventually, needs_nixl, start_manager
 
 from pd.transfer import KVPoll, TransferParams
 from pd.transfer.peerproc import PoolSpec, global_tensor, pool_desc, pool_tensors
-from transfer_helpers import D_SIDE, TOKEN, eventually, needs_nixl, start_manager
 
 pytestmark = [needs_nixl, pytest.mark.nixl, pytest.mark.slow]
 
 CFG = {"cluster_token": TOKEN, "backend": "nixl", "heartbeat_interval_s": 0.1}
 # P serves: "same" (TP1), "kv12" (TP1, D has TP2), "kv21" (TP2, D has TP1), "state" (other slot size)
-P_POOLS = [PoolSpec("same", 64, tp=1, seed=11), PoolSpec("kv12", 32, tp=1, seed=12),
-           PoolSpec("kv21", 32, tp=2, seed=13), PoolSpec("state", 16, kind="whole", slot_elems=200, seed=14)]
+P_POOLS = [
+    PoolSpec("same", 64, tp=1, seed=11),
+    PoolSpec("kv12", 32, tp=1, seed=12),
+    PoolSpec("kv21", 32, tp=2, seed=13),
+    PoolSpec("state", 16, kind="whole", slot_elems=200, seed=14),
+]
 D_TP = {"same": 1, "kv12": 2, "kv21": 1, "state": 1}
 
 
@@ -47,15 +51,18 @@ async def test_two_processes_exact_bytes_hetero_tp_and_second_pool(prefill_procs
             rx = D.create_receiver(params)
             rx.init({name: dst, "state": [0, 15]} if name == "same" else {name: dst})
             assert await asyncio.wait_for(rx.wait(), 20) is KVPoll.Success, rx.failure_reason
-            assert (await proc.aevent()) == {"event": "released", "transfer_id": params.transfer_id,
-                                             "reason": "done"}
+            assert (await proc.aevent()) == {
+                "event": "released",
+                "transfer_id": params.transfer_id,
+                "reason": "done",
+            }
             spec = next(p for p in P_POOLS if p.name == name)
             want = global_tensor(spec)[src]
             got = torch.cat(mem[name], dim=3)[dst]  # D's ranks' head slices side by side
             assert torch.equal(got, want), f"{name}: bytes differ"
             for d_rank, t in enumerate(mem[name]):  # every head slice of every rank, exactly
                 hr = t.shape[3]
-                assert torch.equal(t[dst], want[:, :, :, d_rank * hr:(d_rank + 1) * hr])
+                assert torch.equal(t[dst], want[:, :, :, d_rank * hr : (d_rank + 1) * hr])
         state_spec = P_POOLS[3]
         assert torch.equal(mem["state"][0][[0, 15]], global_tensor(state_spec)[[3, 9]])
         st = D.state()
@@ -89,7 +96,11 @@ async def test_prefill_dies_mid_pull(prefill_procs, monkeypatch, sig):
         # the survivor keeps nothing of the dead peer: agent, transfer handles, descriptor lists
         await eventually(lambda: D.state().links == 0, timeout_s=5, what="link dropped")
         st = D.state()
-        assert st.backend.remote_agents == 0 and st.backend.xfer_handles == 0 and st.backend.dlists == 0
+        assert (
+            st.backend.remote_agents == 0
+            and st.backend.xfer_handles == 0
+            and st.backend.dlists == 0
+        )
         assert (st.receivers, st.in_flight, st.connecting) == (0, 0, 0)
     finally:
         proc.kill(signal.SIGKILL)

@@ -41,7 +41,9 @@ def fill(pool: PoolDesc, global_mem: np.ndarray) -> dict[int, np.ndarray]:
     assert pool.split is not None
     out = {}
     for r in pool.ranks:
-        out[r.base_addr] = global_mem[:, :, r.head_start:r.head_start + pool.split.heads].copy().ravel()
+        out[r.base_addr] = (
+            global_mem[:, :, r.head_start : r.head_start + pool.split.heads].copy().ravel()
+        )
     return out
 
 
@@ -49,14 +51,17 @@ def apply(batches, local_mem: dict[int, np.ndarray], remote_mem: dict[int, np.nd
     def locate(mem, addr):
         base = max(b for b in mem if b <= addr)
         return mem[base], addr - base
+
     for b in batches:
         for (la, n, _), (ra, _, _) in zip(b.local.tolist(), b.remote.tolist()):
             lbuf, lo = locate(local_mem, la)
             rbuf, ro = locate(remote_mem, ra)
-            lbuf[lo:lo + n] = rbuf[ro:ro + n]
+            lbuf[lo : lo + n] = rbuf[ro : ro + n]
 
 
-@pytest.mark.parametrize("p_tp,d_tp,heads", [(1, 1, 4), (1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 2, 4), (1, 4, 2), (4, 1, 2)])
+@pytest.mark.parametrize(
+    "p_tp,d_tp,heads", [(1, 1, 4), (1, 2, 4), (2, 1, 4), (2, 4, 4), (4, 2, 4), (1, 4, 2), (4, 1, 2)]
+)
 def test_head_slices_land_exactly(p_tp, d_tp, heads):
     rng = np.random.default_rng(p_tp * 10 + d_tp)
     g = rng.integers(0, 255, (SLOTS, OUTER, heads, INNER), dtype=np.uint8)
@@ -82,7 +87,9 @@ def test_head_slices_land_exactly(p_tp, d_tp, heads):
 def test_coalescing_caps_and_validation():
     pool = PoolDesc("s", 64, 100, (RankRegion(4096),))
     (b,) = plan_reads(pool, pool, list(range(10, 20)), list(range(30, 40)))
-    assert b.local.tolist() == [[4096 + 3000, 1000, 0]] and b.remote.tolist() == [[4096 + 1000, 1000, 0]]
+    assert b.local.tolist() == [[4096 + 3000, 1000, 0]] and b.remote.tolist() == [
+        [4096 + 1000, 1000, 0]
+    ]
     (b,) = plan_reads(pool, pool, list(range(10, 20)), list(range(30, 40)), max_desc_bytes=400)
     assert b.local[:, 1].tolist() == [400, 400, 200] and b.nbytes == 1000
     with pytest.raises(PoolError):

@@ -70,7 +70,7 @@ class Harness:
         self.seqs: list[Seq] = []
         for n, n_pages in zip(seq_lens, need):
             pages, perm = perm[:n_pages], perm[n_pages:]
-            rand = lambda h: torch.randn(n, h, head_dim, generator=gen).to(dtype)  # noqa: E731
+            rand = lambda h, n=n: torch.randn(n, h, head_dim, generator=gen).to(dtype)  # noqa: E731
             self.seqs.append(Seq(rand(hkv), rand(hkv), rand(hq), pages))
 
     def step(
@@ -210,8 +210,9 @@ def test_flashinfer_matches_torch_bf16(chunks: list[tuple[int, int]], hq: int, h
     backend = select_attention_backend("cuda", torch.bfloat16)
     assert isinstance(backend, FlashInferAttentionBackend)
     out, ref = h.step(backend, chunks)
-    meta = build_paged_metadata([(s.pages, c, n) for s, (c, n) in zip(h.seqs, chunks)],
-                                h.page_size, "cuda")
+    meta = build_paged_metadata(
+        [(s.pages, c, n) for s, (c, n) in zip(h.seqs, chunks)], h.page_size, "cuda"
+    )
     q = torch.cat([s.q[c : c + n] for s, (c, n) in zip(h.seqs, chunks)]).cuda()
     torch_out = h.run(TorchAttentionBackend(), meta, q).float().cpu()
     assert_close(out, torch_out, BF16_TOL, "flashinfer vs torch")

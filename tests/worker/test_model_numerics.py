@@ -16,11 +16,17 @@ def hf_reference(ckpt):
     """transformers' Llama (eager attention, full sequence) with our loaded weights."""
     c = ckpt.config
     kw = dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
         max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings, attn_implementation="eager",
+        tie_word_embeddings=c.tie_word_embeddings,
+        attn_implementation="eager",
     )
     try:
         cfg = transformers.LlamaConfig(

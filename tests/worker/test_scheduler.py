@@ -3,7 +3,7 @@
 from pd.kvcache.allocator import PageAllocator
 from pd.worker.sampling_params import SamplingParams
 from pd.worker.scheduler import Scheduler
-from pd.worker.sequence import Sequence, SeqStatus
+from pd.worker.sequence import SeqStatus, Sequence
 
 PAGE = 4
 

@@ -165,6 +165,7 @@ def select_attention_backend(device: torch.device | str, dtype: torch.dtype) -> 
         try:
             return FlashInferAttentionBackend(device)
         except ImportError:
-            logger.warning("flashinfer is not installed: using the (slow) torch attention on %s",
-                           device)
+            logger.warning(
+                "flashinfer is not installed: using the (slow) torch attention on %s", device
+            )
     return TorchAttentionBackend()

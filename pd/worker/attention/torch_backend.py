@@ -169,8 +169,9 @@ class TorchAttentionBackend(AttentionBackend):
             or scratch.dtype != kv_cache.dtype
             or scratch.device != kv_cache.device
         ):
-            scratch = self._scratch = torch.empty(numel, dtype=kv_cache.dtype,
-                                                  device=kv_cache.device)
+            scratch = self._scratch = torch.empty(
+                numel, dtype=kv_cache.dtype, device=kv_cache.device
+            )
         out = scratch[:numel].view(shape)  # [2, Hkv, G, P, D]
         kv_by_head = kv_cache.permute(1, 2, 0, 3, 4)  # [2, Hkv, N, P, D] (a view)
         return torch.index_select(kv_by_head, 2, plan.gather_idx, out=out)
