@@ -11,7 +11,9 @@ Each step gets a token budget (`chunk_size`) shared by decode and prefill tokens
    Admission never preempts: it stops at the first request that does not fit.
 
 The scheduler owns pages: it allocates them as tokens are scheduled and frees them exactly once,
-when a request finishes, is aborted or is preempted.
+when a request finishes, is aborted or is preempted. In a disaggregated pair pages are also held
+outside the batch, by key (`held`): on prefill, pinned for the decode side to pull until it is
+done, aborts, or the lease runs out; on decode, reserved while the pull is in flight.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.held: dict[str, list[int]] = {}  # pages held outside the batch, by transfer key
 
     # ------------------------------------------------------------------------------ queues
 
@@ -68,7 +71,7 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-        else:
+        elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
@@ -154,6 +157,44 @@ class Scheduler:
         seq.page_ids = []
         seq.num_computed = 0
 
+    # ------------------------------------------------------------------------------ held pages
+
+    def pin(self, seq: Sequence, key: str) -> list[int]:
+        """Prefill: finish a prefilled request but keep its pages, held under `key`."""
+        assert seq.status is SeqStatus.RUNNING and key not in self.held
+        self.running.remove(seq)
+        pages, seq.page_ids = seq.page_ids, []
+        self.held[key] = pages
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = "remote_decode"
+        return pages
+
+    def reserve(self, key: str, num_pages: int) -> list[int] | None:
+        """Decode: pages for a request's pulled KV, if they fit beside the running batch's growth
+        (one free page per running request stays in reserve) and under `max_running`."""
+        assert key not in self.held
+        if len(self.running) + len(self.held) >= self.max_running:
+            return None
+        if self.allocator.num_free - num_pages < len(self.running):
+            return None
+        pages = self.allocator.allocate(num_pages)
+        if pages is not None:
+            self.held[key] = pages
+        return pages
+
+    def release(self, key: str) -> None:
+        """Free pages held under `key` (idempotent: done, abort and lease expiry may race)."""
+        pages = self.held.pop(key, None)
+        if pages:
+            self.allocator.free(pages)
+
+    def admit_pulled(self, seq: Sequence, key: str) -> None:
+        """Decode: the pull is done; the request runs on its held pages from `num_computed`."""
+        assert seq.status is SeqStatus.TRANSFERRING
+        seq.page_ids = self.held.pop(key)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     # ------------------------------------------------------------------------------ results
 
     def advance(self, batch: ScheduledBatch) -> None:
@@ -165,8 +206,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         held = [p for s in self.running for p in s.page_ids]
-        assert len(held) == len(set(held)), "a page is held by two running requests"
+        held += [p for pages in self.held.values() for p in pages]
+        assert len(held) == len(set(held)), "a page is held twice"
         assert len(held) == self.allocator.num_used, (
-            f"running requests hold {len(held)} pages but {self.allocator.num_used} are in use"
+            f"requests hold {len(held)} pages but {self.allocator.num_used} are in use"
         )
         assert all(not s.page_ids for s in self.waiting), "a waiting request holds pages"

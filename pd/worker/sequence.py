@@ -12,6 +12,7 @@ from pd.worker.sampling_params import SamplingParams
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no pages (new, or preempted)
     RUNNING = "running"  # admitted; holds pages for its computed tokens
+    TRANSFERRING = "transferring"  # decode side: its KV is being pulled from prefill
     FINISHED = "finished"  # done or aborted; its pages are freed
 
 
@@ -29,6 +30,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    remote_decode: bool = False  # prefill side: hand the KV to a decode worker when prefilled
 
     @property
     def num_tokens(self) -> int:

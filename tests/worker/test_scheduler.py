@@ -139,3 +139,47 @@ def test_token_slice_spans_prompt_and_output():
     assert q.token_slice(0, 5) == [0, 1, 2, 10, 11]
     assert q.token_slice(2, 4) == [2, 10]
     assert q.token_slice(3, 5) == [10, 11]
+
+
+def test_prefill_pins_pages_until_released():
+    s = make(chunk=64)
+    a = seq("a", 10)
+    s.add(a)
+    run_step(s)
+    pages = s.pin(a, "t1")
+    assert a.is_finished and a.finish_reason == "remote_decode" and not s.running
+    assert len(pages) == 3 and s.allocator.num_used == 3
+    s.check_integrity()
+    s.release("t1")
+    s.release("t1")  # done, abort and lease expiry may race: freed once
+    assert s.allocator.num_used == 0
+    s.check_integrity()
+
+
+def test_decode_reserves_pages_then_runs_the_pulled_request():
+    s = make(num_pages=8)
+    b = seq("b", 10)
+    b.output_ids = [7]
+    b.status = SeqStatus.TRANSFERRING
+    pages = s.reserve("t2", 3)
+    assert pages == [0, 1, 2]
+    s.check_integrity()
+    b.num_computed = 10
+    s.admit_pulled(b, "t2")
+    batch = run_step(s)
+    assert batch.seqs == [b] and batch.num_cached == [10] and batch.num_new == [1]
+    s.finish(b, "stop")
+    assert s.allocator.num_used == 0
+
+
+def test_decode_reservation_leaves_room_for_running_growth_and_max_running():
+    s = make(num_pages=6, max_running=2)
+    a = seq("a", 8)
+    s.add(a)
+    run_step(s)  # a holds 2 pages, 4 free
+    assert s.reserve("x", 4) is None  # would leave no page for a to grow
+    assert s.reserve("x", 3) == [2, 3, 4]
+    assert s.reserve("y", 1) is None  # max_running: a + one transfer
+    s.release("x")
+    s.finish(a, "stop")
+    s.check_integrity()
