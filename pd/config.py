@@ -53,6 +53,18 @@ class WorkerConfig:
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
     advertise_url: str | None = _flag(None, "URL the router should use for this worker")
+    bootstrap_port: int = _flag(
+        0, "prefill/decode: port of the KV bootstrap channel (0 picks a free one)"
+    )
+    cluster_token: str | None = _flag(
+        None,
+        "prefill/decode: shared secret that KV peers prove they hold (never sent)",
+        env="PD_CLUSTER_TOKEN",
+    )
+    lease_ttl_s: float = _flag(
+        30.0, "prefill: how long pinned KV waits for the decode side without a renewal"
+    )
+    kv_transfer_timeout_s: float = _flag(30.0, "decode: longest KV pull before it fails")
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
 
@@ -75,3 +87,6 @@ class WorkerConfig:
         check(self.chunk_size >= 1, "--chunk-size must be >= 1")
         check(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
+        check(0 <= self.bootstrap_port < 65536, "--bootstrap-port must be in 0..65535")
+        check(self.lease_ttl_s > 0, "--lease-ttl-s must be > 0")
+        check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")

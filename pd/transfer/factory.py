@@ -12,11 +12,21 @@ from pd.transfer.manager import TransferManager
 BACKENDS = ("nixl", "fake")
 
 
-def make_backend(name: str, agent_name: str, *, nixl_progress_thread: bool = True) -> Backend:
+def make_backend(
+    name: str,
+    agent_name: str,
+    *,
+    nixl_progress_thread: bool = True,
+    nixl_progress_delay_us: int = 100,
+) -> Backend:
     if name == "nixl":
         from pd.transfer.nixl_backend import NixlBackend
 
-        return NixlBackend(agent_name, progress_thread=nixl_progress_thread)
+        return NixlBackend(
+            agent_name,
+            progress_thread=nixl_progress_thread,
+            progress_delay_us=nixl_progress_delay_us,
+        )
     if name == "fake":
         from pd.transfer.fake_backend import FakeBackend
 
@@ -30,6 +40,9 @@ def create_manager(
     """A manager with the backend named in the config (call `await manager.start()` next)."""
     resolve_token(config.cluster_token)  # fail before creating an agent
     backend = make_backend(
-        config.backend, f"pd-{config.engine_id}", nixl_progress_thread=config.nixl_progress_thread
+        config.backend,
+        f"pd-{config.engine_id}",
+        nixl_progress_thread=config.nixl_progress_thread,
+        nixl_progress_delay_us=config.nixl_progress_delay_us,
     )
     return TransferManager(config, backend, wire_tap=wire_tap)

@@ -14,7 +14,7 @@ import logging
 
 from pd.transfer.backend import Backend, BackendCounts, MemRegion, XferState
 from pd.transfer.errors import TransferError
-from pd.transfer.nixl_compat import import_nixl
+from pd.transfer.nixl_compat import import_nixl, make_agent
 from pd.transfer.plan import ReadBatch
 
 log = logging.getLogger(__name__)
@@ -24,12 +24,17 @@ class NixlBackend(Backend):
     name = "nixl"
 
     def __init__(
-        self, agent_name: str, *, progress_thread: bool = True, ucx_backend: str = "UCX"
+        self,
+        agent_name: str,
+        *,
+        progress_thread: bool = True,
+        progress_delay_us: int = 100,
+        ucx_backend: str = "UCX",
     ) -> None:
         nixl = import_nixl()
         self.agent_name = agent_name
         conf = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=[ucx_backend])
-        self._agent = nixl.nixl_agent(agent_name, conf)
+        self._agent = make_agent(nixl, agent_name, conf, progress_delay_us)
         self._reg: list[object] = []  # registration descriptor lists, for deregistration
         self._peers: set[str] = set()
         self._xfers: dict[int, tuple[str, list[object]]] = {}  # id -> (agent, nixl handles)

@@ -43,3 +43,22 @@ def nixl_available() -> bool:
     except BackendUnavailable:
         return False
     return True
+
+
+def make_agent(nixl: ModuleType, name: str, config: object, progress_delay_us: int) -> object:
+    """`nixl.nixl_agent(name, config)`, with the progress thread sleeping `progress_delay_us`
+    between its passes. NIXL's Python wrapper hard-codes 0 (a busy loop: a whole core per idle
+    agent); the C++ config has the knob, so it is set on the config as the agent is built."""
+    api = importlib.import_module(nixl.nixl_agent.__module__)
+    bind = api.nixlBind
+    real = bind.nixlAgent
+
+    def build(agent_name: str, agent_config: object) -> object:
+        agent_config.pthrDelay = progress_delay_us
+        return real(agent_name, agent_config)
+
+    bind.nixlAgent = build
+    try:
+        return nixl.nixl_agent(name, config)
+    finally:
+        bind.nixlAgent = real

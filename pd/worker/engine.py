@@ -11,16 +11,19 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from pd.protocol import APIError, WorkerLoad
+from pd.transfer import KVPoll, KVReceiver
 from pd.worker.detokenizer import IncrementalDetokenizer
 from pd.worker.model_runner import ModelRunner
 from pd.worker.sampling import SampleOutput
 from pd.worker.sampling_params import SamplingParams
 from pd.worker.scheduler import ScheduledBatch, Scheduler
-from pd.worker.sequence import Sequence
+from pd.worker.sequence import SeqStatus, Sequence
 from pd.worker.stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class RequestHandle:
     detok: IncrementalDetokenizer
     stop: StopChecker
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    receiver: KVReceiver | None = None  # decode role: the pull of this request's KV
+    kv_transfer_params: dict[str, Any] | None = None  # prefill role: what D needs, once handed off
 
     @property
     def finished(self) -> bool:
@@ -68,6 +73,8 @@ class Engine:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
+        # Prefill role: pins a prefilled request's pages for D; returns its kv_transfer_params.
+        self.hand_off: Callable[[Sequence], dict[str, Any]] | None = None
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -76,8 +83,34 @@ class Engine:
 
     # ----------------------------------------------------------------------------- requests
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, remote_decode: bool = False
+    ) -> RequestHandle:
         """Queue a request; raises APIError (400 too long, 503 queue full or not running)."""
+        handle = self._new_handle(prompt_ids, params)
+        handle.seq.remote_decode = remote_decode
+        self.scheduler.add(handle.seq)
+        self._wakeup.set()
+        return handle
+
+    def add_pulled(
+        self, prompt_ids: list[int], first_token: int, params: SamplingParams, rx: KVReceiver
+    ) -> RequestHandle:
+        """Decode role: a request whose KV is being pulled; its first token (sampled by P) is
+        emitted at once. It joins the batch through `admit_pulled` when the pull succeeds."""
+        handle = self._new_handle(prompt_ids, params)
+        handle.seq.status = SeqStatus.TRANSFERRING
+        handle.receiver = rx
+        self._accept(handle, first_token, [], time.monotonic())
+        return handle
+
+    def admit_pulled(self, handle: RequestHandle, key: str) -> None:
+        seq = handle.seq
+        seq.num_computed = len(seq.prompt_ids)
+        self.scheduler.admit_pulled(seq, key)
+        self._wakeup.set()
+
+    def _new_handle(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
         if self._wakeup is None:
             raise APIError(503, "the engine is not running", "server_busy", "not_ready")
         if len(self.scheduler.waiting) >= self.max_waiting:
@@ -90,15 +123,12 @@ class Engine:
             )
         self.check_fits(len(prompt_ids), params.max_tokens)
         request_id = f"req-{next(self._ids)}"
-        seq = Sequence(request_id, prompt_ids, params)
         handle = RequestHandle(
-            seq,
+            Sequence(request_id, prompt_ids, params),
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             StopChecker(params.stop),
         )
         self.handles[request_id] = handle
-        self.scheduler.add(seq)
-        self._wakeup.set()
         return handle
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
@@ -120,12 +150,21 @@ class Engine:
             )
 
     def abort(self, handle: RequestHandle) -> None:
-        """Stop a request (client gone); its pages are freed at once."""
+        """Stop a request (client gone); its pages are freed at once (decode role: once its
+        pull has stopped)."""
         if not handle.finished:
             self.scheduler.finish(handle.seq, "abort")
             if self.metrics:
                 self.metrics.aborted.inc()
+        rx = handle.receiver
+        if rx is not None and rx.poll() not in (KVPoll.Success, KVPoll.Failed):
+            rx.abort("the client left")
         self.handles.pop(handle.seq.request_id, None)
+
+    def fail(self, handle: RequestHandle, message: str) -> None:
+        self.scheduler.finish(handle.seq, "error")
+        self.handles.pop(handle.seq.request_id, None)
+        handle.queue.put_nowait(Delta("", [], [], "error:" + message))
 
     def load(self) -> WorkerLoad:
         alloc = self.scheduler.allocator
@@ -136,11 +175,12 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             kv_pages_total=alloc.num_total,
             kv_pages_free=alloc.num_free,
+            inflight_transfers=len(self.scheduler.held),
         )
 
     @property
     def idle(self) -> bool:
-        return not self.scheduler.has_work
+        return not self.scheduler.has_work and not self.scheduler.held
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -200,10 +240,10 @@ class Engine:
             if handle is None or seq.is_finished:  # aborted while the step ran
                 continue
             token = out.token_ids[row]
-            if self.metrics:
-                self._observe(seq, now)
-            seq.output_ids.append(token)
-            self._emit(handle, token, out, row)
+            logprobs = []
+            if seq.params.wants_logprobs:
+                logprobs.append((token, out.logprobs[row], out.top_logprobs[row]))
+            self._accept(handle, token, logprobs, now)
 
     def _observe(self, seq: Sequence, now: float) -> None:
         m = self.metrics
@@ -215,11 +255,12 @@ class Engine:
         seq.last_token_time = now
         m.generation_tokens.inc()
 
-    def _emit(self, handle: RequestHandle, token: int, out: SampleOutput, row: int) -> None:
+    def _accept(self, handle: RequestHandle, token: int, logprobs: list, now: float) -> None:
+        """Append a sampled token, check the stop conditions, and queue the request's delta."""
         seq, params = handle.seq, handle.seq.params
-        logprobs = []
-        if params.wants_logprobs:
-            logprobs.append((token, out.logprobs[row], out.top_logprobs[row]))
+        if self.metrics:
+            self._observe(seq, now)
+        seq.output_ids.append(token)
         finish = None
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
@@ -232,11 +273,20 @@ class Engine:
             elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish, text = "length", text + self._tail(handle)
         if finish:
-            self.scheduler.finish(seq, finish)
-            if self.metrics:
-                self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
-            self.handles.pop(seq.request_id, None)
+            self._finish(handle, finish)
         handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
+
+    def _finish(self, handle: RequestHandle, reason: str) -> None:
+        seq = handle.seq
+        if reason == "length" and seq.remote_decode and self.hand_off is not None:
+            try:  # prefill role: the pages go to a decode worker instead of the free list
+                handle.kv_transfer_params = self.hand_off(seq)
+            except Exception:
+                log.exception("cannot hand %s to a decode worker", seq.request_id)
+        self.scheduler.finish(seq, reason)  # no-op when handed off (the seq is finished)
+        if self.metrics:
+            self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        self.handles.pop(seq.request_id, None)
 
     @staticmethod
     def _tail(handle: RequestHandle) -> str:

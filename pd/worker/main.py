@@ -44,8 +44,10 @@ async def serve(cfg: WorkerConfig) -> None:
     await site.start()
     port = sock.getsockname()[1]
     # A line that scripts and tests wait for.
+    bootstrap = f" bootstrap_port={worker.bootstrap_port}" if worker.bootstrap_port else ""
     print(
-        f"pd-worker ready: role={cfg.role} model={worker.model_name} url=http://{cfg.host}:{port}",
+        f"pd-worker ready: role={cfg.role} model={worker.model_name} "
+        f"url=http://{cfg.host}:{port}{bootstrap}",
         flush=True,
     )
 
@@ -90,13 +92,6 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    if cfg.role != "both":
-        print(
-            f"pd-worker: --role {cfg.role} needs the KV transfer integration, which is not built "
-            "yet; use --role both",
-            file=sys.stderr,
-        )
-        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop

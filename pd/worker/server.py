@@ -18,8 +18,11 @@ from pd.protocol import (
     parse_json_body,
     parse_request,
 )
+from pd.worker.decode_side import DecodeSide
 from pd.worker.engine import RequestHandle
+from pd.worker.kv_transfer import KVContract, start_transfer
 from pd.worker.openai_format import SSE_DONE, ResponseBuilder, sse
+from pd.worker.prefill_side import PrefillSide
 from pd.worker.sampling_params import SamplingParams
 from pd.worker.worker import Worker
 
@@ -61,6 +64,8 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_engine_ctx)
+    if worker.config.role != "both":
+        app.cleanup_ctx.append(_transfer_ctx)
     return app
 
 
@@ -69,6 +74,26 @@ async def _engine_ctx(app: web.Application):
     engine.start()
     yield
     await engine.stop()
+
+
+async def _transfer_ctx(app: web.Application):
+    """Prefill and decode roles: the KV transfer manager and the side that uses it."""
+    worker = app[WORKER]
+    engine = worker.engine
+    manager = await start_transfer(worker.config, engine.runner)
+    contract = KVContract.of(engine.runner)
+    if worker.config.role == "prefill":
+        worker.prefill_side = PrefillSide(manager, engine.scheduler, contract, worker.config.tp)
+        engine.hand_off = worker.prefill_side.hand_off
+    else:
+        worker.decode_side = DecodeSide(manager, engine, contract)
+    worker.bootstrap_port = manager.bootstrap_port
+    yield
+    if worker.decode_side is not None:
+        await worker.decode_side.stop()
+    await manager.close()  # aborts what is left: pinned and reserved pages are released
+    worker.prefill_side = worker.decode_side = None
+    engine.hand_off = None
 
 
 def _check_auth(worker: Worker, request: web.Request) -> None:
@@ -146,9 +171,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    prompt_ids = _prompt_ids(worker, req)
-    params = _sampling_params(worker, req, len(prompt_ids))
-    handle = worker.engine.add_request(prompt_ids, params)
+    if worker.decode_side is not None:
+        kvp = worker.decode_side.validate(req.kv_transfer_params)
+        prompt_ids = kvp.prompt_token_ids  # D never re-tokenizes
+        params = _sampling_params(worker, req, len(prompt_ids))
+        handle = await worker.decode_side.start(kvp, params)
+    else:
+        remote_decode = _wants_remote_decode(worker, req)
+        prompt_ids = _prompt_ids(worker, req)
+        params = _sampling_params(worker, req, len(prompt_ids))
+        handle = worker.engine.add_request(prompt_ids, params, remote_decode)
     worker.metrics.prompt_tokens.inc(len(prompt_ids))
     builder = ResponseBuilder(
         chat=isinstance(req, ChatCompletionRequest),
@@ -163,10 +195,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
         while builder.finish_reason is None:
             builder.add(await handle.queue.get())
         _raise_if_error(builder.finish_reason)
-        return json_response(builder.final({"kv_transfer_params": None}))
+        return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
         worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+
+
+def _wants_remote_decode(worker: Worker, req) -> bool:
+    """Prefill role: `kv_transfer_params={"do_remote_decode": true}` (set by the router) asks to
+    keep the KV for a decode worker; without it a prefill worker answers like any other."""
+    kvp = req.kv_transfer_params
+    if kvp is None:
+        return False
+    if worker.prefill_side is None or kvp.get("do_remote_decode") is not True:
+        raise bad_request(
+            f"this {worker.config.role} worker does not take kv_transfer_params {kvp}",
+            param="kv_transfer_params",
+        )
+    if req.stream:
+        raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
+    return True
 
 
 def _raise_if_error(finish_reason: str | None) -> None:

@@ -9,11 +9,13 @@ import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.allocator import PageAllocator
+from pd.worker.decode_side import DecodeSide
 from pd.worker.default_model import default_model_path
 from pd.worker.engine import Engine
 from pd.worker.loader import LoadedCheckpoint, load_checkpoint
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.prefill_side import PrefillSide
 from pd.worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,10 @@ class Worker:
     model_name: str  # the served name
     draining: bool = False
     accepted_names: frozenset[str] = field(default_factory=frozenset)
+    # Prefill and decode roles, set while the app runs (see server._transfer_ctx):
+    prefill_side: PrefillSide | None = None
+    decode_side: DecodeSide | None = None
+    bootstrap_port: int | None = None
 
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()

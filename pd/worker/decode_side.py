@@ -1,0 +1,110 @@
+"""Decode role: validate P's `kv_transfer_params`, pull the KV, then decode from there.
+
+A request arriving with params from a prefill worker:
+1. is checked against this worker (model fingerprint, page size, layout, dtype): a mismatch is a
+   clear 400, never silent garbage;
+2. dials P (handshake, lease renewals start at once); its response headers and first token (P's,
+   carried in the params) go out as soon as the handshake is done;
+3. waits for pages (`Scheduler.reserve`: they must fit beside the running batch's growth),
+   pulls P's pages into them, and joins the running batch at position `num_tokens`.
+A failed pull, a client that leaves, or a dead P releases the reserved pages exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from pd.protocol import APIError, KVTransferParams, bad_request
+from pd.transfer import KVPoll, TransferManager, TransferParams
+from pd.worker.engine import Engine, RequestHandle
+from pd.worker.kv_transfer import KV_POOL, KVContract
+from pd.worker.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PAGE_WAIT_S = 0.005  # how often a request waiting for pages looks again
+
+
+class DecodeSide:
+    def __init__(self, manager: TransferManager, engine: Engine, contract: KVContract) -> None:
+        self.manager = manager
+        self.engine = engine
+        self.contract = contract
+        self._tasks: set[asyncio.Task] = set()
+
+    def validate(self, raw: dict[str, Any] | None) -> KVTransferParams:
+        if raw is None:
+            raise bad_request(
+                "a decode worker serves requests carrying kv_transfer_params from a prefill "
+                "worker: send requests through pd-router",
+                param="kv_transfer_params",
+            )
+        kvp = KVTransferParams.from_dict(raw)
+        ours = self.contract
+        for name in ("model_fingerprint", "page_size", "kv_layout", "dtype"):
+            theirs = getattr(kvp, name)
+            if theirs != getattr(ours, name):
+                raise APIError(
+                    400,
+                    f"prefill worker's {name} {theirs!r} does not match this decode worker's "
+                    f"{getattr(ours, name)!r}: pair workers of the same model, dtype and page size",
+                    code="kv_params_mismatch",
+                    param="kv_transfer_params",
+                )
+        pages = kvp.page_ids.get(KV_POOL, [])
+        if len(pages) != -(-kvp.num_tokens // kvp.page_size) or len(kvp.prompt_token_ids) != (
+            kvp.num_tokens
+        ):
+            raise bad_request("kv_transfer_params are inconsistent", param="kv_transfer_params")
+        return kvp
+
+    async def start(self, kvp: KVTransferParams, params: SamplingParams) -> RequestHandle:
+        """Dial P, then queue the request with P's first token; the pull goes on in a task."""
+        self.engine.check_fits(kvp.num_tokens, params.max_tokens)
+        rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
+        while rx.poll() is KVPoll.Bootstrapping:  # bounded by the handshake deadline
+            await asyncio.sleep(0.001)
+        if rx.poll() is KVPoll.Failed:
+            raise APIError(
+                502,
+                f"cannot reach the prefill worker's KV: {rx.failure_reason}",
+                "upstream_error",
+                "kv_transfer_failed",
+            )
+        handle = self.engine.add_pulled(kvp.prompt_token_ids, kvp.first_token_id, params, rx)
+        task = asyncio.create_task(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return handle
+
+    async def _pull(self, handle: RequestHandle, rx, num_pages: int) -> None:
+        scheduler, key = self.engine.scheduler, f"d-{handle.seq.request_id}"
+        try:
+            while scheduler.reserve(key, num_pages) is None:  # the prealloc queue
+                if handle.finished:
+                    rx.abort("the client left before pages were free")
+                    return
+                await asyncio.sleep(PAGE_WAIT_S)
+            if handle.finished:  # finished by its first token, or aborted: no pull needed
+                rx.abort("request finished before the pull")
+                scheduler.release(key)
+                return
+            rx.init({KV_POOL: scheduler.held[key]})
+            state = await rx.wait()
+        except asyncio.CancelledError:
+            rx.abort("decode worker stopping")
+            scheduler.release(key)
+            raise
+        if state is KVPoll.Success and not handle.finished:
+            self.engine.admit_pulled(handle, key)
+            return
+        scheduler.release(key)  # the receiver is final: no read can still land in these pages
+        if not handle.finished:
+            self.engine.fail(handle, f"KV transfer failed: {rx.failure_reason}")
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,61 @@
+"""Prefill role: hand a prefilled request's KV to a decode worker.
+
+When a request sent with `kv_transfer_params={"do_remote_decode": true}` has its first token,
+its pages are pinned (held by the scheduler under the transfer id) and a `KVSender` offers them
+to the decode side. They are freed exactly once, when the sender releases them: on D's `done`,
+on an abort from either side, or when the lease runs out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pd.protocol import KVTransferParams
+from pd.transfer import TransferManager
+from pd.worker.kv_transfer import KV_POOL, KVContract
+from pd.worker.scheduler import Scheduler
+from pd.worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class PrefillSide:
+    def __init__(
+        self, manager: TransferManager, scheduler: Scheduler, contract: KVContract, tp_size: int
+    ) -> None:
+        self.manager = manager
+        self.scheduler = scheduler
+        self.contract = contract
+        self.tp_size = tp_size
+        self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
+
+    def hand_off(self, seq: Sequence) -> dict[str, Any]:
+        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer."""
+        key = f"p-{seq.request_id}"
+        pages = self.scheduler.pin(seq, key)
+        try:
+            sender = self.manager.create_sender(
+                {KV_POOL: pages}, on_release=lambda s, why: self._release(key, why)
+            )
+        except Exception:
+            self.scheduler.release(key)
+            raise
+        c = self.contract
+        return KVTransferParams(
+            **sender.params().to_dict(),
+            prompt_token_ids=seq.prompt_ids,
+            first_token_id=seq.output_ids[0],
+            num_tokens=len(seq.prompt_ids),
+            page_size=c.page_size,
+            tp_size=self.tp_size,
+            kv_layout=c.kv_layout,
+            dtype=c.dtype,
+            model_fingerprint=c.model_fingerprint,
+        ).to_dict()
+
+    def _release(self, key: str, reason: str) -> None:
+        self.scheduler.release(key)
+        self.released[reason] = self.released.get(reason, 0) + 1
+        if reason != "done":
+            log.info("released pinned KV %s: %s", key, reason)
