@@ -3,41 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
 
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
+from tests.e2e.processes import start_worker
 
 pytestmark = pytest.mark.slow  # loads the real model
-
-
-def start_worker(*args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
-    """Start `pd-worker --port 0 ...`; return the process and its URL once it is ready."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pd.worker.main", "--port", "0", "--device", "cpu", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("pd-worker ready:"):
-            return proc, line.split("url=")[1].strip()
-    proc.kill()
-    raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
 
 
 @pytest.fixture
@@ -107,16 +84,6 @@ async def test_sigterm_drains_running_requests_then_exits(worker_process, aiohtt
         assert len(chunks) == 60
         assert proc.wait(timeout=30) == 0
         assert await router_workers(http, router_url, until=[]) == []  # and left it when draining
-
-
-def test_role_prefill_is_refused_until_transfer_lands():
-    out = subprocess.run(
-        [sys.executable, "-m", "pd.worker.main", "--role", "prefill"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 2 and "--role both" in out.stderr
 
 
 def test_every_flag_has_help():

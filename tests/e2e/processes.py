@@ -1,0 +1,53 @@
+"""Start real `pd-worker` processes for tests, and wait for what they report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+CLUSTER_TOKEN = "test-cluster-token"
+
+
+def start_worker(*args: str, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """Start `pd-worker --port 0 ...` on the CPU; return the process and its URL once ready."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pd.worker.main", "--port", "0", "--device", "cpu", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "PD_CLUSTER_TOKEN": CLUSTER_TOKEN},
+    )
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("pd-worker ready:"):
+            return proc, line.split("url=")[1].split()[0]
+    proc.kill()
+    raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+async def wait_pages_free(http: aiohttp.ClientSession, url: str, timeout: float = 10.0) -> dict:
+    """Poll a worker's /health until every KV page is free and nothing is in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = (await (await http.get(f"{url}/health")).json())["load"]
+        settled = load["running"] == load["waiting"] == load["inflight_transfers"] == 0
+        if settled and load["kv_pages_free"] == load["kv_pages_total"]:
+            return load
+        assert time.monotonic() < deadline, f"{url} still holds pages: {load}"
+        await asyncio.sleep(0.05)
