@@ -333,6 +333,7 @@ class WorkerLoad:
     kv_pages_total: int
     kv_pages_free: int
     inflight_transfers: int = 0  # P: pinned for D; D: pulling or waiting for pages
+    kv_pages_held: int = 0  # pages of those transfers (P: pinned; D: reserved for the pull)
 
     @property
     def kv_usage(self) -> float:

@@ -176,6 +176,7 @@ class Engine:
             kv_pages_total=alloc.num_total,
             kv_pages_free=alloc.num_free,
             inflight_transfers=len(self.scheduler.held),
+            kv_pages_held=sum(map(len, self.scheduler.held.values())),
         )
 
     @property

@@ -46,6 +46,14 @@ class WorkerMetrics:
             "pd_kv_pages_free": ("free KV pages per rank", lambda w: w.kv_pages_free),
             "pd_requests_running": ("requests in the running batch", lambda w: w.running),
             "pd_requests_waiting": ("requests waiting for admission", lambda w: w.waiting),
+            "pd_kv_transfers_inflight": (
+                "requests whose pages are held for a KV transfer (P: pinned; D: pulling)",
+                lambda w: w.inflight_transfers,
+            ),
+            "pd_kv_pages_held": (
+                "KV pages held for transfers (P: pinned for D; D: reserved for the pull)",
+                lambda w: w.kv_pages_held,
+            ),
             "pd_queued_prefill_tokens": (
                 "prompt tokens not yet prefilled",
                 lambda w: w.queued_prefill_tokens,
