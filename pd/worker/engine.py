@@ -203,6 +203,7 @@ class Engine:
         if self._executor:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._wakeup = None  # new requests are refused (503) until start() again
         self._fail_all("the worker is stopping")
 
     async def _run(self) -> None:
