@@ -152,6 +152,16 @@ async def test_client_disconnect_frees_pages_on_both_sides(router, pair):
         await wait_pages_free(http, worker_url)
 
 
+async def prefill_for_remote_decode(http: aiohttp.ClientSession, p_url: str) -> dict:
+    """Ask P alone what the router asks it: prefill, first token, KV kept for a decode worker."""
+    body = {
+        "prompt": "Hello there",
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    return await (await http.post(f"{p_url}/v1/completions", json=body)).json()
+
+
 async def test_decode_worker_refuses_bad_params(pair):
     p_url, d_url = pair
     async with aiohttp.ClientSession() as http:
@@ -159,16 +169,7 @@ async def test_decode_worker_refuses_bad_params(pair):
         assert resp.status == 400
         assert "pd-router" in (await resp.json())["error"]["message"]
         # Real params from P, then tampered: a different model shape is refused before any pull.
-        first = await (
-            await http.post(
-                f"{p_url}/v1/completions",
-                json={
-                    "prompt": "Hello there",
-                    "max_tokens": 1,
-                    "kv_transfer_params": {"do_remote_decode": True},
-                },
-            )
-        ).json()
+        first = await prefill_for_remote_decode(http, p_url)
         params = first["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["num_tokens"] == len(
             params["prompt_token_ids"]
@@ -208,16 +209,7 @@ async def test_decode_worker_refuses_bad_params(pair):
 async def test_pinned_pages_are_freed_when_decode_never_comes(pair):
     p_url, _ = pair
     async with aiohttp.ClientSession() as http:
-        first = await (
-            await http.post(
-                f"{p_url}/v1/completions",
-                json={
-                    "prompt": "Hello there",
-                    "max_tokens": 1,
-                    "kv_transfer_params": {"do_remote_decode": True},
-                },
-            )
-        ).json()
+        first = await prefill_for_remote_decode(http, p_url)
         load = (await (await http.get(f"{p_url}/health")).json())["load"]
         assert load["inflight_transfers"] == 1 and load["kv_pages_free"] < load["kv_pages_total"]
         assert first["kv_transfer_params"]["lease_ttl_s"] == 5.0
