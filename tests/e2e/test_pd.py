@@ -40,17 +40,24 @@ def pair():
             stop(proc)
 
 
-@pytest.fixture
-async def router(pair, aiohttp_server):
-    p_url, d_url = pair
+async def start_router(aiohttp_server, p_url: str, d_url: str) -> str:
+    """An in-process pd-router (test servers cancel handlers on disconnect) once it sees both."""
     cfg = RouterConfig(port=0, prefill=(p_url,), decode=(d_url,), health_interval=0.2)
-    server = await aiohttp_server(make_router(cfg))  # test servers cancel handlers on disconnect
+    server = await aiohttp_server(make_router(cfg))
     url = str(server.make_url("")).rstrip("/")
     async with aiohttp.ClientSession() as http:
         deadline = time.monotonic() + 10
         while (await http.get(f"{url}/health")).status != 200:
             assert time.monotonic() < deadline, "the router never saw both workers healthy"
             await asyncio.sleep(0.05)
+    return url
+
+
+@pytest.fixture
+async def router(pair, aiohttp_server):
+    p_url, d_url = pair
+    url = await start_router(aiohttp_server, p_url, d_url)
+    async with aiohttp.ClientSession() as http:
         yield url, http
         for worker_url in pair:
             await wait_pages_free(http, worker_url)
@@ -215,3 +222,20 @@ async def test_pinned_pages_are_freed_when_decode_never_comes(pair):
         assert first["kv_transfer_params"]["lease_ttl_s"] == 5.0
         # Nobody dials P for these pages (a decode worker would renew the lease): it runs out.
         await wait_pages_free(http, p_url, timeout=15)
+
+
+async def test_heterogeneous_tp_prefill_tp1_to_decode_tp3(pair, client, aiohttp_server):
+    """D with 3 ranks (one KV head each) pulls each rank's head slice from P's single rank."""
+    p_url, _ = pair
+    d3, d3_url = start_worker("--role", "decode", "--tp", "3", *FLAGS)
+    try:
+        url = await start_router(aiohttp_server, p_url, d3_url)
+        async with aiohttp.ClientSession() as http:
+            body = chat("Write a haiku about the sea.", temperature=0, max_tokens=32)
+            pd_answer = await ask(http, url, "/v1/chat/completions", body)
+            both = await (await client.post("/v1/chat/completions", json=body)).json()
+            assert pd_answer["choices"][0]["message"] == both["choices"][0]["message"]
+            for worker_url in (p_url, d3_url):
+                await wait_pages_free(http, worker_url)
+    finally:
+        stop(d3)
