@@ -30,6 +30,11 @@ class WorkerConfig:
     device: str = _flag(
         "auto", "cpu, cuda, or auto (cuda when available)", choices=("auto", "cpu", "cuda")
     )
+    threads: int = _flag(
+        0,
+        "CPU threads for the model (0: torch's default, one per core); give workers that "
+        "share a machine a share of its cores each",
+    )
     page_size: int = _flag(16, "tokens per KV page")
     max_model_len: int = _flag(0, "context length in tokens (0: the model's, at most 8192)")
     kv_pages: int = _flag(
@@ -76,6 +81,7 @@ class WorkerConfig:
         check(self.role in ROLES, f"--role must be one of {ROLES}")
         check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
         check(self.tp >= 1, "--tp must be >= 1")
+        check(self.threads >= 0, "--threads must be >= 0")
         check(0 <= self.port < 65536, "--port must be in 0..65535")
         check(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,

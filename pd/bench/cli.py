@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "engine": "decode tokens/s of a --role both worker at 1, 8 and 32 streams",
     "transfer": "KV pull throughput: ours vs bare NIXL vs memcpy",
     "router": "router overhead vs direct, at concurrency 1 and 64",
+    "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
 }
 
 

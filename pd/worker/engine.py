@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pd.protocol import APIError, WorkerLoad
 from pd.transfer import KVPoll, KVReceiver
 from pd.worker.detokenizer import IncrementalDetokenizer
@@ -188,7 +190,13 @@ class Engine:
     def start(self) -> None:
         """Start the loop task on the running event loop (again after `stop`, e.g. in tests)."""
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-forward")
+        # The forward thread uses as many torch threads as the process was given (--threads).
+        self._executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="pd-forward",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine")
 
     async def stop(self) -> None:

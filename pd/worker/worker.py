@@ -45,8 +45,8 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     """Build a worker; `ckpt` lets tests share one loaded checkpoint between workers."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     if ckpt is None:
         ckpt = load_checkpoint(cfg.model or default_model_path(), dtype=torch.float32)
     mcfg = ckpt.config
