@@ -63,8 +63,9 @@ class Backend(ABC):
         """Progress of a posted transfer. Never raises for a transport error: returns ERR."""
 
     @abstractmethod
-    def release(self, xfer: int) -> None:
-        """Release a transfer (cancelling it if still in flight). Idempotent."""
+    def release(self, xfer: int) -> bool:
+        """Release a transfer (cancelling it if still in flight). Idempotent. False when an
+        in-flight transfer could not be cancelled: it may still write into its destination."""
 
     @abstractmethod
     def counts(self) -> BackendCounts: ...

@@ -106,8 +106,9 @@ class FakeBackend(Backend):
                 x.state = XferState.DONE
         return x.state
 
-    def release(self, xfer: int) -> None:
-        self._xfers.pop(xfer, None)
+    def release(self, xfer: int) -> bool:
+        self._xfers.pop(xfer, None)  # the copy is done or never started: nothing can land later
+        return True
 
     def counts(self) -> BackendCounts:
         return BackendCounts(len(self._peers), len(self._xfers), 0)

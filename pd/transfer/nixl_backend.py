@@ -100,15 +100,18 @@ class NixlBackend(Backend):
                 state = XferState.PROC
         return state
 
-    def release(self, xfer: int) -> None:
+    def release(self, xfer: int) -> bool:
         entry = self._xfers.pop(xfer, None)
         if entry is None:
-            return
+            return True
+        safe = True
         for h in entry[1]:
             try:
                 h.release()
             except Exception as e:  # NIXL keeps an uncancellable handle in its own leak list
                 log.warning("nixl: releasing transfer %d: %s", xfer, e)
+                safe = False
+        return safe
 
     def counts(self) -> BackendCounts:
         return BackendCounts(len(self._peers), sum(len(h) for _, h in self._xfers.values()), 0)

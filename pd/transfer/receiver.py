@@ -35,6 +35,9 @@ class Receiver(KVReceiver):
         self._dst: SlotIds | None = None
         self._xfer: int | None = None
         self._deadline = 0.0
+        # True when a read could not be cancelled and may still land in the destination slots:
+        # their owner must not reuse them.
+        self.dst_unsafe = False
         self.started_at: float | None = None
         self.finished_at: float | None = None
         loop = asyncio.get_running_loop()
@@ -198,5 +201,6 @@ class Receiver(KVReceiver):
 
     def _release_xfer(self) -> None:
         if self._xfer is not None:
-            self._m.backend.release(self._xfer)
+            if not self._m.backend.release(self._xfer):
+                self.dst_unsafe = True
             self._xfer = None

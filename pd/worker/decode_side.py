@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from pd.protocol import APIError, KVTransferParams, bad_request
-from pd.transfer import KVPoll, TransferManager, TransferParams
+from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
 from pd.worker.engine import Engine, RequestHandle
 from pd.worker.kv_transfer import KV_POOL, KVContract
 from pd.worker.sampling_params import SamplingParams
@@ -64,22 +64,26 @@ class DecodeSide:
         """Dial P, then queue the request with P's first token; the pull goes on in a task."""
         self.engine.check_fits(kvp.num_tokens, params.max_tokens)
         rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
-        while rx.poll() is KVPoll.Bootstrapping:  # bounded by the handshake deadline
-            await asyncio.sleep(0.001)
-        if rx.poll() is KVPoll.Failed:
-            raise APIError(
-                502,
-                f"cannot reach the prefill worker's KV: {rx.failure_reason}",
-                "upstream_error",
-                "kv_transfer_failed",
-            )
-        handle = self.engine.add_pulled(kvp.prompt_token_ids, kvp.first_token_id, params, rx)
+        try:
+            while rx.poll() is KVPoll.Bootstrapping:  # bounded by the handshake deadline
+                await asyncio.sleep(0.001)
+            if rx.poll() is KVPoll.Failed:
+                raise APIError(
+                    502,
+                    f"cannot reach the prefill worker's KV: {rx.failure_reason}",
+                    "upstream_error",
+                    "kv_transfer_failed",
+                )
+            handle = self.engine.add_pulled(kvp.prompt_token_ids, kvp.first_token_id, params, rx)
+        except BaseException:  # refused, or the client left during the handshake: tell P
+            rx.abort("the decode request ended before the pull")
+            raise
         task = asyncio.create_task(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return handle
 
-    async def _pull(self, handle: RequestHandle, rx, num_pages: int) -> None:
+    async def _pull(self, handle: RequestHandle, rx: KVReceiver, num_pages: int) -> None:
         scheduler, key = self.engine.scheduler, f"d-{handle.seq.request_id}"
         try:
             while scheduler.reserve(key, num_pages) is None:  # the prealloc queue
@@ -93,16 +97,35 @@ class DecodeSide:
                 return
             rx.init({KV_POOL: scheduler.held[key]})
             state = await rx.wait()
-        except asyncio.CancelledError:
-            rx.abort("decode worker stopping")
-            scheduler.release(key)
+        except BaseException as e:
+            rx.abort(f"decode side error: {e!r}")
+            self._settle(rx, key)
+            if not isinstance(e, asyncio.CancelledError):
+                log.exception("KV pull of %s failed", handle.seq.request_id)
+                self.engine.fail(handle, APIError(500, f"KV pull failed: {e}", "internal_error"))
             raise
         if state is KVPoll.Success and not handle.finished:
             self.engine.admit_pulled(handle, key)
             return
-        scheduler.release(key)  # the receiver is final: no read can still land in these pages
+        self._settle(rx, key)
         if not handle.finished:
-            self.engine.fail(handle, f"KV transfer failed: {rx.failure_reason}")
+            self.engine.fail(
+                handle,
+                APIError(
+                    502,
+                    f"KV transfer failed: {rx.failure_reason}",
+                    "upstream_error",
+                    "kv_transfer_failed",
+                ),
+            )
+
+    def _settle(self, rx: KVReceiver, key: str) -> None:
+        """Free a failed pull's pages, unless a read might still land in them (NIXL could not
+        cancel it): those stay held, counted in /health, never given to another request."""
+        if getattr(rx, "dst_unsafe", False):
+            log.error("KV pull %s could not be cancelled: keeping its pages out of use", key)
+            return
+        self.engine.scheduler.release(key)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

@@ -38,7 +38,8 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[tuple[int, float, list[tuple[int, float]] | None]]  # (id, logprob, top)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: APIError | None = None  # with finish_reason "error": what the client is answered
 
 
 @dataclass(eq=False)
@@ -81,6 +82,8 @@ class Engine:
         self._wakeup: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
+        self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
+        self._deferred: list[tuple[Sequence, str]] = []  # finished during it: freed after it
         self.steps = 0
 
     # ----------------------------------------------------------------------------- requests
@@ -152,10 +155,10 @@ class Engine:
             )
 
     def abort(self, handle: RequestHandle) -> None:
-        """Stop a request (client gone); its pages are freed at once (decode role: once its
-        pull has stopped)."""
+        """Stop a request (client gone). Its pages are freed at once, or, when the step that
+        computes it is running, as soon as that step ends (decode role: once the pull stopped)."""
         if not handle.finished:
-            self.scheduler.finish(handle.seq, "abort")
+            self._release(handle.seq, "abort")
             if self.metrics:
                 self.metrics.aborted.inc()
         rx = handle.receiver
@@ -163,10 +166,17 @@ class Engine:
             rx.abort("the client left")
         self.handles.pop(handle.seq.request_id, None)
 
-    def fail(self, handle: RequestHandle, message: str) -> None:
-        self.scheduler.finish(handle.seq, "error")
+    def fail(self, handle: RequestHandle, error: APIError) -> None:
+        """End a request with an error (its pages are freed; see `abort` for a step in flight)."""
+        self._release(handle.seq, "error")
         self.handles.pop(handle.seq.request_id, None)
-        handle.queue.put_nowait(Delta("", [], [], "error:" + message))
+        handle.queue.put_nowait(Delta("", [], [], "error", error))
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        if seq in self._step_seqs:  # NOTE: the forward pass may still write into its pages
+            self._deferred.append((seq, reason))
+        else:
+            self.scheduler.finish(seq, reason)
 
     def load(self) -> WorkerLoad:
         alloc = self.scheduler.allocator
@@ -237,7 +247,14 @@ class Engine:
             # Nothing fits right now (every page is held); cannot happen while requests run.
             await asyncio.sleep(0.005)
             return
-        out = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+        self._step_seqs = frozenset(batch.seqs)
+        try:
+            out = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+        finally:
+            self._step_seqs = frozenset()
+            for seq, reason in self._deferred:
+                self.scheduler.finish(seq, reason)
+            self._deferred.clear()
         self.steps += 1
         self.scheduler.advance(batch)
         self._process(batch, out)
@@ -275,37 +292,48 @@ class Engine:
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.tokenizer.eos_token_ids
         ):
-            finish, text = "stop", self._tail(handle)  # the stop token's own text is not shown
+            finish, text = "stop", self._tail(handle)[0]  # the stop token's text is not shown
         else:
             text, stopped = handle.stop.add(handle.detok.add(token))
             if stopped:
                 finish = "stop"
             elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-                finish, text = "length", text + self._tail(handle)
-        if finish:
-            self._finish(handle, finish)
-        handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
+                tail, stopped = self._tail(handle)
+                finish, text = ("stop" if stopped else "length"), text + tail
+        error = self._finish(handle, finish) if finish else None
+        if error is not None:
+            handle.queue.put_nowait(Delta("", [], [], "error", error))
+        else:
+            handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
 
-    def _finish(self, handle: RequestHandle, reason: str) -> None:
+    def _finish(self, handle: RequestHandle, reason: str) -> APIError | None:
+        """Finish a request (prefill role: hand its pages to a decode worker instead)."""
         seq = handle.seq
+        error = None
         if reason == "length" and seq.remote_decode and self.hand_off is not None:
-            try:  # prefill role: the pages go to a decode worker instead of the free list
+            try:
                 handle.kv_transfer_params = self.hand_off(seq)
-            except Exception:
+            except Exception as e:  # answered as a 5xx, so the router retries or reports it
                 log.exception("cannot hand %s to a decode worker", seq.request_id)
-        self.scheduler.finish(seq, reason)  # no-op when handed off (the seq is finished)
+                error = APIError(
+                    503,
+                    f"cannot hand the KV to a decode worker: {e}",
+                    "server_busy",
+                    "kv_hand_off_failed",
+                )
+        self.scheduler.finish(seq, "error" if error else reason)  # no-op once handed off
         if self.metrics:
             self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
         self.handles.pop(seq.request_id, None)
+        return error
 
     @staticmethod
-    def _tail(handle: RequestHandle) -> str:
-        """Text still held by the detokenizer and the stop checker, at the end of a request."""
+    def _tail(handle: RequestHandle) -> tuple[str, bool]:
+        """Text still held by the detokenizer and the stop checker at the end of a request, and
+        whether it completed a stop string."""
         text, stopped = handle.stop.add(handle.detok.flush())
-        return text if stopped else text + handle.stop.flush()
+        return (text, True) if stopped else (text + handle.stop.flush(), False)
 
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):
-            self.scheduler.finish(handle.seq, "error")
-            handle.queue.put_nowait(Delta("", [], [], "error:" + message))
-        self.handles.clear()
+            self.fail(handle, APIError(500, message, "internal_error"))

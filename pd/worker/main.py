@@ -65,7 +65,7 @@ async def serve(cfg: WorkerConfig) -> None:
         await _register(cfg, my_url, leave=True)
     log.info("draining: %d requests in flight", len(worker.engine.handles))
     deadline = loop.time() + cfg.drain_timeout_s
-    while worker.engine.handles and loop.time() < deadline:
+    while (worker.engine.handles or not worker.engine.idle) and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.05)  # let the last responses flush
     await runner.cleanup()

@@ -34,25 +34,28 @@ class PrefillSide:
         """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer."""
         key = f"p-{seq.request_id}"
         pages = self.scheduler.pin(seq, key)
+        sender = None
         try:
             sender = self.manager.create_sender(
                 {KV_POOL: pages}, on_release=lambda s, why: self._release(key, why)
             )
+            c = self.contract
+            return KVTransferParams(
+                **sender.params().to_dict(),
+                prompt_token_ids=seq.prompt_ids,
+                first_token_id=seq.output_ids[0],
+                num_tokens=len(seq.prompt_ids),
+                page_size=c.page_size,
+                tp_size=self.tp_size,
+                kv_layout=c.kv_layout,
+                dtype=c.dtype,
+                model_fingerprint=c.model_fingerprint,
+            ).to_dict()
         except Exception:
-            self.scheduler.release(key)
+            if sender is not None:
+                sender.abort("hand-off failed")  # its release frees the pages
+            self.scheduler.release(key)  # idempotent
             raise
-        c = self.contract
-        return KVTransferParams(
-            **sender.params().to_dict(),
-            prompt_token_ids=seq.prompt_ids,
-            first_token_id=seq.output_ids[0],
-            num_tokens=len(seq.prompt_ids),
-            page_size=c.page_size,
-            tp_size=self.tp_size,
-            kv_layout=c.kv_layout,
-            dtype=c.dtype,
-            model_fingerprint=c.model_fingerprint,
-        ).to_dict()
 
     def _release(self, key: str, reason: str) -> None:
         self.scheduler.release(key)

@@ -170,9 +170,12 @@ class Scheduler:
         return pages
 
     def reserve(self, key: str, num_pages: int) -> list[int] | None:
-        """Decode: pages for a request's pulled KV, if they fit beside the running batch's growth
-        (one free page per running request stays in reserve) and under `max_running`."""
+        """Decode: pages for a request's pulled KV, if no preempted request waits, they fit beside
+        the running batch's growth (one free page per running request stays in reserve) and the
+        batch is under `max_running`."""
         assert key not in self.held
+        if self.waiting:  # preempted requests get their pages back first
+            return None
         if len(self.running) + len(self.held) >= self.max_running:
             return None
         if self.allocator.num_free - num_pages < len(self.running):

@@ -193,8 +193,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await _stream(request, handle, builder, req.include_usage)
         while builder.finish_reason is None:
-            builder.add(await handle.queue.get())
-        _raise_if_error(builder.finish_reason)
+            delta = await handle.queue.get()
+            if delta.error is not None:
+                raise delta.error
+            builder.add(delta)
         return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
@@ -217,11 +219,6 @@ def _wants_remote_decode(worker: Worker, req) -> bool:
     return True
 
 
-def _raise_if_error(finish_reason: str | None) -> None:
-    if finish_reason and finish_reason.startswith("error:"):
-        raise APIError(500, finish_reason.removeprefix("error:"), "internal_error")
-
-
 async def _stream(
     request: web.Request, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool
 ) -> web.StreamResponse:
@@ -233,12 +230,10 @@ async def _stream(
         await resp.write(builder.chunk(None, role=True))
     while builder.finish_reason is None:
         delta = await handle.queue.get()
-        builder.add(delta)
-        if delta.finish_reason and delta.finish_reason.startswith("error:"):
-            await resp.write(
-                sse(error_body(delta.finish_reason.removeprefix("error:"), "internal_error"))
-            )
+        if delta.error is not None:  # headers are out: the error is the stream's last event
+            await resp.write(sse(delta.error.body()))
             break
+        builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:
         await resp.write(builder.usage_chunk())

@@ -1,0 +1,113 @@
+"""The engine loop with a stand-in model: aborts during a step, hand-off failures, page accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from pd.kvcache.allocator import PageAllocator
+from pd.worker.engine import Engine
+from pd.worker.sampling import SampleOutput
+from pd.worker.sampling_params import SamplingParams
+from pd.worker.scheduler import Scheduler
+
+PAGE = 4
+
+
+class SlowRunner:
+    """Samples token 5 for every row, but only when the test lets the step finish."""
+
+    def __init__(self) -> None:
+        self.in_step = threading.Event()
+        self.go = threading.Event()
+        self.free_run = False  # once set, steps no longer wait for the test
+
+    def execute(self, batch) -> SampleOutput:
+        self.in_step.set()
+        assert self.go.wait(10), "the test never let the step finish"
+        if not self.free_run:
+            self.go.clear()
+        self.in_step.clear()
+        n = sum(batch.sample)
+        return SampleOutput([5] * n, [None] * n, [None] * n)
+
+
+class Tok:
+    eos_token_ids = frozenset({0})
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def make_engine(num_pages: int = 16) -> tuple[Engine, SlowRunner]:
+    runner = SlowRunner()
+    scheduler = Scheduler(PageAllocator(num_pages), PAGE, chunk_size=64, max_running=8)
+    engine = Engine(runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8)
+    return engine, runner
+
+
+async def wait_in_step(runner: SlowRunner) -> None:
+    while not runner.in_step.is_set():
+        await asyncio.sleep(0.001)
+
+
+async def test_abort_during_a_step_frees_pages_only_after_the_step():
+    engine, runner = make_engine()
+    engine.start()
+    try:
+        handle = engine.add_request(list(range(10)), SamplingParams(max_tokens=8))
+        await wait_in_step(runner)
+        engine.abort(handle)  # the client left while the forward pass writes into its pages
+        alloc = engine.scheduler.allocator
+        assert alloc.num_used == 3, "pages in use by the running step were freed"
+        assert alloc.allocate(16 - 3) is not None and alloc.allocate(1) is None
+        alloc.free(range(3, 16))
+        runner.go.set()
+        while alloc.num_used:
+            await asyncio.sleep(0.001)
+        assert handle.finished and handle.seq.finish_reason == "abort"
+        assert handle.queue.empty()  # no token of the aborted step reaches the client
+        engine.scheduler.check_integrity()
+    finally:
+        runner.go.set()
+        await engine.stop()
+
+
+async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
+    engine, runner = make_engine()
+
+    def broken_hand_off(seq):
+        engine.scheduler.pin(seq, "k")
+        engine.scheduler.release("k")
+        raise RuntimeError("no transfer manager")
+
+    engine.hand_off = broken_hand_off
+    engine.start()
+    try:
+        handle = engine.add_request(list(range(6)), SamplingParams(max_tokens=1), True)
+        await wait_in_step(runner)
+        runner.go.set()
+        delta = await asyncio.wait_for(handle.queue.get(), 5)
+        assert delta.finish_reason == "error" and delta.error.status == 503
+        assert "no transfer manager" in delta.error.message
+        assert engine.scheduler.allocator.num_used == 0
+        engine.scheduler.check_integrity()
+    finally:
+        runner.go.set()
+        await engine.stop()
+
+
+async def test_stopping_fails_queued_requests_and_frees_everything():
+    engine, runner = make_engine()
+    engine.start()
+    handle = engine.add_request(list(range(6)), SamplingParams(max_tokens=8))
+    await wait_in_step(runner)
+    runner.free_run = True
+    runner.go.set()
+    await engine.stop()
+    deltas = []
+    while not handle.queue.empty():
+        deltas.append(handle.queue.get_nowait())
+    assert deltas and deltas[-1].finish_reason in ("error", "length")
+    assert engine.scheduler.allocator.num_used == 0
+    engine.scheduler.check_integrity()
