@@ -11,7 +11,7 @@ Validation happens here, at the edge; everything past `parse_*` may trust its ty
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
@@ -371,6 +371,8 @@ class KVTransferParams:
     dtype: str
     model_fingerprint: str
     lease_ttl_s: float
+    # [logprob, [[token id, logprob], ...]] of the first token when the request asked for them
+    first_token_logprobs: list | None = None
     do_remote_prefill: bool = True
     pd_version: int = PD_VERSION
 
@@ -388,9 +390,10 @@ class KVTransferParams:
                 "kv_transfer_params",
             )
         names = {f.name for f in fields(cls)}
-        missing = [n for n in names if n not in d]
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = [n for n in required if n not in d]
         if missing:
             raise bad_request(
                 f"kv_transfer_params lacks {', '.join(sorted(missing))}", "kv_transfer_params"
             )
-        return cls(**{k: d[k] for k in names})
+        return cls(**{k: d[k] for k in names if k in d})

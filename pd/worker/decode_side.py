@@ -74,7 +74,9 @@ class DecodeSide:
                     "upstream_error",
                     "kv_transfer_failed",
                 )
-            handle = self.engine.add_pulled(kvp.prompt_token_ids, kvp.first_token_id, params, rx)
+            handle = self.engine.add_pulled(
+                kvp.prompt_token_ids, kvp.first_token_id, params, rx, kvp.first_token_logprobs
+            )
         except BaseException:  # refused, or the client left during the handshake: tell P
             rx.abort("the decode request ended before the pull")
             raise

@@ -77,7 +77,7 @@ class Engine:
         self.metrics = metrics
         self.handles: dict[str, RequestHandle] = {}
         # Prefill role: pins a prefilled request's pages for D; returns its kv_transfer_params.
-        self.hand_off: Callable[[Sequence], dict[str, Any]] | None = None
+        self.hand_off: Callable[[Sequence, list], dict[str, Any]] | None = None
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -99,14 +99,24 @@ class Engine:
         return handle
 
     def add_pulled(
-        self, prompt_ids: list[int], first_token: int, params: SamplingParams, rx: KVReceiver
+        self,
+        prompt_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        rx: KVReceiver,
+        first_logprobs: list | None = None,
     ) -> RequestHandle:
-        """Decode role: a request whose KV is being pulled; its first token (sampled by P) is
-        emitted at once. It joins the batch through `admit_pulled` when the pull succeeds."""
+        """Decode role: a request whose KV is being pulled; its first token (sampled by P, with
+        P's `[logprob, top]` when asked for) is emitted at once. It joins the batch through
+        `admit_pulled` when the pull succeeds."""
         handle = self._new_handle(prompt_ids, params)
         handle.seq.status = SeqStatus.TRANSFERRING
         handle.receiver = rx
-        self._accept(handle, first_token, [], time.monotonic())
+        logprobs = []
+        if params.wants_logprobs and first_logprobs:
+            lp, top = first_logprobs
+            logprobs.append((first_token, lp, [tuple(t) for t in top or []]))
+        self._accept(handle, first_token, logprobs, time.monotonic())
         return handle
 
     def admit_pulled(self, handle: RequestHandle, key: str) -> None:
@@ -300,19 +310,19 @@ class Engine:
             elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
                 tail, stopped = self._tail(handle)
                 finish, text = ("stop" if stopped else "length"), text + tail
-        error = self._finish(handle, finish) if finish else None
+        error = self._finish(handle, finish, logprobs) if finish else None
         if error is not None:
             handle.queue.put_nowait(Delta("", [], [], "error", error))
         else:
             handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
 
-    def _finish(self, handle: RequestHandle, reason: str) -> APIError | None:
+    def _finish(self, handle: RequestHandle, reason: str, logprobs: list) -> APIError | None:
         """Finish a request (prefill role: hand its pages to a decode worker instead)."""
         seq = handle.seq
         error = None
         if reason == "length" and seq.remote_decode and self.hand_off is not None:
             try:
-                handle.kv_transfer_params = self.hand_off(seq)
+                handle.kv_transfer_params = self.hand_off(seq, logprobs)
             except Exception as e:  # answered as a 5xx, so the router retries or reports it
                 log.exception("cannot hand %s to a decode worker", seq.request_id)
                 error = APIError(

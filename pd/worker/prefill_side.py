@@ -30,8 +30,9 @@ class PrefillSide:
         self.tp_size = tp_size
         self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
 
-    def hand_off(self, seq: Sequence) -> dict[str, Any]:
-        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer."""
+    def hand_off(self, seq: Sequence, logprobs: list) -> dict[str, Any]:
+        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer.
+        `logprobs`: the first token's `(id, logprob, top)` entry, when the request asked."""
         key = f"p-{seq.request_id}"
         pages = self.scheduler.pin(seq, key)
         sender = None
@@ -44,6 +45,7 @@ class PrefillSide:
                 **sender.params().to_dict(),
                 prompt_token_ids=seq.prompt_ids,
                 first_token_id=seq.output_ids[0],
+                first_token_logprobs=[logprobs[0][1], logprobs[0][2]] if logprobs else None,
                 num_tokens=len(seq.prompt_ids),
                 page_size=c.page_size,
                 tp_size=self.tp_size,

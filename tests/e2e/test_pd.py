@@ -239,3 +239,17 @@ async def test_heterogeneous_tp_prefill_tp1_to_decode_tp3(pair, client, aiohttp_
                 await wait_pages_free(http, worker_url)
     finally:
         stop(d3)
+
+
+async def test_logprobs_through_the_pair_match_one_worker(router, client):
+    url, http = router
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 3}
+    pd_lp = (await ask(http, url, "/v1/completions", body))["choices"][0]["logprobs"]
+    both = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]
+    assert pd_lp["tokens"] == both["logprobs"]["tokens"]  # token 0's come from P, the rest from D
+    assert len(pd_lp["token_logprobs"]) == 6
+    for ours, theirs in zip(pd_lp["token_logprobs"], both["logprobs"]["token_logprobs"]):
+        assert abs(ours - theirs) < 1e-3
+    assert [list(t) for t in pd_lp["top_logprobs"]] == [
+        list(t) for t in both["logprobs"]["top_logprobs"]
+    ]
