@@ -38,6 +38,7 @@ class NixlBackend(Backend):
         self._reg: list[object] = []  # registration descriptor lists, for deregistration
         self._peers: set[str] = set()
         self._xfers: dict[int, tuple[str, list[object]]] = {}  # id -> (agent, nixl handles)
+        self._uncancelled: set[int] = set()  # released ids whose reads NIXL could not cancel
         self._ids = itertools.count(1)
 
     def register(self, regions: list[MemRegion]) -> None:
@@ -102,8 +103,8 @@ class NixlBackend(Backend):
 
     def release(self, xfer: int) -> bool:
         entry = self._xfers.pop(xfer, None)
-        if entry is None:
-            return True
+        if entry is None:  # released before (e.g. with its dead peer): report how that went
+            return xfer not in self._uncancelled
         safe = True
         for h in entry[1]:
             try:
@@ -111,6 +112,8 @@ class NixlBackend(Backend):
             except Exception as e:  # NIXL keeps an uncancellable handle in its own leak list
                 log.warning("nixl: releasing transfer %d: %s", xfer, e)
                 safe = False
+        if not safe:
+            self._uncancelled.add(xfer)  # ids are never reused (a counter)
         return safe
 
     def counts(self) -> BackendCounts:
