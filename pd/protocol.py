@@ -115,32 +115,60 @@ def _token_ids(value: Any, name: str) -> list[int]:
 # ------------------------------------------------------------------------------------ requests
 
 
-@dataclass
-class GenerationOptions:
-    """The sampling and stopping options common to both OpenAI endpoints."""
+MAX_TOP_LOGPROBS = 5
+# Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
+GREEDY_TEMPERATURE = 1e-5
 
-    max_tokens: int | None  # None: up to the context length
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """A request's sampling and stopping options: one type from the HTTP edge to the sampler.
+
+    Built by `parse_request`, which validates every field; past it they are trusted. Torch-free,
+    so the router reads it too.
+    """
+
+    max_tokens: int | None = None  # None: up to the context length (the worker resolves it)
+    temperature: float = 1.0  # 0 (or < GREEDY_TEMPERATURE) = greedy
+    top_p: float = 1.0  # in (0, 1]; 1 = off
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0  # in [0, 1]; 0 = off
+    presence_penalty: float = 0.0  # OpenAI, over output tokens, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI, over output tokens, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF/vLLM, over prompt + output tokens; 1 = off
+    seed: int | None = None  # same seed -> same text, however the request is served
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
-    top_logprobs: int = 0
+    logprobs: bool = False  # report the chosen token's logprob
+    top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS most likely alternatives per position
     skip_special_tokens: bool = True
 
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
 
-MAX_TOP_LOGPROBS = 5
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
 
-def _parse_options(body: dict, max_tokens_names: tuple[str, ...]) -> GenerationOptions:
-    max_tokens = None
+def _parse_options(
+    body: dict,
+    max_tokens_names: tuple[str, ...],
+    default_max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+) -> GenerationOptions:
+    max_tokens = default_max_tokens
     for name in max_tokens_names:
         value = _int(body, name, None, 1)
         if value is not None:
@@ -167,6 +195,7 @@ def _parse_options(body: dict, max_tokens_names: tuple[str, ...]) -> GenerationO
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_value")
     seed = _opt(body, "seed", int)
     top_k = _int(body, "top_k", -1, -1)
+    assert top_k is not None  # it has a default
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0.0:  # OpenAI allows 0: the limit is "the most likely token only"
@@ -185,6 +214,8 @@ def _parse_options(body: dict, max_tokens_names: tuple[str, ...]) -> GenerationO
         stop_token_ids=stop_token_ids,
         ignore_eos=bool(_opt(body, "ignore_eos", bool, False)),
         skip_special_tokens=bool(_opt(body, "skip_special_tokens", bool, True)),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -249,13 +280,14 @@ class CompletionRequest(_RequestBase):
             raise bad_request("'prompt' must not be empty", param="prompt")
         if _opt(body, "echo", bool, False):
             raise bad_request("'echo' is not supported", param="echo", code="unsupported_value")
-        options = _parse_options(body, ("max_tokens",))
-        if options.max_tokens is None:
-            options.max_tokens = 16  # OpenAI's default for completions
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-        if logprobs is not None:
-            options.logprobs = True
-            options.top_logprobs = logprobs
+        options = _parse_options(
+            body,
+            ("max_tokens",),
+            16,  # OpenAI's default for completions
+            logprobs is not None,
+            logprobs or 0,
+        )
         return cls(prompt=prompt, options=options, **_parse_common(body))
 
 
@@ -303,12 +335,14 @@ class ChatCompletionRequest(_RequestBase):
         if "messages" not in body:
             raise bad_request("'messages' is required", param="messages", code="missing_field")
         messages = _parse_messages(body["messages"])
-        options = _parse_options(body, ("max_completion_tokens", "max_tokens"))
-        if _opt(body, "logprobs", bool, False):
-            options.logprobs = True
-            options.top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-        elif body.get("top_logprobs") is not None:
+        logprobs = bool(_opt(body, "logprobs", bool, False))
+        if not logprobs and body.get("top_logprobs") is not None:
             raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if logprobs else 0
+        assert top_logprobs is not None  # it has a default
+        options = _parse_options(
+            body, ("max_completion_tokens", "max_tokens"), None, logprobs, top_logprobs
+        )
         return cls(messages=messages, options=options, **_parse_common(body))
 
 

@@ -7,9 +7,9 @@ import functools
 import torch
 
 from pd.kvcache.paged_metadata import build_paged_metadata
-from pd.worker.default_model import default_model_path
-from pd.worker.loader import LoadedCheckpoint, load_checkpoint
-from pd.worker.model_runner import ModelRunner
+from pd.worker.checkpoint.default_model import default_model_path
+from pd.worker.checkpoint.loader import LoadedCheckpoint, load_checkpoint
+from pd.worker.model.runner import ModelRunner
 
 
 @functools.cache

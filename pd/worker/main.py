@@ -30,8 +30,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    from pd.worker.server import make_app
-    from pd.worker.worker import build_worker
+    from pd.worker.api.server import make_app
+    from pd.worker.build import build_worker
 
     loop = asyncio.get_running_loop()
     worker = await loop.run_in_executor(None, build_worker, cfg)
@@ -74,6 +74,8 @@ async def serve(cfg: WorkerConfig) -> None:
 async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None:
     """Join (or leave) the router given by --register-with; a refusal is logged, not fatal."""
     import aiohttp
+
+    assert cfg.register_with is not None
 
     from pd.router.register import RegistrationError, deregister_from_router, register_with_router
 

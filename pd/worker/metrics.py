@@ -3,15 +3,20 @@ in tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pd.protocol import WorkerLoad
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class WorkerMetrics:
-    def __init__(self, engine_load) -> None:
-        """`engine_load()` returns the current `WorkerLoad`; gauges read it at scrape time."""
+    def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self._load: Callable[[], WorkerLoad] | None = None
         self.prompt_tokens = Counter(
             "pd_prompt_tokens", "prompt tokens of admitted requests", registry=r
         )
@@ -41,7 +46,7 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        gauges = {
+        gauges: dict[str, tuple[str, Callable[[WorkerLoad], int]]] = {
             "pd_kv_pages_total": ("KV pages per rank", lambda w: w.kv_pages_total),
             "pd_kv_pages_free": ("free KV pages per rank", lambda w: w.kv_pages_free),
             "pd_requests_running": ("requests in the running batch", lambda w: w.running),
@@ -60,7 +65,14 @@ class WorkerMetrics:
             ),
         }
         for name, (doc, read) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda read=read: read(engine_load()))
+            Gauge(name, doc, registry=r).set_function(partial(self._read, read))
+
+    def read_load_from(self, load: Callable[[], WorkerLoad]) -> None:
+        """The gauges read `load()` (the engine's current `WorkerLoad`) at scrape time."""
+        self._load = load
+
+    def _read(self, field: Callable[[WorkerLoad], int]) -> float:
+        return float(field(self._load())) if self._load is not None else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 
 from pd.config import WorkerConfig
-from pd.worker.server import make_app
-from pd.worker.worker import Worker, build_worker
+from pd.worker.api.server import make_app
+from pd.worker.build import Worker, build_worker
 from tests.model_fixtures import default_checkpoint
 
 

@@ -7,7 +7,7 @@ import asyncio
 import orjson
 import pytest
 
-from pd.worker.server import make_app
+from pd.worker.api.server import make_app
 from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 
 pytestmark = pytest.mark.slow  # loads the real model

@@ -10,7 +10,7 @@ import torch
 
 from pd.kvcache import KVPool, build_paged_metadata
 from pd.kvcache.paged_metadata import PagedMetadata
-from pd.worker.attention import (
+from pd.worker.model.attention import (
     AttentionBackend,
     FlashInferAttentionBackend,
     TorchAttentionBackend,

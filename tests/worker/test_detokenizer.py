@@ -3,7 +3,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pd.worker.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from pd.worker.text.detokenizer import REPLACEMENT, IncrementalDetokenizer
 
 TEXTS = [
     "hello world, the quick brown fox",

@@ -6,10 +6,10 @@ import asyncio
 import threading
 
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.engine import Engine
-from pd.worker.sampling import SampleOutput
-from pd.worker.sampling_params import SamplingParams
-from pd.worker.scheduler import Scheduler
+from pd.worker.engine.engine import Engine
+from pd.worker.model.sampler import SampleOutput
+from pd.protocol import GenerationOptions
+from pd.worker.engine.scheduler import Scheduler
 
 PAGE = 4
 
@@ -39,10 +39,12 @@ class Tok:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_engine(num_pages: int = 16) -> tuple[Engine, SlowRunner]:
+def make_engine(num_pages: int = 16, hooks=None) -> tuple[Engine, SlowRunner]:
     runner = SlowRunner()
     scheduler = Scheduler(PageAllocator(num_pages), PAGE, chunk_size=64, max_running=8)
-    engine = Engine(runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8)
+    engine = Engine(
+        runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8, hooks=hooks
+    )
     return engine, runner
 
 
@@ -55,7 +57,7 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
     engine, runner = make_engine()
     engine.start()
     try:
-        handle = engine.add_request(list(range(10)), SamplingParams(max_tokens=8))
+        handle = engine.add_request(list(range(10)), GenerationOptions(max_tokens=8))
         await wait_in_step(runner)
         engine.abort(handle)  # the client left while the forward pass writes into its pages
         alloc = engine.scheduler.allocator
@@ -74,17 +76,16 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
 
 
 async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
-    engine, runner = make_engine()
+    class BrokenHandOff:
+        def hand_off(self, seq, first_logprobs):
+            engine.scheduler.pin(seq, "k")
+            engine.scheduler.release("k")
+            raise RuntimeError("no transfer manager")
 
-    def broken_hand_off(seq, logprobs):
-        engine.scheduler.pin(seq, "k")
-        engine.scheduler.release("k")
-        raise RuntimeError("no transfer manager")
-
-    engine.hand_off = broken_hand_off
+    engine, runner = make_engine(hooks=BrokenHandOff())
     engine.start()
     try:
-        handle = engine.add_request(list(range(6)), SamplingParams(max_tokens=1), True)
+        handle = engine.add_request(list(range(6)), GenerationOptions(max_tokens=1), True)
         await wait_in_step(runner)
         runner.go.set()
         delta = await asyncio.wait_for(handle.queue.get(), 5)
@@ -100,7 +101,7 @@ async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
 async def test_stopping_fails_queued_requests_and_frees_everything():
     engine, runner = make_engine()
     engine.start()
-    handle = engine.add_request(list(range(6)), SamplingParams(max_tokens=8))
+    handle = engine.add_request(list(range(6)), GenerationOptions(max_tokens=8))
     await wait_in_step(runner)
     runner.free_run = True
     runner.go.set()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pd.worker.default_model import default_model_path
-from pd.worker.loader import LoadedCheckpoint, load_checkpoint, load_tokenizer
+from pd.worker.checkpoint.default_model import default_model_path
+from pd.worker.checkpoint.loader import LoadedCheckpoint, load_checkpoint, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

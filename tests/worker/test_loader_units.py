@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from pd.worker import default_model
-from pd.worker.gguf_loader import (
+from pd.worker.checkpoint import default_model
+from pd.worker.checkpoint.gguf_loader import (
     llama3_rope_factors,
     llama3_scaling_from_factors,
     model_name,
     unpermute_qk,
 )
-from pd.worker.hf_loader import config_from_hf
-from pd.worker.load_utils import CheckpointError, Progress, expected_weight_shapes
-from pd.worker.loader import load_checkpoint
-from pd.worker.model_config import ModelConfig
+from pd.worker.checkpoint.hf_loader import config_from_hf
+from pd.worker.checkpoint.load_utils import CheckpointError, Progress, expected_weight_shapes
+from pd.worker.checkpoint.loader import load_checkpoint
+from pd.worker.model.config import ModelConfig
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

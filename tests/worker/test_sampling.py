@@ -4,9 +4,9 @@ import time
 import pytest
 import torch
 
-from pd.worker import sampling
-from pd.worker.sampling import Sampler, uniform_for_position
-from pd.worker.sampling_params import SamplingParams
+from pd.worker.model import sampler as sampling
+from pd.worker.model.sampler import Sampler, uniform_for_position
+from pd.protocol import APIError, GenerationOptions, parse_request
 
 V = 64
 
@@ -16,7 +16,7 @@ def _logits(B: int, V: int = V, seed: int = 0) -> torch.Tensor:
     return torch.randn(B, V, generator=g) * 3
 
 
-def _sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams], outputs=None):
+def _sample(sampler: Sampler, logits: torch.Tensor, params: list[GenerationOptions], outputs=None):
     B = logits.shape[0]
     outputs = outputs if outputs is not None else [[] for _ in range(B)]
     return sampler.sample(logits, params, [[1, 2, 3] for _ in range(B)], outputs)
@@ -24,14 +24,14 @@ def _sample(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams]
 
 def test_greedy_is_argmax():
     logits = _logits(8)
-    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 8)
+    out = _sample(Sampler(), logits, [GenerationOptions(temperature=0.0)] * 8)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 8 and out.top_logprobs == [None] * 8
 
 
 def test_greedy_bf16_is_argmax():
     logits = _logits(4).to(torch.bfloat16)
-    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 4)
+    out = _sample(Sampler(), logits, [GenerationOptions(temperature=0.0)] * 4)
     assert out.token_ids == logits.float().argmax(-1).tolist()
 
 
@@ -40,10 +40,10 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
     expected = logits.argmax(-1).tolist()
     sampler = Sampler(seed=1)
     for params in (
-        SamplingParams(temperature=1.5, top_k=1),
-        SamplingParams(temperature=1.5, top_p=1e-6),
-        SamplingParams(temperature=1.5, min_p=1.0),
-        SamplingParams(temperature=1.5, top_k=1, seed=3),
+        GenerationOptions(temperature=1.5, top_k=1),
+        GenerationOptions(temperature=1.5, top_p=1e-6),
+        GenerationOptions(temperature=1.5, min_p=1.0),
+        GenerationOptions(temperature=1.5, top_k=1, seed=3),
     ):
         for _ in range(5):
             assert _sample(sampler, logits, [params] * 16).token_ids == expected, params
@@ -82,10 +82,10 @@ def test_temperature_matches_softmax(seeded: bool):
     logits = row.expand(n, -1).contiguous()
     if seeded:
         # One seeded request per row: the exponential race over independent streams.
-        params = [SamplingParams(temperature=temperature, seed=s) for s in range(2000)]
+        params = [GenerationOptions(temperature=temperature, seed=s) for s in range(2000)]
         logits = logits[:2000]
     else:
-        params = [SamplingParams(temperature=temperature)] * n
+        params = [GenerationOptions(temperature=temperature)] * n
     out = _sample(Sampler(seed=0), logits, params)
     probs = torch.softmax(row / temperature, -1)
     _assert_matches(_empirical(probs, out.token_ids), probs)
@@ -97,19 +97,19 @@ def test_top_k_and_top_p_distribution():
     logits = row.expand(n, -1).contiguous()
     probs = torch.softmax(row, -1)
 
-    out = _sample(Sampler(seed=0), logits, [SamplingParams(top_k=3)] * n)
+    out = _sample(Sampler(seed=0), logits, [GenerationOptions(top_k=3)] * n)
     want = probs.clone()
     want[3:] = 0
     _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
 
     # probs ~ [.61, .22, .08, ...]: top_p=0.8 keeps the first two (mass before #3 is .83 > .8).
-    out = _sample(Sampler(seed=0), logits, [SamplingParams(top_p=0.8)] * n)
+    out = _sample(Sampler(seed=0), logits, [GenerationOptions(top_p=0.8)] * n)
     want = probs.clone()
     want[2:] = 0
     _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
 
     # min_p=0.3: keep tokens with prob >= 0.3 * p_max, i.e. the first two.
-    out = _sample(Sampler(seed=0), logits, [SamplingParams(min_p=0.3)] * n)
+    out = _sample(Sampler(seed=0), logits, [GenerationOptions(min_p=0.3)] * n)
     _assert_matches(_empirical(probs, out.token_ids), want / want.sum())
 
 
@@ -151,7 +151,7 @@ def test_same_seed_same_tokens_different_seeds_differ():
     def run(seed: int, sampler: Sampler) -> list[int]:
         outputs: list[int] = []
         for _ in range(20):
-            out = _sample(sampler, flat, [SamplingParams(temperature=1.0, seed=seed)], [outputs])
+            out = _sample(sampler, flat, [GenerationOptions(temperature=1.0, seed=seed)], [outputs])
             outputs = outputs + out.token_ids
         return outputs
 
@@ -166,16 +166,16 @@ def test_same_seed_same_tokens_different_seeds_differ():
 def test_seeded_row_independent_of_batch_and_history():
     logits = _logits(8, V=V, seed=5)
     row = logits[3:4].clone()
-    params = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    params = GenerationOptions(temperature=0.9, top_p=0.95, seed=42)
     others = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.3),
-        SamplingParams(temperature=0.5, top_k=5, seed=1),
+        GenerationOptions(temperature=0.0),
+        GenerationOptions(temperature=1.3),
+        GenerationOptions(temperature=0.5, top_k=5, seed=1),
         None,
-        SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1),
-        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
-        SamplingParams(temperature=2.0, top_k=10),
-        SamplingParams(temperature=1.0, seed=42),
+        GenerationOptions(temperature=1.0, top_p=0.5, min_p=0.1),
+        GenerationOptions(temperature=0.0, logprobs=True, top_logprobs=2),
+        GenerationOptions(temperature=2.0, top_k=10),
+        GenerationOptions(temperature=1.0, seed=42),
     ]
     batch_params = [params if p is None else p for p in others]
     history = [11, 12, 13, 14, 15]  # output position 5
@@ -184,7 +184,7 @@ def test_seeded_row_independent_of_batch_and_history():
     # Earlier positions sampled by the same Sampler with the shared stream advanced.
     warm = Sampler(seed=9)
     for _ in range(3):
-        _sample(warm, logits, [SamplingParams(temperature=1.0)] * 8)
+        _sample(warm, logits, [GenerationOptions(temperature=1.0)] * 8)
     outputs = [[5] * (i + 1) for i in range(8)]
     outputs[3] = history
     prompts = [[1, 2]] * 8
@@ -192,7 +192,7 @@ def test_seeded_row_independent_of_batch_and_history():
     assert alone == in_batch
 
     # Across many positions and a high temperature the two paths agree token for token.
-    hot = SamplingParams(temperature=5.0, seed=42)
+    hot = GenerationOptions(temperature=5.0, seed=42)
     for pos in range(30):
         hist = list(range(pos))
         one = Sampler().sample(row, [hot], [[1]], [hist]).token_ids[0]
@@ -206,7 +206,7 @@ def test_penalties_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     prompt = [[0, 4]]
     output = [[3, 3, 1]]
-    params = SamplingParams(
+    params = GenerationOptions(
         temperature=0.0,
         repetition_penalty=2.0,
         presence_penalty=0.5,
@@ -231,8 +231,8 @@ def test_penalties_hand_computed():
 def test_penalties_only_on_their_rows():
     logits = torch.tensor([[2.0, 1.9, 0.0], [2.0, 1.9, 0.0]])
     params = [
-        SamplingParams(temperature=0.0, presence_penalty=1.0),
-        SamplingParams(temperature=0.0),
+        GenerationOptions(temperature=0.0, presence_penalty=1.0),
+        GenerationOptions(temperature=0.0),
     ]
     out = Sampler().sample(logits, params, [[], []], [[0], [0]])
     assert out.token_ids == [1, 0]
@@ -241,10 +241,10 @@ def test_penalties_only_on_their_rows():
 def test_logprobs_match_log_softmax():
     logits = _logits(4)
     params = [
-        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3),
-        SamplingParams(temperature=0.8, top_k=5, logprobs=True),
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.2, top_p=0.5, logprobs=True, top_logprobs=5, seed=3),
+        GenerationOptions(temperature=0.0, logprobs=True, top_logprobs=3),
+        GenerationOptions(temperature=0.8, top_k=5, logprobs=True),
+        GenerationOptions(temperature=0.0),
+        GenerationOptions(temperature=1.2, top_p=0.5, logprobs=True, top_logprobs=5, seed=3),
     ]
     out = _sample(Sampler(), logits, params)
     lp = torch.log_softmax(logits, -1)
@@ -267,7 +267,7 @@ def test_greedy_batch_does_no_extra_work(monkeypatch):
         monkeypatch.setattr(sampling, name, forbidden)
     monkeypatch.setattr(torch, "softmax", forbidden)
     logits = _logits(8)
-    out = _sample(Sampler(), logits, [SamplingParams(temperature=0.0)] * 8)
+    out = _sample(Sampler(), logits, [GenerationOptions(temperature=0.0)] * 8)
     assert out.token_ids == logits.argmax(-1).tolist()
 
 
@@ -275,7 +275,7 @@ def test_greedy_batch_costs_little_more_than_argmax():
     # The floor on CPU is one argmax over [64, 49152] (memory bound, ~1-2 ms on an idle box). Loose,
     # interleaved best-of-n timings so a busy shared machine does not fail it.
     logits = torch.randn(64, 49152)
-    params = [SamplingParams(temperature=0.0)] * 64
+    params = [GenerationOptions(temperature=0.0)] * 64
     prompts, outputs = [[1] * 100] * 64, [[2] * 50] * 64
     sampler = Sampler()
     step = floor = float("inf")
@@ -294,7 +294,7 @@ def test_greedy_batch_costs_little_more_than_argmax():
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": float("nan")}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.1}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
@@ -302,24 +302,32 @@ def test_greedy_batch_costs_little_more_than_argmax():
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"top_logprobs": 6}, "top_logprobs"),
-        ({"top_logprobs": -1}, "top_logprobs"),
-        ({"stop": ("",)}, "stop"),
-        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_validation_errors(kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        SamplingParams(**kwargs)
+    """Options are validated once, at the edge: a bad value is a 400 naming it."""
+    with pytest.raises(APIError, match=needle) as e:
+        parse_request("/v1/completions", {"prompt": "hi", **kwargs})
+    assert e.value.status == 400 and e.value.param == needle
 
 
 def test_params_defaults_and_greedy():
-    assert SamplingParams(temperature=0.0).is_greedy
-    assert SamplingParams(temperature=1e-30).is_greedy  # logits / 1e-30 would overflow to inf
-    assert not SamplingParams().is_greedy
-    assert not SamplingParams().uses_penalties
-    assert SamplingParams(repetition_penalty=1.1).uses_penalties
-    SamplingParams(top_k=0, top_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0)
-    assert SamplingParams(stop="###").stop == ("###",)  # type: ignore[arg-type]
-    listed = SamplingParams(stop=["a", "b"], stop_token_ids=[2])  # type: ignore[arg-type]
+    assert GenerationOptions(temperature=0.0).is_greedy
+    assert GenerationOptions(temperature=1e-30).is_greedy  # logits / 1e-30 would overflow to inf
+    assert not GenerationOptions().is_greedy
+    assert not GenerationOptions().uses_penalties
+    assert GenerationOptions(repetition_penalty=1.1).uses_penalties
+    edge = parse_request(
+        "/v1/completions",
+        {"prompt": "x", "top_k": 0, "top_p": 1.0, "presence_penalty": -2.0, "frequency_penalty": 2},
+    ).options
+    assert edge.top_k == -1 and edge.frequency_penalty == 2.0
+    assert parse_request("/v1/completions", {"prompt": "x", "stop": "###"}).options.stop == ("###",)
+    listed = parse_request(
+        "/v1/completions", {"prompt": "x", "stop": ["a", "b"], "stop_token_ids": [2]}
+    ).options
     assert listed.stop == ("a", "b") and listed.stop_token_ids == (2,)

@@ -1,9 +1,9 @@
 """The scheduler over integers: budgets, chunking, admission, preemption, page accounting."""
 
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.sampling_params import SamplingParams
-from pd.worker.scheduler import Scheduler
-from pd.worker.sequence import SeqStatus, Sequence
+from pd.protocol import GenerationOptions
+from pd.worker.engine.scheduler import Scheduler
+from pd.worker.engine.request import SeqStatus, Sequence
 
 PAGE = 4
 
@@ -13,7 +13,7 @@ def make(num_pages=64, chunk=8, max_running=8) -> Scheduler:
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
-    return Sequence(name, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens))
+    return Sequence(name, list(range(prompt_len)), GenerationOptions(max_tokens=max_tokens), max_tokens)
 
 
 def run_step(s: Scheduler, sample_token: int = 7):

@@ -1,6 +1,6 @@
 import random
 
-from pd.worker.stop import StopChecker
+from pd.worker.text.stop import StopChecker
 
 
 def _run(stop: tuple[str, ...], pieces: list[str]) -> tuple[list[str], bool]:

@@ -16,11 +16,11 @@ import pytest
 import regex
 from gguf import GGUFReader
 
-from pd.worker.default_model import default_model_path
-from pd.worker.gguf_loader import read_metadata
-from pd.worker.gguf_tokenizer import pre_tokenizer_spec, tokenizer_from_gguf_metadata
-from pd.worker.load_utils import CheckpointError
-from pd.worker.tokenizer import ChatTemplateError, Tokenizer
+from pd.worker.checkpoint.default_model import default_model_path
+from pd.worker.checkpoint.gguf_loader import read_metadata
+from pd.worker.checkpoint.gguf_tokenizer import pre_tokenizer_spec, tokenizer_from_gguf_metadata
+from pd.worker.checkpoint.load_utils import CheckpointError
+from pd.worker.text.tokenizer import ChatTemplateError, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

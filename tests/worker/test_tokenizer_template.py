@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tokenizers
 
-from pd.worker.tokenizer import ChatTemplateError, Tokenizer
+from pd.worker.text.tokenizer import ChatTemplateError, Tokenizer
 
 
 def _tiny(template: str | None) -> Tokenizer:

@@ -8,72 +8,48 @@ prepares each step's inputs and paged metadata, runs the forward pass and sample
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from pd.kvcache.kv_pool import KVPool, pages_for_budget
+from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import build_paged_metadata
-from pd.worker.attention import select_attention_backend
-from pd.worker.communicator import make_communicator
-from pd.worker.model import LlamaModel, RankState, Rotary, check_tp, shard_layer
-from pd.worker.model_config import ModelConfig
-from pd.worker.sampling import SampleOutput, Sampler
-from pd.worker.scheduler import ScheduledBatch
+from pd.worker.model.attention import select_attention_backend
+from pd.worker.model.communicator import make_communicator
+from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
+from pd.worker.model.config import ModelConfig
+from pd.protocol import GenerationOptions
+from pd.worker.model.sampler import SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+class StepRequest(Protocol):
+    """What the runner reads of one request in a step (the engine's `Sequence` is one)."""
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def page_ids(self) -> list[int]: ...
+    @property
+    def params(self) -> GenerationOptions: ...
+    def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
-def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+class StepBatch(Protocol):
+    """One step's work (the scheduler's `ScheduledBatch` is one): parallel columns per request."""
 
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device == "cuda" or cpu_has_fast_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def size_kv_pages(
-    config: ModelConfig,
-    tp: int,
-    page_size: int,
-    dtype: torch.dtype,
-    device: str,
-    kv_pages: int,
-    memory_fraction: float,
-) -> int:
-    """Pages per rank: as asked, else a fraction of the device's memory."""
-    if kv_pages:
-        return kv_pages
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info(0)
-        budget = free * memory_fraction
-    else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        budget = total * memory_fraction / tp
-    pages = pages_for_budget(
-        int(budget), config.num_layers, config.num_kv_heads // tp, page_size, config.head_dim, dtype
-    )
-    return max(16, pages)
-
+    @property
+    def seqs(self) -> Sequence[StepRequest]: ...
+    @property
+    def num_cached(self) -> list[int]: ...  # tokens already in the request's pages
+    @property
+    def num_new(self) -> list[int]: ...  # tokens computed this step
+    @property
+    def sample(self) -> list[bool]: ...  # whether this step samples the request's next token
 
 class ModelRunner:
     def __init__(
@@ -150,7 +126,7 @@ class ModelRunner:
     def kv_pools(self) -> list[KVPool]:
         return [r.kv for r in self.model.ranks]
 
-    def execute(self, batch: ScheduledBatch) -> SampleOutput:
+    def execute(self, batch: StepBatch) -> SampleOutput:
         """Run one step; returns a token for every seq with `sample` set, in batch order."""
         input_ids: list[int] = []
         logits_rows: list[int] = []

@@ -1,5 +1,5 @@
 """Joins a worker to `pd.transfer`: one transfer manager, the KV pool it serves, and what both
-sides of a pair must agree on before any byte moves."""
+sides of a pair must agree on (`KVContract`) before any byte moves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 from pd.config import WorkerConfig
 from pd.transfer import TransferConfig, TransferManager, create_manager, kv_pool_from_tensors
-from pd.worker.model_runner import ModelRunner
+from pd.worker.model.runner import ModelRunner
 
 KV_POOL = "kv"
 # Page-major buffer [pages, layers, K/V, kv heads, page size, head dim]: see pd/kvcache/kv_pool.py.
@@ -32,9 +32,9 @@ class KVContract:
         return cls(digest, runner.page_size, KV_LAYOUT, str(runner.dtype).removeprefix("torch."))
 
 
-async def start_transfer(cfg: WorkerConfig, runner: ModelRunner) -> TransferManager:
-    """Start the manager of a prefill or decode worker and register its KV pool."""
-    manager = create_manager(
+def make_transfer_manager(cfg: WorkerConfig) -> TransferManager:
+    """The transfer manager of a prefill or decode worker (started by its role)."""
+    return create_manager(
         TransferConfig(
             backend="nixl",
             serve=cfg.role == "prefill",
@@ -47,7 +47,25 @@ async def start_transfer(cfg: WorkerConfig, runner: ModelRunner) -> TransferMana
             nixl_progress_thread=cfg.role == "prefill",
         )
     )
-    await manager.start()
-    buffers = [pool.buffer for pool in runner.kv_pools]
-    manager.register_pool(kv_pool_from_tensors(KV_POOL, buffers, runner.config.num_kv_heads))
-    return manager
+
+
+class TransferRole:
+    """What the prefill and decode sides share: one transfer manager serving the KV pool,
+    started and closed with the HTTP app."""
+
+    def __init__(self, manager: TransferManager, runner: ModelRunner) -> None:
+        self.manager = manager
+        self.contract = KVContract.of(runner)
+        self._buffers = [pool.buffer for pool in runner.kv_pools]
+        self._num_kv_heads = runner.config.num_kv_heads
+
+    @property
+    def bootstrap_port(self) -> int:
+        return self.manager.bootstrap_port
+
+    async def start(self) -> None:
+        await self.manager.start()
+        self.manager.register_pool(kv_pool_from_tensors(KV_POOL, self._buffers, self._num_kv_heads))
+
+    async def stop(self) -> None:
+        await self.manager.close()  # aborts what is left: pinned and reserved pages are released

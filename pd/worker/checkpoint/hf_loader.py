@@ -13,9 +13,9 @@ import tokenizers
 import torch
 from safetensors import safe_open
 
-from pd.worker.load_utils import CheckpointError, Progress, check_weights
-from pd.worker.model_config import ModelConfig
-from pd.worker.tokenizer import Tokenizer
+from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
+from pd.worker.model.config import ModelConfig
+from pd.worker.text.tokenizer import Tokenizer
 
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

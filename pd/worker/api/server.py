@@ -5,26 +5,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
-from pd.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-    error_body,
-    parse_json_body,
-    parse_request,
-)
-from pd.worker.decode_side import DecodeSide
+from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body, parse_request
+from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
+from pd.worker.api.prompt import prompt_ids, wants_remote_decode
+from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
-from pd.worker.kv_transfer import KVContract, start_transfer
-from pd.worker.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.prefill_side import PrefillSide
-from pd.worker.sampling_params import SamplingParams
-from pd.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +29,9 @@ def json_response(body: object, status: int = 200, headers: dict | None = None) 
 
 
 @web.middleware
-async def errors_middleware(request: web.Request, handler):
+async def errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
@@ -64,36 +56,25 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.cleanup_ctx.append(_engine_ctx)
-    if worker.config.role != "both":
+    if worker.transfer is not None:
         app.cleanup_ctx.append(_transfer_ctx)
     return app
 
 
-async def _engine_ctx(app: web.Application):
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[WORKER].engine
     engine.start()
     yield
     await engine.stop()
 
 
-async def _transfer_ctx(app: web.Application):
-    """Prefill and decode roles: the KV transfer manager and the side that uses it."""
-    worker = app[WORKER]
-    engine = worker.engine
-    manager = await start_transfer(worker.config, engine.runner)
-    contract = KVContract.of(engine.runner)
-    if worker.config.role == "prefill":
-        worker.prefill_side = PrefillSide(manager, engine.scheduler, contract, worker.config.tp)
-        engine.hand_off = worker.prefill_side.hand_off
-    else:
-        worker.decode_side = DecodeSide(manager, engine, contract)
-    worker.bootstrap_port = manager.bootstrap_port
+async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Prefill and decode roles: the transfer manager runs while the app does."""
+    role = app[WORKER].transfer
+    assert role is not None
+    await role.start()
     yield
-    if worker.decode_side is not None:
-        await worker.decode_side.stop()
-    await manager.close()  # aborts what is left: pinned and reserved pages are released
-    worker.prefill_side = worker.decode_side = None
-    engine.hand_off = None
+    await role.stop()
 
 
 def _check_auth(worker: Worker, request: web.Request) -> None:
@@ -122,6 +103,7 @@ async def health(request: web.Request) -> web.Response:
         "model": worker.model_name,
         "load": load.to_dict(),
         **load.to_dict(),
+        "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages
     }
     return json_response(body, 503 if worker.draining else 200)
 
@@ -171,23 +153,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    if worker.decode_side is not None:
-        kvp = worker.decode_side.validate(req.kv_transfer_params)
-        prompt_ids = kvp.prompt_token_ids  # D never re-tokenizes
-        params = _sampling_params(worker, req, len(prompt_ids))
-        handle = await worker.decode_side.start(kvp, params)
+    if worker.decode is not None:
+        kvp = worker.decode.validate(req.kv_transfer_params)
+        ids = kvp.prompt_token_ids  # D never re-tokenizes
+        handle = await worker.decode.admit(kvp, req.options)
     else:
-        remote_decode = _wants_remote_decode(worker, req)
-        prompt_ids = _prompt_ids(worker, req)
-        params = _sampling_params(worker, req, len(prompt_ids))
-        handle = worker.engine.add_request(prompt_ids, params, remote_decode)
-    worker.metrics.prompt_tokens.inc(len(prompt_ids))
+        remote_decode = wants_remote_decode(worker.config.role, req)
+        ids = prompt_ids(worker.tokenizer, req)
+        handle = worker.engine.add_request(ids, req.options, remote_decode)
+    worker.metrics.prompt_tokens.inc(len(ids))
     builder = ResponseBuilder(
         chat=isinstance(req, ChatCompletionRequest),
         model=worker.model_name,
-        prompt_tokens=len(prompt_ids),
+        prompt_tokens=len(ids),
         token_text=lambda t: worker.tokenizer.decode([t], False),
-        wants_logprobs=params.wants_logprobs,
+        wants_logprobs=req.options.wants_logprobs,
     )
     try:
         if req.stream:
@@ -201,22 +181,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
         worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
-
-
-def _wants_remote_decode(worker: Worker, req) -> bool:
-    """Prefill role: `kv_transfer_params={"do_remote_decode": true}` (set by the router) asks to
-    keep the KV for a decode worker; without it a prefill worker answers like any other."""
-    kvp = req.kv_transfer_params
-    if kvp is None:
-        return False
-    if worker.prefill_side is None or kvp.get("do_remote_decode") is not True:
-        raise bad_request(
-            f"this {worker.config.role} worker does not take kv_transfer_params {kvp}",
-            param="kv_transfer_params",
-        )
-    if req.stream:
-        raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
-    return True
 
 
 async def _stream(
@@ -240,47 +204,3 @@ async def _stream(
     await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp
-
-
-# ------------------------------------------------------------------------------- helpers
-
-
-def _prompt_ids(worker: Worker, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
-    tok = worker.tokenizer
-    if isinstance(req, ChatCompletionRequest):
-        try:
-            text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
-        except Exception as e:  # a template's raise_exception, or a malformed conversation
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return tok.encode(text)
-    if isinstance(req.prompt, str):
-        return tok.encode(req.prompt)
-    bad = [t for t in req.prompt if t >= tok.vocab_size]
-    if bad:
-        raise bad_request(
-            f"token id {bad[0]} is out of the vocabulary (size {tok.vocab_size})", param="prompt"
-        )
-    return list(req.prompt)
-
-
-def _sampling_params(worker: Worker, req, prompt_len: int) -> SamplingParams:
-    o = req.options
-    room = worker.engine.max_model_len - prompt_len
-    max_tokens = o.max_tokens
-    if room <= 0:
-        worker.engine.check_fits(prompt_len, 1)  # raises the context-length error
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens > room:
-        raise APIError(
-            400,
-            f"this model's context length is {worker.engine.max_model_len} tokens, but "
-            f"{prompt_len + max_tokens} were asked for ({prompt_len} in the prompt, {max_tokens} "
-            "in the completion): lower max_tokens or shorten the prompt",
-            code="context_length_exceeded",
-            param="max_tokens",
-        )
-    try:
-        return SamplingParams(**{**vars(o), "max_tokens": max_tokens})
-    except ValueError as e:
-        raise bad_request(str(e)) from None

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from pd.kvcache.paged_metadata import PagedMetadata
-from pd.worker.attention.base import AttentionBackend, check_plan_args
-from pd.worker.attention.torch_backend import TorchAttentionBackend
+from pd.worker.model.attention.base import AttentionBackend, check_plan_args
+from pd.worker.model.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pd.kvcache.paged_metadata import PagedMetadata
-from pd.worker.attention.base import AttentionBackend, check_plan_args
+from pd.worker.model.attention.base import AttentionBackend, check_plan_args
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,7 @@ class TorchAttentionBackend(AttentionBackend):
         if dec is not None:
             # NOTE: index_select/index_copy_, not q[idx]/out[idx] = ...: advanced indexing
             # runs a parallel region even for a few rows, which stalls on a busy CPU.
+            assert dec.token_idx is not None  # None only when the decodes are all of q
             q_dec = q.index_select(0, dec.token_idx)  # [Bd, Hq, D]
             out.index_copy_(0, dec.token_idx, self._decode(q_dec, kv, dec, sm_scale))
         for seq in plan.prefills:

@@ -2,10 +2,10 @@
 
 A request arriving with params from a prefill worker:
 1. is checked against this worker (model fingerprint, page size, layout, dtype): a mismatch is a
-   clear 400, never silent garbage;
+   clear 400, never silent garbage; then it is queued in the engine (which checks that it fits);
 2. dials P (handshake, lease renewals start at once); its response headers and first token (P's,
    carried in the params) go out as soon as the handshake is done;
-3. waits for pages (`Scheduler.reserve`: they must fit beside the running batch's growth),
+3. waits for pages (`HeldPages.reserve`: they must fit beside the running batch's growth),
    pulls P's pages into them, and joins the running batch at position `num_tokens`.
 A failed pull, a client that leaves, or a dead P releases the reserved pages exactly once.
 """
@@ -16,22 +16,22 @@ import asyncio
 import logging
 from typing import Any
 
-from pd.protocol import APIError, KVTransferParams, bad_request
+from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_request
 from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
+from pd.worker.disagg.contract import KV_POOL, TransferRole
 from pd.worker.engine import Engine, RequestHandle
-from pd.worker.kv_transfer import KV_POOL, KVContract
-from pd.worker.sampling_params import SamplingParams
+from pd.worker.model import ModelRunner
 
 log = logging.getLogger(__name__)
 
 PAGE_WAIT_S = 0.005  # how often a request waiting for pages looks again
 
 
-class DecodeSide:
-    def __init__(self, manager: TransferManager, engine: Engine, contract: KVContract) -> None:
-        self.manager = manager
+class DecodeSide(TransferRole):
+    def __init__(self, manager: TransferManager, runner: ModelRunner, engine: Engine) -> None:
+        super().__init__(manager, runner)
         self.engine = engine
-        self.contract = contract
+        self.pages = engine.held_pages
         self._tasks: set[asyncio.Task] = set()
 
     def validate(self, raw: dict[str, Any] | None) -> KVTransferParams:
@@ -60,10 +60,15 @@ class DecodeSide:
             raise bad_request("kv_transfer_params are inconsistent", param="kv_transfer_params")
         return kvp
 
-    async def start(self, kvp: KVTransferParams, params: SamplingParams) -> RequestHandle:
-        """Dial P, then queue the request with P's first token; the pull goes on in a task."""
-        self.engine.check_fits(kvp.num_tokens, params.max_tokens)
-        rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
+    async def admit(self, kvp: KVTransferParams, options: GenerationOptions) -> RequestHandle:
+        """Queue the request, dial P, then emit P's first token; the pull goes on in a task."""
+        handle = self.engine.add_pulled(kvp.prompt_token_ids, options)  # raises if it cannot fit
+        try:
+            rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
+        except BaseException:
+            self.engine.abort(handle)
+            raise
+        handle.on_abort = lambda reason: _abort_unless_settled(rx, reason)
         try:
             while rx.poll() is KVPoll.Bootstrapping:  # bounded by the handshake deadline
                 await asyncio.sleep(0.001)
@@ -74,11 +79,9 @@ class DecodeSide:
                     "upstream_error",
                     "kv_transfer_failed",
                 )
-            handle = self.engine.add_pulled(
-                kvp.prompt_token_ids, kvp.first_token_id, params, rx, kvp.first_token_logprobs
-            )
+            self.engine.accept_first_token(handle, kvp.first_token_id, kvp.first_token_logprobs)
         except BaseException:  # refused, or the client left during the handshake: tell P
-            rx.abort("the decode request ended before the pull")
+            self.engine.abort(handle, "the decode request ended before the pull")
             raise
         task = asyncio.create_task(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
         self._tasks.add(task)
@@ -86,18 +89,18 @@ class DecodeSide:
         return handle
 
     async def _pull(self, handle: RequestHandle, rx: KVReceiver, num_pages: int) -> None:
-        scheduler, key = self.engine.scheduler, f"d-{handle.seq.request_id}"
+        key = f"d-{handle.seq.request_id}"
         try:
-            while scheduler.reserve(key, num_pages) is None:  # the prealloc queue
+            while (pages := self.pages.reserve(key, num_pages)) is None:  # the prealloc queue
                 if handle.finished:
                     rx.abort("the client left before pages were free")
                     return
                 await asyncio.sleep(PAGE_WAIT_S)
             if handle.finished:  # finished by its first token, or aborted: no pull needed
                 rx.abort("request finished before the pull")
-                scheduler.release(key)
+                self.pages.release(key)
                 return
-            rx.init({KV_POOL: scheduler.held[key]})
+            rx.init({KV_POOL: pages})
             state = await rx.wait()
         except BaseException as e:
             rx.abort(f"decode side error: {e!r}")
@@ -127,9 +130,15 @@ class DecodeSide:
         if getattr(rx, "dst_unsafe", False):
             log.error("KV pull %s could not be cancelled: keeping its pages out of use", key)
             return
-        self.engine.scheduler.release(key)
+        self.pages.release(key)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().stop()
+
+
+def _abort_unless_settled(rx: KVReceiver, reason: str) -> None:
+    if rx.poll() not in (KVPoll.Success, KVPoll.Failed):
+        rx.abort(reason)

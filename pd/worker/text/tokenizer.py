@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 import jinja2
 import tokenizers
@@ -59,8 +59,9 @@ class Tokenizer:
             eos.add(self.eos_token_id)
         special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         for text in END_OF_TURN_TOKENS:
-            if chat_template and text in chat_template and text in special:
-                eos.add(backend.token_to_id(text))
+            token_id = backend.token_to_id(text)
+            if chat_template and text in chat_template and text in special and token_id is not None:
+                eos.add(token_id)
         # EOS plus the chat template's end-of-turn token(s): generation stops on any of them.
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._template: jinja2.Template | None = None
@@ -137,7 +138,7 @@ def _normalize_message(message: dict[str, Any]) -> dict[str, Any]:
 class _GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant mask): rendered as is."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    tags = {"generation"}
 
     def parse(self, parser: Any) -> nodes.Node:
         lineno = next(parser.stream).lineno

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import PagedMetadata
-from pd.worker.attention import AttentionBackend
-from pd.worker.communicator import Communicator
-from pd.worker.model_config import ModelConfig
+from pd.worker.model.attention import AttentionBackend
+from pd.worker.model.communicator import Communicator
+from pd.worker.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,6 @@
-"""Assembles a worker from its config: checkpoint, model runner, scheduler, engine, metrics."""
+"""Assembles a worker from its config: checkpoint, model runner, scheduler, engine, metrics, and
+the PD role (prefill or decode side) with its transfer manager. Nothing is patched on later: the
+HTTP app only starts and stops what is built here."""
 
 from __future__ import annotations
 
@@ -9,14 +11,13 @@ import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.decode_side import DecodeSide
-from pd.worker.default_model import default_model_path
-from pd.worker.engine import Engine
-from pd.worker.loader import LoadedCheckpoint, load_checkpoint
+from pd.worker.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
+from pd.worker.disagg import DecodeSide, PrefillSide, TransferRole
+from pd.worker.disagg.contract import make_transfer_manager
+from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
-from pd.worker.model_runner import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
-from pd.worker.prefill_side import PrefillSide
-from pd.worker.scheduler import Scheduler
+from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.text import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +27,23 @@ MAX_DEFAULT_CONTEXT = 8192
 @dataclass
 class Worker:
     config: WorkerConfig
-    tokenizer: object
+    tokenizer: Tokenizer
     engine: Engine
     metrics: WorkerMetrics
     model_name: str  # the served name
+    prefill: PrefillSide | None = None  # role prefill
+    decode: DecodeSide | None = None  # role decode
     draining: bool = False
     accepted_names: frozenset[str] = field(default_factory=frozenset)
-    # Prefill and decode roles, set while the app runs (see server._transfer_ctx):
-    prefill_side: PrefillSide | None = None
-    decode_side: DecodeSide | None = None
-    bootstrap_port: int | None = None
+
+    @property
+    def transfer(self) -> TransferRole | None:
+        """The PD role's side, started and stopped with the HTTP app (None for role both)."""
+        return self.prefill or self.decode
+
+    @property
+    def bootstrap_port(self) -> int | None:
+        return self.transfer.bootstrap_port if self.transfer is not None else None
 
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()
@@ -68,6 +76,10 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     scheduler = Scheduler(
         PageAllocator(num_pages), cfg.page_size, cfg.chunk_size, cfg.max_running_requests
     )
+    prefill = decode = None
+    if cfg.role == "prefill":
+        prefill = PrefillSide(make_transfer_manager(cfg), runner, scheduler, cfg.tp)
+    metrics = WorkerMetrics()
     engine = Engine(
         runner,
         scheduler,
@@ -75,9 +87,12 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         role=cfg.role,
         max_model_len=max_model_len,
         max_waiting=cfg.max_waiting_requests,
+        hooks=prefill,
+        metrics=metrics,
     )
-    metrics = WorkerMetrics(engine.load)
-    engine.metrics = metrics
+    metrics.read_load_from(engine.load)
+    if cfg.role == "decode":
+        decode = DecodeSide(make_transfer_manager(cfg), runner, engine)
     name = cfg.served_model_name or mcfg.name
     log.info(
         "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",
@@ -91,5 +106,12 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         max_model_len,
     )
     return Worker(
-        cfg, ckpt.tokenizer, engine, metrics, name, accepted_names=frozenset({name, "default"})
+        cfg,
+        ckpt.tokenizer,
+        engine,
+        metrics,
+        name,
+        prefill=prefill,
+        decode=decode,
+        accepted_names=frozenset({name, "default"}),
     )

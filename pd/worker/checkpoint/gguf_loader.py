@@ -17,10 +17,10 @@ import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from pd.worker.gguf_tokenizer import tokenizer_from_gguf_metadata
-from pd.worker.load_utils import CheckpointError, Progress, check_weights
-from pd.worker.model_config import ModelConfig
-from pd.worker.tokenizer import Tokenizer
+from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
+from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
+from pd.worker.model.config import ModelConfig
+from pd.worker.text.tokenizer import Tokenizer
 
 # Architectures we load, and whether llama.cpp permuted their Q/K rows.
 PERMUTED_QK = {"llama": True, "qwen2": False}
@@ -75,9 +75,9 @@ def model_name(path: str, meta: dict[str, Any]) -> str:
     stem = _QUANT_SUFFIX.sub("", Path(path).name.removesuffix(".gguf"))
     if stem and not re.fullmatch(r"(ggml[-_])?model(-\w+)?", stem, re.IGNORECASE):
         return stem
-    parts = [meta.get("general.basename"), meta.get("general.size_label")]
-    if all(parts):
-        return "-".join(parts)
+    basename, size = meta.get("general.basename"), meta.get("general.size_label")
+    if basename and size:
+        return f"{basename}-{size}"
     return meta.get("general.name") or stem or "model"
 
 

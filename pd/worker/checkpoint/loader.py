@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from pd.worker.default_model import DefaultModelMissing, default_model_path
-from pd.worker.gguf_loader import load_gguf, load_gguf_tokenizer
-from pd.worker.hf_loader import load_hf, load_hf_tokenizer
-from pd.worker.load_utils import CheckpointError, LoadedCheckpoint
-from pd.worker.tokenizer import ChatTemplateError, Tokenizer
+from pd.worker.checkpoint.default_model import DefaultModelMissing, default_model_path
+from pd.worker.checkpoint.gguf_loader import load_gguf, load_gguf_tokenizer
+from pd.worker.checkpoint.hf_loader import load_hf, load_hf_tokenizer
+from pd.worker.checkpoint.load_utils import CheckpointError, LoadedCheckpoint
+from pd.worker.text.tokenizer import ChatTemplateError, Tokenizer
 
 __all__ = [
     "ChatTemplateError",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd.worker.sampling_params import SamplingParams
+from pd.protocol import GenerationOptions
 
 TOP_P_CANDIDATES = 1024
 
@@ -56,7 +56,7 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,  # [B, V], any float dtype; not modified
-        params: list[SamplingParams],
+        params: list[GenerationOptions],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
     ) -> SampleOutput:
@@ -92,7 +92,7 @@ class Sampler:
         self,
         logits: torch.Tensor,  # [B, V]
         rows: list[int],
-        params: list[SamplingParams],
+        params: list[GenerationOptions],
         output_ids: list[list[int]],
     ) -> list[int]:
         dev = logits.device
@@ -139,7 +139,7 @@ def _token_counts(ids: list[list[int]], V: int, dev: torch.device) -> torch.Tens
 def _apply_penalties(
     logits: torch.Tensor,  # [B, V] fp32, modified in place
     rows: list[int],
-    params: list[SamplingParams],
+    params: list[GenerationOptions],
     prompt_ids: list[list[int]],
     output_ids: list[list[int]],
 ) -> None:
@@ -218,7 +218,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
 
 
 def _fill_logprobs(
-    out: SampleOutput, logits: torch.Tensor, rows: list[int], params: list[SamplingParams]
+    out: SampleOutput, logits: torch.Tensor, rows: list[int], params: list[GenerationOptions]
 ) -> None:
     dev = logits.device
     idx = torch.tensor(rows, device=dev)
@@ -227,8 +227,9 @@ def _fill_logprobs(
     chosen_lp = lp.gather(1, chosen[:, None])[:, 0].tolist()
     n = max(params[i].top_logprobs for i in rows)
     top_vals, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    vals: list[list[float]] = top_vals.tolist()
+    ids: list[list[int]] = top_ids.tolist()
     for j, i in enumerate(rows):
         k = params[i].top_logprobs
         out.logprobs[i] = chosen_lp[j]
-        out.top_logprobs[i] = list(zip(top_ids[j][:k], top_vals[j][:k]))
+        out.top_logprobs[i] = list(zip(ids[j][:k], vals[j][:k]))

@@ -1,9 +1,9 @@
 """Prefill role: hand a prefilled request's KV to a decode worker.
 
 When a request sent with `kv_transfer_params={"do_remote_decode": true}` has its first token,
-its pages are pinned (held by the scheduler under the transfer id) and a `KVSender` offers them
-to the decode side. They are freed exactly once, when the sender releases them: on D's `done`,
-on an abort from either side, or when the lease runs out.
+the engine calls `hand_off` (this side is its `RoleHooks`): the pages are pinned (held under the
+transfer id) and a `KVSender` offers them to the decode side. They are freed exactly once, when
+the sender releases them: on D's `done`, on an abort from either side, or when the lease runs out.
 """
 
 from __future__ import annotations
@@ -12,30 +12,28 @@ import logging
 from typing import Any
 
 from pd.protocol import KVTransferParams
-from pd.transfer import TransferManager
-from pd.worker.kv_transfer import KV_POOL, KVContract
-from pd.worker.scheduler import Scheduler
-from pd.worker.sequence import Sequence
+from pd.transfer import KVSender, TransferManager
+from pd.worker.disagg.contract import KV_POOL, TransferRole
+from pd.worker.engine import HeldPages, LogprobEntry, Sequence
+from pd.worker.model import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
-class PrefillSide:
+class PrefillSide(TransferRole):
     def __init__(
-        self, manager: TransferManager, scheduler: Scheduler, contract: KVContract, tp_size: int
+        self, manager: TransferManager, runner: ModelRunner, pages: HeldPages, tp_size: int
     ) -> None:
-        self.manager = manager
-        self.scheduler = scheduler
-        self.contract = contract
+        super().__init__(manager, runner)
+        self.pages = pages
         self.tp_size = tp_size
         self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
 
-    def hand_off(self, seq: Sequence, logprobs: list) -> dict[str, Any]:
-        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer.
-        `logprobs`: the first token's `(id, logprob, top)` entry, when the request asked."""
+    def hand_off(self, seq: Sequence, first_logprobs: LogprobEntry | None) -> dict[str, Any]:
+        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer."""
         key = f"p-{seq.request_id}"
-        pages = self.scheduler.pin(seq, key)
-        sender = None
+        pages = self.pages.pin(seq, key)
+        sender: KVSender | None = None
         try:
             sender = self.manager.create_sender(
                 {KV_POOL: pages}, on_release=lambda s, why: self._release(key, why)
@@ -45,7 +43,9 @@ class PrefillSide:
                 **sender.params().to_dict(),
                 prompt_token_ids=seq.prompt_ids,
                 first_token_id=seq.output_ids[0],
-                first_token_logprobs=[logprobs[0][1], logprobs[0][2]] if logprobs else None,
+                first_token_logprobs=(
+                    [first_logprobs[1], first_logprobs[2]] if first_logprobs else None
+                ),
                 num_tokens=len(seq.prompt_ids),
                 page_size=c.page_size,
                 tp_size=self.tp_size,
@@ -56,11 +56,11 @@ class PrefillSide:
         except Exception:
             if sender is not None:
                 sender.abort("hand-off failed")  # its release frees the pages
-            self.scheduler.release(key)  # idempotent
+            self.pages.release(key)  # idempotent
             raise
 
     def _release(self, key: str, reason: str) -> None:
-        self.scheduler.release(key)
+        self.pages.release(key)
         self.released[reason] = self.released.get(reason, 0) + 1
         if reason != "done":
             log.info("released pinned KV %s: %s", key, reason)

@@ -113,7 +113,9 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = (
-                {"role": "assistant", "content": ""} if role else {"content": delta.text}
+                {"role": "assistant", "content": ""}
+                if role or delta is None
+                else {"content": delta.text}
             )
         else:
             choice["text"] = delta.text if delta else ""

@@ -13,34 +13,17 @@ Each step gets a token budget (`chunk_size`) shared by decode and prefill tokens
 The scheduler owns pages: it allocates them as tokens are scheduled and frees them exactly once,
 when a request finishes, is aborted or is preempted. In a disaggregated pair pages are also held
 outside the batch, by key (`held`): on prefill, pinned for the decode side to pull until it is
-done, aborts, or the lease runs out; on decode, reserved while the pull is in flight.
+done, aborts, or the lease runs out; on decode, reserved while the pull is in flight. The PD
+roles use them through `HeldPages` (pd/worker/engine/hooks.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.sequence import SeqStatus, Sequence
-
-
-@dataclass
-class ScheduledBatch:
-    """What the model runner computes in one step."""
-
-    seqs: list[Sequence]  # requests in this step, decode ones first
-    num_cached: list[int]  # per seq: tokens already in its pages before this step
-    num_new: list[int]  # per seq: tokens computed this step (1 for decode)
-    sample: list[bool]  # per seq: whether this step reaches its end, so a token is sampled
-    preempted: list[Sequence] = field(default_factory=list)  # requests preempted to make room
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new)
-
-    def __len__(self) -> int:
-        return len(self.seqs)
+from pd.worker.engine.batch import ScheduledBatch
+from pd.worker.engine.request import SeqStatus, Sequence
 
 
 class Scheduler:
@@ -136,7 +119,9 @@ class Scheduler:
             if victim is seq:
                 return False
         if need:
-            seq.page_ids.extend(self.allocator.allocate(need))
+            pages = self.allocator.allocate(need)
+            assert pages is not None  # can_allocate said so
+            seq.page_ids.extend(pages)
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -192,9 +177,11 @@ class Scheduler:
             self.allocator.free(pages)
 
     def admit_pulled(self, seq: Sequence, key: str) -> None:
-        """Decode: the pull is done; the request runs on its held pages from `num_computed`."""
+        """Decode: the pull is done; the request runs on its held pages, whose KV covers the
+        prompt, from there."""
         assert seq.status is SeqStatus.TRANSFERRING
         seq.page_ids = self.held.pop(key)
+        seq.num_computed = len(seq.prompt_ids)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 

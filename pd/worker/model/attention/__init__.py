@@ -1,11 +1,11 @@
 """Paged attention backends: FlashInfer on CUDA, plain torch elsewhere, same metadata."""
 
-from pd.worker.attention.base import AttentionBackend
-from pd.worker.attention.flashinfer_backend import (
+from pd.worker.model.attention.base import AttentionBackend
+from pd.worker.model.attention.flashinfer_backend import (
     FlashInferAttentionBackend,
     select_attention_backend,
 )
-from pd.worker.attention.torch_backend import TorchAttentionBackend
+from pd.worker.model.attention.torch_backend import TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",

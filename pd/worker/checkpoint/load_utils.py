@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pd.worker.model_config import ModelConfig
-from pd.worker.tokenizer import Tokenizer
+from pd.worker.model.config import ModelConfig
+from pd.worker.text.tokenizer import Tokenizer
 
 
 class CheckpointError(ValueError):

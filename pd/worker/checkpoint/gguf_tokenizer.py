@@ -15,8 +15,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from pd.worker.load_utils import CheckpointError
-from pd.worker.tokenizer import Tokenizer
+from pd.worker.checkpoint.load_utils import CheckpointError
+from pd.worker.text.tokenizer import Tokenizer
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_CONTROL = 3

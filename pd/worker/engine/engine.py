@@ -1,0 +1,269 @@
+"""The engine loop: one step = schedule -> execute -> postprocess.
+
+One asyncio task drives it. The forward pass and sampling run in a dedicated executor thread, so
+the event loop keeps serving HTTP (and `/health`) while a long prefill computes. Requests talk to
+the engine through `RequestHandle`s: an asyncio queue of `Delta`s per request.
+
+Page ownership: the scheduler allocates and frees pages; a request that ends while the step that
+computes it runs (abort, error) is freed when that step ends, since the forward pass may still
+write into its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+
+from pd.protocol import APIError, GenerationOptions, WorkerLoad
+from pd.worker.engine.admission import Capacity
+from pd.worker.engine.batch import ScheduledBatch
+from pd.worker.engine.hooks import HeldPages, RoleHooks
+from pd.worker.engine.postprocess import OutputProcessor, first_logprobs
+from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
+from pd.worker.engine.scheduler import Scheduler
+from pd.worker.metrics import WorkerMetrics
+from pd.worker.model.runner import StepBatch
+from pd.worker.model.sampler import SampleOutput
+from pd.worker.text.detokenizer import IncrementalDetokenizer
+from pd.worker.text.stop import StopChecker
+from pd.worker.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+NOTHING_FITS_WAIT_S = 0.005  # every page held outside the batch: look again after this
+
+
+class StepExecutor(Protocol):
+    """Computes one step (the `ModelRunner`; tests pass stand-ins)."""
+
+    def execute(self, batch: StepBatch) -> SampleOutput: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: StepExecutor,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        *,
+        role: str,
+        max_model_len: int,
+        max_waiting: int,
+        hooks: RoleHooks | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.role = role
+        self.max_model_len = max_model_len
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.allocator.num_total)
+        self.handles: dict[str, RequestHandle] = {}
+        self.postprocess = OutputProcessor(
+            scheduler,
+            tokenizer,
+            self.handles,
+            max_model_len=max_model_len,
+            hooks=hooks,
+            metrics=metrics,
+        )
+        self._ids = itertools.count()
+        self._wakeup: asyncio.Event | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
+        self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
+        self.steps = 0
+
+    @property
+    def held_pages(self) -> HeldPages:
+        """Pages held outside the batch (pinned on P, reserved for a pull on D)."""
+        return self.scheduler
+
+    # ----------------------------------------------------------------------------- requests
+
+    def add_request(
+        self, prompt_ids: list[int], options: GenerationOptions, remote_decode: bool = False
+    ) -> RequestHandle:
+        """Queue a request; raises APIError (400 too long, 503 queue full or not running)."""
+        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING)
+        handle.seq.remote_decode = remote_decode
+        self.scheduler.add(handle.seq)
+        self._wake()
+        return handle
+
+    def add_pulled(self, prompt_ids: list[int], options: GenerationOptions) -> RequestHandle:
+        """Decode role: a request whose KV will be pulled from a prefill worker. It emits P's
+        first token through `accept_first_token` and joins the batch through `admit_pulled`."""
+        return self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING)
+
+    def accept_first_token(
+        self, handle: RequestHandle, token: int, raw_logprobs: list | None
+    ) -> None:
+        """Decode role: P's first token (with P's `[logprob, top]` when asked for), at once."""
+        logprobs = first_logprobs(raw_logprobs, token) if handle.seq.params.wants_logprobs else []
+        self.postprocess.accept(handle, token, logprobs, time.monotonic())
+
+    def admit_pulled(self, handle: RequestHandle, key: str) -> None:
+        """Decode role: the pull into the pages held under `key` is done; decode from there."""
+        self.scheduler.admit_pulled(handle.seq, key)
+        self._wake()
+
+    def _new_handle(
+        self, prompt_ids: list[int], options: GenerationOptions, status: SeqStatus
+    ) -> RequestHandle:
+        max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens)
+        if self._wakeup is None:
+            raise APIError(503, "the engine is not running", "server_busy", "not_ready")
+        if len(self.scheduler.waiting) >= self.max_waiting:
+            raise APIError(
+                503,
+                "the worker's request queue is full; retry later",
+                "server_busy",
+                "queue_full",
+                headers={"Retry-After": "1"},
+            )
+        request_id = f"req-{next(self._ids)}"
+        handle = RequestHandle(
+            Sequence(request_id, prompt_ids, options, max_tokens, status=status),
+            IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens),
+            StopChecker(options.stop),
+        )
+        self.handles[request_id] = handle
+        return handle
+
+    def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
+        """Stop a request (client gone). Its pages are freed at once, or, when the step that
+        computes it is running, as soon as that step ends; its side channel is told."""
+        if not handle.finished:
+            self._release(handle.seq, "abort")
+            if self.metrics:
+                self.metrics.aborted.inc()
+        if handle.on_abort is not None:
+            on_abort, handle.on_abort = handle.on_abort, None
+            on_abort(reason)
+        self.handles.pop(handle.seq.request_id, None)
+
+    def fail(self, handle: RequestHandle, error: APIError) -> None:
+        """End a request with an error (its pages are freed; see `abort` for a step in flight)."""
+        self._release(handle.seq, "error")
+        self.handles.pop(handle.seq.request_id, None)
+        handle.queue.put_nowait(Delta("", [], [], "error", error))
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        if seq in self._step_seqs:  # NOTE: the forward pass may still write into its pages
+            self._deferred.append((seq, reason))
+        else:
+            self.scheduler.finish(seq, reason)
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def load(self) -> WorkerLoad:
+        alloc = self.scheduler.allocator
+        return WorkerLoad(
+            role=self.role,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
+            kv_pages_total=alloc.num_total,
+            kv_pages_free=alloc.num_free,
+            inflight_transfers=len(self.scheduler.held),
+            kv_pages_held=sum(map(len, self.scheduler.held.values())),
+        )
+
+    def integrity(self) -> str:
+        """"ok", or what is wrong with the page accounting (served in /health)."""
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError as e:
+            return f"error: {e}"
+        return "ok"
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.has_work and not self.scheduler.held
+
+    # ----------------------------------------------------------------------------- the loop
+
+    def start(self) -> None:
+        """Start the loop task on the running event loop (again after `stop`, e.g. in tests)."""
+        self._wakeup = asyncio.Event()
+        # The forward thread uses as many torch threads as the process was given (--threads).
+        self._executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="pd-forward",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine")
+
+    async def stop(self) -> None:
+        """Stop the loop; requests still queued are failed (their pages freed)."""
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._executor:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self._wakeup = None  # new requests are refused (503) until start() again
+        self._fail_all("the worker is stopping")
+
+    async def _run(self) -> None:
+        wakeup = self._wakeup
+        assert wakeup is not None
+        while True:
+            if not self.scheduler.has_work:
+                wakeup.clear()
+                await wakeup.wait()
+                continue
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failed step fails its requests, not the worker
+                log.exception("engine step failed")
+                self._fail_all(f"internal error in the engine step: {e}")
+
+    async def step(self) -> None:
+        batch = self.scheduler.schedule()
+        if self.metrics and batch.preempted:
+            self.metrics.preemptions.inc(len(batch.preempted))
+        if not batch.seqs:  # every page is held outside the batch; cannot last while requests run
+            await asyncio.sleep(NOTHING_FITS_WAIT_S)
+            return
+        out = await self.execute(batch)
+        self.postprocess.process(batch, out)
+
+    async def execute(self, batch: ScheduledBatch) -> SampleOutput:
+        """Run the batch in the forward thread; then its tokens are in the KV cache, and the
+        requests that ended meanwhile are freed."""
+        self._step_seqs = frozenset(batch.seqs)
+        try:
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+        finally:
+            self._step_seqs = frozenset()
+            for seq, reason in self._deferred:
+                self.scheduler.finish(seq, reason)
+            self._deferred.clear()
+        self.steps += 1
+        self.scheduler.advance(batch)
+        return out
+
+    def _fail_all(self, message: str) -> None:
+        for handle in list(self.handles.values()):
+            self.fail(handle, APIError(500, message, "internal_error"))

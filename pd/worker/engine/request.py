@@ -1,0 +1,97 @@
+"""A request inside the engine: `Sequence` (what the scheduler and the runner see: token ids,
+pages, how far its KV is computed) and `RequestHandle` (what the HTTP side sees: a queue of
+`Delta`s, plus the text state that turns tokens into them).
+
+Who changes what: the scheduler changes a sequence's status and pages (`page_ids`,
+`num_computed`); postprocess alone appends to `output_ids` and finishes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pd.protocol import APIError, GenerationOptions
+from pd.worker.text.detokenizer import IncrementalDetokenizer
+from pd.worker.text.stop import StopChecker
+
+# One position's logprobs: (chosen token id, its logprob, [(token id, logprob)] alternatives).
+LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no pages (new, or preempted)
+    RUNNING = "running"  # admitted; holds pages for its computed tokens
+    TRANSFERRING = "transferring"  # decode side: its KV is being pulled from prefill
+    FINISHED = "finished"  # done or aborted; its pages are freed
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationOptions
+    max_tokens: int  # resolved at admission: what the client asked, capped by the context
+    output_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in `page_ids`
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "remote_decode"
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+    remote_decode: bool = False  # prefill side: hand the KV to a decode worker when prefilled
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+
+@dataclass
+class Delta:
+    """New output of one request since the previous delta."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry]
+    finish_reason: str | None = None  # "stop" | "length" | "error"
+    error: APIError | None = None  # with finish_reason "error": what the client is answered
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    # Set by a role with a side channel for this request (decode: the KV pull), called once when
+    # the request is aborted, with the reason.
+    on_abort: Callable[[str], None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # prefill role: what D needs, once handed off
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
