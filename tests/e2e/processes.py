@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import aiohttp
@@ -30,6 +31,8 @@ def start_worker(*args: str, timeout: float = 180.0) -> tuple[subprocess.Popen, 
             break
         lines.append(line)
         if line.startswith("pd-worker ready:"):
+            # Keep reading its output, so a chatty worker never blocks on a full pipe.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, line.split("url=")[1].split()[0]
     proc.kill()
     raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
@@ -42,10 +45,13 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def wait_pages_free(http: aiohttp.ClientSession, url: str, timeout: float = 10.0) -> dict:
-    """Poll a worker's /health until every KV page is free and nothing is in flight."""
+    """Poll a worker's /health until every KV page is free and nothing is in flight, with its
+    page accounting intact (`integrity`: the allocator's and scheduler's `check_integrity`)."""
     deadline = time.monotonic() + timeout
     while True:
-        load = (await (await http.get(f"{url}/health")).json())["load"]
+        health = await (await http.get(f"{url}/health")).json()
+        assert health["integrity"] == "ok", f"{url}: {health['integrity']}"
+        load = health["load"]
         settled = load["running"] == load["waiting"] == load["inflight_transfers"] == 0
         if settled and load["kv_pages_free"] == load["kv_pages_total"]:
             return load

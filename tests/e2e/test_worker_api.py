@@ -173,6 +173,7 @@ async def test_model_names_models_health_and_metrics(client, worker):
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct" == worker.model_name
     health = await (await client.get("/health")).json()
     assert health["role"] == "both" and health["model"] == worker.model_name
+    assert health["integrity"] == "ok"
     for key in ("running", "waiting", "queued_prefill_tokens", "kv_pages_total", "kv_pages_free"):
         assert key in health["load"]
     text = await (await client.get("/metrics")).text()

@@ -112,3 +112,12 @@ async def test_stopping_fails_queued_requests_and_frees_everything():
     assert deltas and deltas[-1].finish_reason in ("error", "length")
     assert engine.scheduler.allocator.num_used == 0
     engine.scheduler.check_integrity()
+
+
+def test_integrity_reports_pages_nobody_holds():
+    engine, _ = make_engine()
+    assert engine.integrity() == "ok"
+    leaked = engine.scheduler.allocator.allocate(2)  # in use, but held by no request
+    assert engine.integrity().startswith("error: requests hold 0 pages but 2 are in use")
+    engine.scheduler.allocator.free(leaked)
+    assert engine.integrity() == "ok"
