@@ -182,7 +182,7 @@ class Engine:
         )
 
     def integrity(self) -> str:
-        """"ok", or what is wrong with the page accounting (served in /health)."""
+        """ "ok", or what is wrong with the page accounting (served in /health)."""
         try:
             self.scheduler.check_integrity()
         except AssertionError as e:

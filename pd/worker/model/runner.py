@@ -15,11 +15,11 @@ import torch
 
 from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.protocol import GenerationOptions
 from pd.worker.model.attention import select_attention_backend
 from pd.worker.model.communicator import make_communicator
-from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
 from pd.worker.model.config import ModelConfig
-from pd.protocol import GenerationOptions
+from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
 from pd.worker.model.sampler import SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class StepBatch(Protocol):
     def num_new(self) -> list[int]: ...  # tokens computed this step
     @property
     def sample(self) -> list[bool]: ...  # whether this step samples the request's next token
+
 
 class ModelRunner:
     def __init__(

@@ -6,10 +6,10 @@ import asyncio
 import threading
 
 from pd.kvcache.allocator import PageAllocator
-from pd.worker.engine.engine import Engine
-from pd.worker.model.sampler import SampleOutput
 from pd.protocol import GenerationOptions
+from pd.worker.engine.engine import Engine
 from pd.worker.engine.scheduler import Scheduler
+from pd.worker.model.sampler import SampleOutput
 
 PAGE = 4
 

@@ -4,9 +4,9 @@ import time
 import pytest
 import torch
 
+from pd.protocol import APIError, GenerationOptions, parse_request
 from pd.worker.model import sampler as sampling
 from pd.worker.model.sampler import Sampler, uniform_for_position
-from pd.protocol import APIError, GenerationOptions, parse_request
 
 V = 64
 

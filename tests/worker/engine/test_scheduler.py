@@ -2,8 +2,8 @@
 
 from pd.kvcache.allocator import PageAllocator
 from pd.protocol import GenerationOptions
-from pd.worker.engine.scheduler import Scheduler
 from pd.worker.engine.request import SeqStatus, Sequence
+from pd.worker.engine.scheduler import Scheduler
 
 PAGE = 4
 
@@ -13,7 +13,9 @@ def make(num_pages=64, chunk=8, max_running=8) -> Scheduler:
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
-    return Sequence(name, list(range(prompt_len)), GenerationOptions(max_tokens=max_tokens), max_tokens)
+    return Sequence(
+        name, list(range(prompt_len)), GenerationOptions(max_tokens=max_tokens), max_tokens
+    )
 
 
 def run_step(s: Scheduler, sample_token: int = 7):

@@ -1,0 +1,130 @@
+"""The PD roles against stand-ins: a stub transfer manager and a stand-in model, real engine and
+scheduler. P pins and hands off; D validates params before anything is pulled."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pd.kvcache.allocator import PageAllocator
+from pd.protocol import APIError, GenerationOptions
+from pd.transfer import TransferParams
+from pd.worker.disagg import KV_POOL, DecodeSide, PrefillSide
+from pd.worker.engine import Engine, Scheduler
+from pd.worker.model import ModelConfig, SampleOutput
+
+PAGE = 4
+CONFIG = ModelConfig("m", "llama", 64, 16, 32, 2, 2, 1, 8, 1e4, 1e-5, 128, True)
+
+
+class Runner:
+    """Stands in for the ModelRunner: what the roles read, and a step that samples token 7."""
+
+    config = CONFIG
+    page_size = PAGE
+    dtype = torch.float32
+    kv_pools = [SimpleNamespace(buffer=torch.zeros(16, 2, 2, 1, PAGE, 8))]
+
+    def execute(self, batch) -> SampleOutput:
+        n = sum(batch.sample)
+        return SampleOutput([7] * n, [None] * n, [None] * n)
+
+
+class Sender:
+    def __init__(self, slots, on_release) -> None:
+        self.slots, self.on_release = slots, on_release
+
+    def params(self) -> TransferParams:
+        return TransferParams("127.0.0.1", 5555, "p-engine", "t-1", self.slots, 30.0)
+
+    def abort(self, reason: str = "") -> None:
+        self.on_release(self, "abort")
+
+
+class Manager:
+    def __init__(self, fail: bool = False) -> None:
+        self.senders: list[Sender] = []
+        self.fail = fail
+
+    def create_sender(self, slots, on_release):
+        if self.fail:
+            raise RuntimeError("no bootstrap server")
+        self.senders.append(Sender(slots, on_release))
+        return self.senders[-1]
+
+
+def make(hooks_for, num_pages: int = 16):
+    scheduler = Scheduler(PageAllocator(num_pages), PAGE, chunk_size=64, max_running=8)
+    hooks = hooks_for(scheduler)
+    engine = Engine(
+        Runner(), scheduler, SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x"),
+        role="prefill", max_model_len=64, max_waiting=8, hooks=hooks,
+    )  # fmt: skip
+    return engine, hooks
+
+
+async def test_prefill_pins_pages_until_the_sender_releases_them():
+    manager = Manager()
+    engine, prefill = make(lambda s: PrefillSide(manager, Runner(), s, tp_size=1))
+    engine.start()
+    try:
+        handle = engine.add_request(list(range(1, 10)), GenerationOptions(max_tokens=1), True)
+        delta = await asyncio.wait_for(handle.queue.get(), 5)
+        assert delta.finish_reason == "length" and delta.token_ids == [7]
+        kvp = handle.kv_transfer_params
+        assert kvp["first_token_id"] == 7 and kvp["num_tokens"] == 9
+        assert kvp["prompt_token_ids"] == list(range(1, 10))
+        assert len(kvp["page_ids"][KV_POOL]) == 3 and kvp["page_size"] == PAGE
+        assert engine.load().kv_pages_held == 3 and engine.integrity() == "ok"
+        sender = manager.senders[0]
+        sender.on_release(sender, "done")  # D pulled and said done
+        assert engine.scheduler.allocator.num_used == 0 and prefill.released == {"done": 1}
+        assert engine.integrity() == "ok"
+    finally:
+        await engine.stop()
+
+
+async def test_prefill_hand_off_failure_is_a_503_and_frees_the_pages():
+    engine, _ = make(lambda s: PrefillSide(Manager(fail=True), Runner(), s, tp_size=1))
+    engine.start()
+    try:
+        handle = engine.add_request(list(range(1, 10)), GenerationOptions(max_tokens=1), True)
+        delta = await asyncio.wait_for(handle.queue.get(), 5)
+        assert delta.error is not None and delta.error.status == 503
+        assert engine.scheduler.allocator.num_used == 0 and engine.integrity() == "ok"
+    finally:
+        await engine.stop()
+
+
+def _params(**changes):
+    params = dict(
+        remote_engine_id="p", remote_host="127.0.0.1", remote_port=1, transfer_id="t",
+        prompt_token_ids=[1, 2, 3, 4, 5], first_token_id=7, page_ids={KV_POOL: [0, 1]},
+        num_tokens=5, page_size=PAGE, tp_size=1, kv_layout="page-major-HND", dtype="float32",
+        model_fingerprint=None, lease_ttl_s=30.0, pd_version=1,
+    )  # fmt: skip
+    params.update(changes)
+    return params
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"page_size": 8}, "page_size"),
+        ({"dtype": "bfloat16"}, "dtype"),
+        ({"model_fingerprint": "elsewhere"}, "model_fingerprint"),
+        ({"page_ids": {KV_POOL: [0]}}, "inconsistent"),
+        ({"pd_version": 2}, "pd_version"),
+    ],
+)
+def test_decode_refuses_params_that_do_not_match_it(changes, needle):
+    engine, _ = make(lambda s: None)
+    decode = DecodeSide(Manager(), Runner(), engine)
+    good = _params(model_fingerprint=decode.contract.model_fingerprint)
+    assert decode.validate(good).num_tokens == 5
+    with pytest.raises(APIError, match=needle) as e:
+        decode.validate({**good, **changes})
+    assert e.value.status == 400
