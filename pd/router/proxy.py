@@ -13,7 +13,6 @@ upstream connection and so tells the worker) all release it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -23,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from pd._compat import asyncio_timeout
 from pd.protocol import error_body
 from pd.router.config import RouterConfig
 from pd.router.failure import JSON, Failure, json_response
@@ -88,7 +88,7 @@ class Proxy:
         self.prefill_timeout = aiohttp.ClientTimeout(
             total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
         )
-        # No sock_read: silence is timed by `asyncio.timeout` up to the first byte, then by the
+        # No sock_read: silence is timed by `asyncio_timeout` up to the first byte, then by the
         # idle watch (see idle.py).
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.read_timeout)
@@ -188,7 +188,7 @@ class Proxy:
             resp = None
             handed_over = False
             try:
-                async with asyncio.timeout(self.cfg.read_timeout):  # up to the first byte
+                async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
                     resp = await self.session.post(
                         w.url + ex.path,
                         data=payload,
