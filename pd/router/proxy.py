@@ -93,6 +93,11 @@ class Proxy:
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.read_timeout)
 
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "Proxy.session is set in the app's cleanup_ctx"
+        return self.session
+
     # ------------------------------------------------------------------------------ flows
 
     async def pd(self, ex: Exchange) -> web.StreamResponse:
@@ -147,7 +152,7 @@ class Proxy:
             tried.append(w)
             w.acquire(ex.tokens)
             try:
-                async with self.session.post(
+                async with self._client.post(
                     w.url + ex.path, data=payload, headers=ex.headers, timeout=self.prefill_timeout
                 ) as resp:
                     data = await resp.read()
@@ -189,7 +194,7 @@ class Proxy:
             handed_over = False
             try:
                 async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
-                    resp = await self.session.post(
+                    resp = await self._client.post(
                         w.url + ex.path,
                         data=payload,
                         headers=ex.headers,
@@ -218,6 +223,7 @@ class Proxy:
                         resp.close()
             if not handed_over:
                 continue
+            assert resp is not None  # handed over: the worker answered
             # The worker answered a first byte: from here on there is no retry.
             self.idle.watch(ex, resp)
             try:
