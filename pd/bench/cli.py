@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(p)
         p.set_defaults(_module=module)
     args = parser.parse_args(argv)
-    module = getattr(args, "_module", None)
-    if module is None:
+    chosen = getattr(args, "_module", None)
+    if chosen is None:
         parser.error(f"benchmark {args.command!r} is not available in this build")
-    return module.run(args)
+    return chosen.run(args)
 
 
 if __name__ == "__main__":

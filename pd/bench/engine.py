@@ -81,6 +81,7 @@ def start_worker(args) -> tuple[subprocess.Popen, str]:
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         if not args.json:
             print("  worker:", line.rstrip(), file=sys.stderr)

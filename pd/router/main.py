@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvloop
 
-        loop = uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

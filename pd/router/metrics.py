@@ -126,10 +126,10 @@ class RouterMetrics(Collector):
             ("pd_router_ejections", "Workers ejected from a pool", self.ejections),
             ("pd_router_health_check_failures", "Failed health checks", self.health_failures),
         ):
-            family = CounterMetricFamily(name, doc, labels=["pool"])
+            counter = CounterMetricFamily(name, doc, labels=["pool"])
             for pool, n in counts.items():
-                family.add_metric([pool], n)
-            yield family
+                counter.add_metric([pool], n)
+            yield counter
         yield from self._workers()
 
     def _workers(self) -> Iterable[Metric]:

@@ -13,7 +13,6 @@ upstream connection and so tells the worker) all release it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from time import perf_counter
@@ -23,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from pd._compat import asyncio_timeout
 from pd.protocol import error_body
 from pd.router.config import RouterConfig
 from pd.router.failure import JSON, Failure, json_response
@@ -88,10 +88,15 @@ class Proxy:
         self.prefill_timeout = aiohttp.ClientTimeout(
             total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
         )
-        # No sock_read: silence is timed by `asyncio.timeout` up to the first byte, then by the
+        # No sock_read: silence is timed by `asyncio_timeout` up to the first byte, then by the
         # idle watch (see idle.py).
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.read_timeout)
+
+    @property
+    def _client(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "Proxy.session is set in the app's cleanup_ctx"
+        return self.session
 
     # ------------------------------------------------------------------------------ flows
 
@@ -147,7 +152,7 @@ class Proxy:
             tried.append(w)
             w.acquire(ex.tokens)
             try:
-                async with self.session.post(
+                async with self._client.post(
                     w.url + ex.path, data=payload, headers=ex.headers, timeout=self.prefill_timeout
                 ) as resp:
                     data = await resp.read()
@@ -188,8 +193,8 @@ class Proxy:
             resp = None
             handed_over = False
             try:
-                async with asyncio.timeout(self.cfg.read_timeout):  # up to the first byte
-                    resp = await self.session.post(
+                async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
+                    resp = await self._client.post(
                         w.url + ex.path,
                         data=payload,
                         headers=ex.headers,
@@ -218,6 +223,7 @@ class Proxy:
                         resp.close()
             if not handed_over:
                 continue
+            assert resp is not None  # handed over: the worker answered
             # The worker answered a first byte: from here on there is no retry.
             self.idle.watch(ex, resp)
             try:

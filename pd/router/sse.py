@@ -15,7 +15,7 @@ def _event(obj: dict[str, Any]) -> bytes:
 
 def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> bytes:
     """A complete non-streaming answer (one choice) as the SSE events a stream would carry."""
-    head = {k: answer[k] for k in ("id", "created", "model") if k in answer}
+    head: dict[str, Any] = {k: answer[k] for k in ("id", "created", "model") if k in answer}
     events = []
     for c in answer.get("choices") or ():
         if chat:

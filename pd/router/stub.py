@@ -173,6 +173,7 @@ class StubWorker:
         await resp.prepare(request)
         for i, event in enumerate(self._events(chat, usage)):
             if self.break_after is not None and i >= self.break_after:
+                assert request.transport is not None  # prepared above
                 request.transport.close()  # a crash mid-stream
                 return resp
             if i and self.chunk_delay:

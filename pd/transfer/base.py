@@ -10,16 +10,28 @@
 
 The scheduler reads `poll()` once per tick (or awaits `wait()`); handshakes, retries, deadlines and
 heartbeats hide behind it.
+
+`SenderHost` and `ReceiverHost` name what a sender and a receiver use of the manager that owns
+them (the manager is both), so each can be driven against a stub host in a unit test.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll
 from pd.transfer.pools import PoolDesc
+
+if TYPE_CHECKING:
+    from pd.transfer.backend import Backend
+    from pd.transfer.bootstrap import Session
+    from pd.transfer.config import TransferConfig
+    from pd.transfer.messages import Message
+    from pd.transfer.peer import LinkClient
+    from pd.transfer.poller import Poller
 
 SlotIds = dict[str, list[int]]  # pool name -> slot (page) ids, in transfer order
 
@@ -108,3 +120,74 @@ class KVManager(ABC):
 
     @abstractmethod
     def create_receiver(self, params: TransferParams) -> KVReceiver: ...
+
+
+# -- what a sender and a receiver use of the manager that owns them ---------------------------
+# `TransferManager` is the host of both; a unit test can drive either against a stub host.
+
+
+class SenderHost(Protocol):
+    """What a `Sender` uses of its manager (prefill side)."""
+
+    @property
+    def engine_id(self) -> str: ...
+
+    @property
+    def advertise_host(self) -> str:
+        """The host the decode side dials (goes into the params)."""
+
+    @property
+    def bootstrap_port(self) -> int:
+        """The bound bootstrap port (goes into the params)."""
+
+    async def server_send(self, session: Session, msg: Message) -> None:
+        """Send a session message to the decode side behind `session`."""
+
+    def forget_sender(self, sender: KVSender) -> None:
+        """Stop tracking a sender that released its slots (its transfer id is free again)."""
+
+
+class ReceiverLink(Protocol):
+    """What a `Receiver` uses of its link to the prefill peer (`peer.PeerLink`)."""
+
+    @property
+    def agent(self) -> str:
+        """The backend agent name of the peer (to read from)."""
+
+    @property
+    def pools(self) -> Mapping[str, PoolDesc]:
+        """The peer's pools, from its handshake."""
+
+    def attach(self, transfer_id: str, client: LinkClient) -> None: ...
+
+    def detach(self, transfer_id: str) -> None: ...
+
+    def send(self, msg: Message) -> None:
+        """Send a session message (done, abort) without waiting."""
+
+    def suspect(self) -> None:
+        """A transport error was seen: check the peer is alive."""
+
+
+class ReceiverHost(Protocol):
+    """What a `Receiver` uses of its manager (decode side)."""
+
+    @property
+    def config(self) -> TransferConfig: ...
+
+    @property
+    def pools(self) -> Mapping[str, PoolDesc]:
+        """The local pools (the read destinations)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def poller(self) -> Poller: ...
+
+    async def link_to(self, params: TransferParams) -> ReceiverLink:
+        """The live link to the prefill peer of `params`, dialled and handshaken if needed;
+        raises TransferError (HandshakeError, AuthError, ...) when there is none."""
+
+    def forget_receiver(self, receiver: KVReceiver) -> None:
+        """Stop tracking a receiver that finished (success or failure)."""

@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from pd.transfer.auth import resolve_token
 from pd.transfer.backend import Backend, BackendCounts, MemRegion
-from pd.transfer.base import KVManager, ReleaseCallback, SlotIds
+from pd.transfer.base import KVManager, KVReceiver, KVSender, ReleaseCallback, SlotIds
 from pd.transfer.bootstrap import BootstrapServer, Session
 from pd.transfer.config import TransferConfig
 from pd.transfer.errors import HandshakeError, PoolError, TransferError
@@ -164,7 +164,7 @@ class TransferManager(KVManager):
         self._senders[tid] = sender
         return sender
 
-    def _drop_sender(self, sender: Sender) -> None:
+    def forget_sender(self, sender: KVSender) -> None:
         if self._senders.get(sender.transfer_id) is sender:
             del self._senders[sender.transfer_id]
 
@@ -211,10 +211,10 @@ class TransferManager(KVManager):
         self._receivers[id(receiver)] = receiver
         return receiver
 
-    def _drop_receiver(self, receiver: Receiver) -> None:
+    def forget_receiver(self, receiver: KVReceiver) -> None:
         self._receivers.pop(id(receiver), None)
 
-    async def _get_link(self, params: TransferParams) -> PeerLink:
+    async def link_to(self, params: TransferParams) -> PeerLink:
         key = (params.remote_host, params.remote_port)
         link = self._links.get(key)
         if link is not None and link.alive and link.engine_id != params.remote_engine_id:
@@ -272,7 +272,7 @@ class TransferManager(KVManager):
     def _on_link_lost(self, link: PeerLink, reason: str, quiet: bool = False) -> None:
         """Fail the link's transfers, forget everything about the peer, close the link."""
         for client in list(link.clients.values()):
-            client.on_peer_lost(reason)  # type: ignore[attr-defined]
+            client.on_peer_lost(reason)
         key = (link.host, link.port)
         if self._links.get(key) is link:
             del self._links[key]

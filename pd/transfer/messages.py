@@ -116,7 +116,7 @@ class Abort:
 
 
 Message = Hello | Challenge | Auth | Welcome | Refused | Heartbeat | HeartbeatAck | Done | Abort
-_TYPES: dict[str, type] = {
+_TYPES: dict[str, type[Message]] = {
     c.TYPE: c
     for c in (Hello, Challenge, Auth, Welcome, Refused, Heartbeat, HeartbeatAck, Done, Abort)
 }

@@ -14,7 +14,7 @@ import logging
 
 from pd.transfer.backend import Backend, BackendCounts, MemRegion, XferState
 from pd.transfer.errors import TransferError
-from pd.transfer.nixl_compat import import_nixl, make_agent
+from pd.transfer.nixl_compat import NixlXferHandle, import_nixl, make_agent
 from pd.transfer.plan import ReadBatch
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class NixlBackend(Backend):
         self._agent = make_agent(nixl, agent_name, conf, progress_delay_us)
         self._reg: list[object] = []  # registration descriptor lists, for deregistration
         self._peers: set[str] = set()
-        self._xfers: dict[int, tuple[str, list[object]]] = {}  # id -> (agent, nixl handles)
+        self._xfers: dict[int, tuple[str, list[NixlXferHandle]]] = {}  # id -> (agent, handles)
         self._uncancelled: set[int] = set()  # released ids whose reads NIXL could not cancel
         self._ids = itertools.count(1)
 
@@ -68,7 +68,7 @@ class NixlBackend(Backend):
     def start_read(self, agent: str, batches: list[ReadBatch]) -> int:
         if agent not in self._peers:
             raise TransferError(f"unknown peer agent {agent!r}")
-        handles: list[object] = []
+        handles: list[NixlXferHandle] = []
         xid = next(self._ids)
         self._xfers[xid] = (agent, handles)  # registered first so release() frees partial posts
         try:

@@ -17,6 +17,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+from pd._compat import asyncio_timeout
 from pd.transfer import auth
 from pd.transfer.errors import AuthError, HandshakeError, ProtocolError
 from pd.transfer.messages import (
@@ -44,6 +45,8 @@ class LinkClient(Protocol):
     def on_attached(self) -> None: ...
     def on_unknown(self) -> None: ...
     def on_remote_abort(self, reason: str) -> None: ...
+    def on_peer_lost(self, reason: str) -> None:
+        """The link is lost (called by the manager as it drops the link)."""
 
 
 class PeerLink:
@@ -93,7 +96,7 @@ class PeerLink:
         sock.connect(f"tcp://{self.host}:{self.port}")
         self._sock = sock
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio_timeout(timeout_s):
                 await self._handshake(sock)
         except TimeoutError:
             self._close_socket()
@@ -220,7 +223,7 @@ class PeerLink:
             ):  # idle: sleep until a transfer attaches or the link expires
                 self._wake.clear()
                 try:
-                    async with asyncio.timeout(self._idle_timeout_s):
+                    async with asyncio_timeout(self._idle_timeout_s):
                         await self._wake.wait()
                 except TimeoutError:
                     return self._lose("idle", idle=True)
@@ -231,7 +234,7 @@ class PeerLink:
             await self._send_raw([payload, auth.tag(self._key, payload)])
             self._wake.clear()
             try:
-                async with asyncio.timeout(self._interval):
+                async with asyncio_timeout(self._interval):
                     await self._wake.wait()
             except TimeoutError:
                 pass

@@ -53,6 +53,7 @@ class PoolSpec:
 def global_tensor(spec: PoolSpec, rank: int = 0) -> torch.Tensor:
     """The pool's content as one tensor over all heads (KV) or one rank's content (whole)."""
     g = torch.Generator().manual_seed(spec.seed * 1000 + (rank if spec.kind == "whole" else 0))
+    shape: tuple[int, ...]
     if spec.kind == "kv":
         shape = (spec.num_slots, spec.layers, 2, spec.heads, spec.page_size, spec.head_dim)
     else:

@@ -14,6 +14,7 @@ rank i of the other; both sides then need the same TP size).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -134,7 +135,9 @@ def _device_str(t: _TensorLike) -> str:
     return "cpu" if dev.type == "cpu" else f"cuda:{dev.index or 0}"
 
 
-def kv_pool_from_tensors(name: str, tensors: list[_TensorLike], total_kv_heads: int) -> PoolDesc:
+def kv_pool_from_tensors(
+    name: str, tensors: Sequence[_TensorLike], total_kv_heads: int
+) -> PoolDesc:
     """A KV pool from one page-major tensor per TP rank:
     `[num_pages, num_layers, 2, kv_heads_of_rank, page_size, head_dim]` (HND inside a page).
 
@@ -160,7 +163,7 @@ def kv_pool_from_tensors(name: str, tensors: list[_TensorLike], total_kv_heads: 
 
 
 def whole_pool_from_tensors(
-    name: str, tensors: list[_TensorLike], *, replicated: bool = False
+    name: str, tensors: Sequence[_TensorLike], *, replicated: bool = False
 ) -> PoolDesc:
     """A pool without TP split from one contiguous `[num_slots, ...]` tensor per rank."""
     shapes = {tuple(t.shape) for t in tensors}

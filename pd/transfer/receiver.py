@@ -10,28 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
-from pd.transfer.base import KVReceiver, SlotIds
+from pd.transfer.base import KVReceiver, ReceiverHost, ReceiverLink, SlotIds
 from pd.transfer.errors import PoolError, TransferError
 from pd.transfer.messages import Abort, Done
 from pd.transfer.params import TransferParams
 from pd.transfer.plan import ReadBatch, plan_reads, rank_segments
 from pd.transfer.poll import KVPoll, PollState
 
-if TYPE_CHECKING:
-    from pd.transfer.manager import TransferManager
-    from pd.transfer.peer import PeerLink
-
 
 class Receiver(KVReceiver):
-    def __init__(self, manager: TransferManager, params: TransferParams) -> None:
+    def __init__(self, host: ReceiverHost, params: TransferParams) -> None:
         self.transfer_id = params.transfer_id
         self.params = params
-        self._m = manager
+        self._host = host
         self._state = PollState(KVPoll.Bootstrapping)
         self._event = asyncio.Event()
-        self._link: PeerLink | None = None
+        self._link: ReceiverLink | None = None
         self._dst: SlotIds | None = None
         self._xfer: int | None = None
         self._deadline = 0.0
@@ -42,7 +37,7 @@ class Receiver(KVReceiver):
         self.finished_at: float | None = None
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(
-            manager.config.handshake_timeout_s, self._handshake_deadline
+            host.config.handshake_timeout_s, self._handshake_deadline
         )
         self._task: asyncio.Task | None = asyncio.create_task(self._bootstrap())
 
@@ -81,11 +76,11 @@ class Receiver(KVReceiver):
 
     async def _bootstrap(self) -> None:
         try:
-            link = await self._m._get_link(self.params)
+            link = await self._host.link_to(self.params)
             for name in self.params.page_ids:
-                if name not in self._m.pools or name not in link.pools:
+                if name not in self._host.pools or name not in link.pools:
                     raise PoolError(f"pool {name!r} is not registered on both sides")
-                rank_segments(self._m.pools[name], link.pools[name])  # raises if incompatible
+                rank_segments(self._host.pools[name], link.pools[name])  # raises if incompatible
         except TransferError as e:
             self._task = None
             self._fail(f"{type(e).__name__}: {e}", tell_prefill=False)
@@ -100,7 +95,7 @@ class Receiver(KVReceiver):
         if self._state.state is KVPoll.Bootstrapping:
             self._fail(
                 f"handshake with {self.params.remote_host}:{self.params.remote_port} not done "
-                f"within {self._m.config.handshake_timeout_s}s",
+                f"within {self._host.config.handshake_timeout_s}s",
                 tell_prefill=True,
             )
 
@@ -132,31 +127,31 @@ class Receiver(KVReceiver):
             or self._link is None
         ):
             return
-        link, cfg = self._link, self._m.config
+        link, cfg = self._link, self._host.config
         try:
             batches: list[ReadBatch] = []
             for name, src in self.params.page_ids.items():
                 batches += plan_reads(
-                    self._m.pools[name],
+                    self._host.pools[name],
                     link.pools[name],
                     src,
                     self._dst[name],
                     max_desc_bytes=cfg.max_desc_bytes,
                 )
             self.started_at = time.monotonic()
-            self._xfer = self._m.backend.start_read(link.agent, batches)
+            self._xfer = self._host.backend.start_read(link.agent, batches)
         except TransferError as e:
             self._fail(f"{type(e).__name__}: {e}", tell_prefill=True)
             return
         self._state.advance(KVPoll.Transferring)
         self._deadline = self.started_at + cfg.transfer_timeout_s
-        self._m.poller.add(self)
+        self._host.poller.add(self)
 
     def progress(self, now: float) -> bool:
         """One poll of the in-flight reads (called by the poller)."""
         if self._state.done or self._xfer is None:
             return True
-        state = self._m.backend.check(self._xfer).value
+        state = self._host.backend.check(self._xfer).value
         if state == "DONE":
             self._succeed()
         elif state == "ERR":
@@ -167,7 +162,7 @@ class Receiver(KVReceiver):
             )
         elif now > self._deadline:
             self._fail(
-                f"TransferFailed: pull not done within {self._m.config.transfer_timeout_s}s",
+                f"TransferFailed: pull not done within {self._host.config.transfer_timeout_s}s",
                 tell_prefill=True,
             )
         return self._state.done
@@ -180,7 +175,7 @@ class Receiver(KVReceiver):
         if self._link is not None:
             self._link.send(Done(self.transfer_id))
             self._link.detach(self.transfer_id)
-        self._m._drop_receiver(self)
+        self._host.forget_receiver(self)
         self._event.set()
 
     def _fail(self, reason: str, *, tell_prefill: bool) -> None:
@@ -189,18 +184,18 @@ class Receiver(KVReceiver):
         self.finished_at = time.monotonic()
         self._handshake_timer.cancel()
         self._release_xfer()
-        self._m.poller.discard(self)
+        self._host.poller.discard(self)
         if self._task is not None and self._task is not asyncio.current_task():
             self._task.cancel()
         if self._link is not None:
             if tell_prefill:
                 self._link.send(Abort(self.transfer_id, reason))
             self._link.detach(self.transfer_id)
-        self._m._drop_receiver(self)
+        self._host.forget_receiver(self)
         self._event.set()
 
     def _release_xfer(self) -> None:
         if self._xfer is not None:
-            if not self._m.backend.release(self._xfer):
+            if not self._host.backend.release(self._xfer):
                 self.dst_unsafe = True
             self._xfer = None

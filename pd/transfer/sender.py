@@ -14,14 +14,13 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from pd.transfer.base import KVSender, ReleaseCallback, SlotIds
+from pd.transfer.base import KVSender, ReleaseCallback, SenderHost, SlotIds
 from pd.transfer.messages import Abort
 from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll, PollState
 
 if TYPE_CHECKING:
     from pd.transfer.bootstrap import Session
-    from pd.transfer.manager import TransferManager
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ log = logging.getLogger(__name__)
 class Sender(KVSender):
     def __init__(
         self,
-        manager: TransferManager,
+        host: SenderHost,
         transfer_id: str,
         slots: SlotIds,
         lease_ttl_s: float,
@@ -38,7 +37,7 @@ class Sender(KVSender):
         self.transfer_id = transfer_id
         self.slots = {k: list(v) for k, v in slots.items()}
         self.lease_ttl_s = lease_ttl_s
-        self._manager = manager
+        self._host = host
         self._on_release: ReleaseCallback | None = on_release
         self._state = PollState(KVPoll.WaitingForInput)
         self._deadline = time.monotonic() + lease_ttl_s
@@ -60,11 +59,11 @@ class Sender(KVSender):
         return max(0.0, self._deadline - time.monotonic())
 
     def params(self) -> TransferParams:
-        m = self._manager
+        h = self._host
         return TransferParams(
-            remote_host=m.advertise_host,
-            remote_port=m.bootstrap_port,
-            remote_engine_id=m.engine_id,
+            remote_host=h.advertise_host,
+            remote_port=h.bootstrap_port,
+            remote_engine_id=h.engine_id,
             transfer_id=self.transfer_id,
             page_ids={k: list(v) for k, v in self.slots.items()},
             lease_ttl_s=self.lease_ttl_s,
@@ -74,11 +73,11 @@ class Sender(KVSender):
         if self._state.fail(reason):
             if self.session is not None:
                 asyncio.ensure_future(
-                    self._manager.server_send(self.session, Abort(self.transfer_id, reason))
+                    self._host.server_send(self.session, Abort(self.transfer_id, reason))
                 )
             self._release("abort")
 
-    # -- driven by the manager on bootstrap messages ----------------------------------------
+    # -- driven by the host on bootstrap messages ----------------------------------------
 
     def renew(self, session: Session) -> None:
         if self._state.done:
@@ -110,7 +109,7 @@ class Sender(KVSender):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._manager._drop_sender(self)
+        self._host.forget_sender(self)
         self.release_reason = reason
         callback, self._on_release = self._on_release, None
         if callback is not None:
