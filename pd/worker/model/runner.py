@@ -1,4 +1,5 @@
-"""Turns a `ScheduledBatch` into sampled tokens: the only part of the worker that touches tensors.
+"""Turns one step's batch (a `StepBatch`) into sampled tokens: the only part of the worker that
+touches tensors.
 
 It builds the model's TP ranks (weight shards, one KV pool and one attention backend per rank),
 prepares each step's inputs and paged metadata, runs the forward pass and samples.
