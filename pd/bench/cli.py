@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "transfer": "KV pull throughput: ours vs bare NIXL vs memcpy",
     "router": "router overhead vs direct, at concurrency 1 and 64",
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
+    "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
 }
 
 

@@ -1,0 +1,158 @@
+"""Runs one phase: one workload against one target at one rate (open loop), with N clients
+(closed loop), or at a trace's timestamps.
+
+Open loop: each job starts at its time whether or not earlier ones are done (no cap on client
+connections); the lag between planned and actual send time is recorded. A conversation's turns
+wait for each other: turn k+1 is sent when turn k is answered and carries its answer. A
+conversation whose turn fails stops there; its unsent turns count as errors (`conversation_cut`).
+`max_duration_s` stops starting jobs after that long; started ones finish (or time out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pd.bench.serve.arrivals import arrival_times
+from pd.bench.serve.client import RequestRecord, stream_request
+from pd.bench.serve.workloads import Job
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    model: str | None = None  # None: the body carries no model (the server's default)
+    api_key: str | None = None  # sent as 'Authorization: Bearer KEY'
+
+
+@dataclass(frozen=True)
+class Phase:
+    rate: float | None = None  # open loop: jobs per second
+    arrival: str = "poisson"
+    concurrency: int | None = None  # closed loop: clients
+    max_duration_s: float | None = None
+    request_timeout_s: float | None = None
+    temperature: float = 0.0
+    seed: int = 0
+
+
+async def run_phase(
+    target: Target,
+    jobs: list[Job],
+    phase: Phase,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    connector = aiohttp.TCPConnector(limit=0)  # open loop: no cap on connections
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+        t0 = time.perf_counter()
+
+        async def run_job(job: Job, planned: float) -> None:
+            await _run_job(http, target, job, phase, t0, planned, records, on_record)
+
+        if phase.concurrency is not None:
+            await _closed_loop(jobs, phase, t0, run_job)
+        else:
+            await _open_loop(jobs, phase, t0, run_job)
+    return records
+
+
+async def _open_loop(
+    jobs: list[Job], phase: Phase, t0: float, run_job: Callable[[Job, float], Any]
+) -> None:
+    if all(j.at_s is not None for j in jobs):  # a trace: its own timestamps
+        times = [j.at_s or 0.0 for j in jobs]
+    else:
+        assert phase.rate is not None
+        times = arrival_times(len(jobs), phase.rate, phase.arrival, random.Random(phase.seed))
+    tasks = []
+    for job, at in sorted(zip(jobs, times), key=lambda x: x[1]):
+        if phase.max_duration_s is not None and at > phase.max_duration_s:
+            break
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(run_job(job, at)))
+    await asyncio.gather(*tasks)
+
+
+async def _closed_loop(
+    jobs: list[Job], phase: Phase, t0: float, run_job: Callable[[Job, float], Any]
+) -> None:
+    queue = list(reversed(jobs))
+    assert phase.concurrency is not None
+
+    async def client() -> None:
+        while queue:
+            now = time.perf_counter() - t0
+            if phase.max_duration_s is not None and now > phase.max_duration_s:
+                return
+            await run_job(queue.pop(), now)
+
+    await asyncio.gather(*(client() for _ in range(phase.concurrency)))
+
+
+async def _run_job(
+    http: aiohttp.ClientSession,
+    target: Target,
+    job: Job,
+    phase: Phase,
+    t0: float,
+    planned: float,
+    records: list[RequestRecord],
+    on_record: Callable[[RequestRecord], None] | None,
+) -> None:
+    history: list[dict[str, str]] = []
+    for k, turn in enumerate(job.turns):
+        record = RequestRecord(target.name, phase.rate, job.job_id, k, planned)
+        body: dict[str, Any] = {"max_tokens": turn.max_tokens, "temperature": phase.temperature}
+        if target.model is not None:
+            body["model"] = target.model
+        if job.ignore_eos:
+            body["ignore_eos"] = True
+        headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+        if job.room is not None:
+            body["user"] = job.room
+            headers["X-Room-Id"] = job.room
+        if job.chat:
+            assert turn.user is not None
+            messages = [{"role": "system", "content": turn.system or ""}]
+            messages += history + [{"role": "user", "content": turn.user}]
+            body["messages"] = messages
+        else:
+            body["prompt"] = turn.prompt
+        record.sent_s = time.perf_counter() - t0
+        await stream_request(
+            http,
+            target.url,
+            body,
+            record,
+            chat=job.chat,
+            headers=headers,
+            timeout_s=phase.request_timeout_s,
+        )
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+        if not record.ok:
+            for j in range(k + 1, len(job.turns)):  # the conversation cannot go on
+                cut = RequestRecord(target.name, phase.rate, job.job_id, j, planned)
+                cut.sent_s = record.sent_s
+                cut.error, cut.detail = "conversation_cut", f"turn {k} failed: {record.error}"
+                records.append(cut)
+                if on_record is not None:
+                    on_record(cut)
+            return
+        history += [
+            {"role": "user", "content": turn.user or ""},
+            {"role": "assistant", "content": record.text},
+        ]
+        planned = time.perf_counter() - t0  # the next turn is due now
