@@ -1,14 +1,10 @@
-"""`pd-bench pd`: the same mixed load on one co-located worker and on a prefill/decode pair.
+"""`pd-bench pd`: one workload on a co-located worker and on a prefill/decode pair, side by side.
 
-The load: `--streams` decode streams of `--max-tokens` tokens each (short prompts, `ignore_eos`)
-run together while long prompts (`--long-tokens` tokens) arrive every `--long-every-s` seconds.
-On one worker the long prefills share steps with the decode streams (chunked prefill under one
-token budget); in the pair they run on P while D only decodes. Measured per setup, one after the
-other in one run: inter-token latency of the decode streams (p50, p99), their decode tokens/s,
-and the long prompts' time to first token.
-
-Both setups get the same cores: the co-located worker all of `--threads` (default: every core),
-P and D half each.
+A preset of `pd-bench serve`: it starts one `--role both` worker with `--threads` cores and a
+pd-router in front of a prefill and a decode worker with half of them each (both setups stay up;
+only the one being measured is loaded), runs the workload (default `mixed`: short chats plus
+periodic long prompts) at each rate on both, phases alternated per rate, prints or writes the
+serve benchmark's figures (targets `colocated` and `pd`), and stops everything it started.
 """
 
 from __future__ import annotations
@@ -17,23 +13,23 @@ import argparse
 import asyncio
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
 import aiohttp
-import orjson
+
+from pd.bench import serve
+from pd.bench.serve.cli import BenchInputError, check_args, emit, measure, parse_rates
+from pd.bench.serve.runner import Target
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=8, help="concurrent decode streams")
-    p.add_argument("--max-tokens", type=int, default=96, help="tokens per decode stream")
-    p.add_argument("--long-tokens", type=int, default=1024, help="tokens of each long prompt")
-    p.add_argument("--long-every-s", type=float, default=1.0, help="seconds between long prompts")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to share out")
-    p.add_argument("--dtype", default="auto", help="compute dtype of the workers")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    serve.add_arguments(p, targets=False)
+    p.set_defaults(workload="mixed", rates="0.5,1,2", num_requests=32)
+    w = p.add_argument_group("setups")
+    w.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to share out")
+    w.add_argument("--dtype", default="auto", help="compute dtype of the workers")
 
 
 def _free_port() -> int:
@@ -114,87 +110,29 @@ def start_setup(kind: str, args) -> tuple[str, list[subprocess.Popen]]:
     return f"http://127.0.0.1:{r_port}", procs
 
 
-async def _stream(http, url: str, body: dict) -> list[float]:
-    """Arrival times of a streaming completion's chunks (the first one is the first token)."""
-    times = []
-    async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if line.startswith(b"data: {"):
-                times.append(time.perf_counter())
-    return times
-
-
-async def run_load(url: str, args) -> dict:
-    timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        warm = {"prompt": "Hello", "max_tokens": 4, "temperature": 0}
-        await _stream(http, url, warm)
-        decode_body = {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": 0}
-        streams = [
-            asyncio.create_task(_stream(http, url, {**decode_body, "prompt": f"Story {i}:"}))
-            for i in range(args.streams)
-        ]
-        long_ttft = []
-
-        async def long_prompts() -> None:
-            i = 0
-            while not all(s.done() for s in streams):
-                body = {
-                    "prompt": f"{i} " + "word " * args.long_tokens,
-                    "max_tokens": 2,
-                    "temperature": 0,
-                }
-                t0 = time.perf_counter()
-                times = await _stream(http, url, body)
-                long_ttft.append(times[0] - t0)
-                i += 1
-                await asyncio.sleep(args.long_every_s)
-
-        longs = asyncio.create_task(long_prompts())
-        results = await asyncio.gather(*streams)
-        await longs
-    gaps = sorted(b - a for t in results for a, b in zip(t, t[1:]))
-    span = max(t[-1] for t in results) - min(t[0] for t in results)
-    return {
-        "itl_p50_ms": 1000 * gaps[len(gaps) // 2],
-        "itl_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)],
-        "decode_tok_s": sum(len(t) - 1 for t in results) / span,
-        "long_prompts": len(long_ttft),
-        "long_ttft_p50_ms": 1000 * statistics.median(long_ttft) if long_ttft else None,
-    }
-
-
 def run(args: argparse.Namespace) -> int:
-    out = {}
-    for kind in ("both", "pd"):
-        url, procs = start_setup(kind, args)
-        try:
+    try:  # before anything starts
+        check_args(args)
+        parse_rates(args.rates)
+    except BenchInputError as e:
+        print(f"pd-bench pd: {e}", file=sys.stderr)
+        return 2
+    setups = [start_setup(kind, args) for kind in ("both", "pd")]
+    try:
+        for url, procs in setups:
             asyncio.run(_wait_healthy(url, procs))
-            out[kind] = asyncio.run(run_load(url, args))
-        finally:
+        targets = [Target("colocated", setups[0][0]), Target("pd", setups[1][0])]
+        try:
+            out, records = asyncio.run(measure(targets, args))
+        except BenchInputError as e:
+            print(f"pd-bench pd: {e}", file=sys.stderr)
+            return 2
+        emit(out, records, args)
+    finally:
+        for _, procs in setups:
             for p in procs:
                 p.terminate()
+        for _, procs in setups:
             for p in procs:
                 p.wait(timeout=60)
-    out["itl_p99_ratio_pd_vs_both"] = out["pd"]["itl_p99_ms"] / out["both"]["itl_p99_ms"]
-    out["decode_tok_s_ratio_pd_vs_both"] = out["pd"]["decode_tok_s"] / out["both"]["decode_tok_s"]
-    if out["both"]["long_ttft_p50_ms"] and out["pd"]["long_ttft_p50_ms"]:
-        out["long_ttft_ratio_pd_vs_both"] = (
-            out["pd"]["long_ttft_p50_ms"] / out["both"]["long_ttft_p50_ms"]
-        )
-    if args.json:
-        print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
-    else:
-        for kind in ("both", "pd"):
-            r = out[kind]
-            print(
-                f"{kind:>4}: ITL p50 {r['itl_p50_ms']:7.1f} ms  p99 {r['itl_p99_ms']:7.1f} ms  "
-                f"decode {r['decode_tok_s']:6.1f} tok/s  long-prompt TTFT p50 "
-                f"{r['long_ttft_p50_ms'] or 0:7.1f} ms ({r['long_prompts']} prompts)"
-            )
-        print(
-            f"pd/both: ITL p99 x{out['itl_p99_ratio_pd_vs_both']:.2f}, decode tok/s "
-            f"x{out['decode_tok_s_ratio_pd_vs_both']:.2f}"
-        )
     return 0

@@ -150,10 +150,11 @@ async def measure(
     rates: list[float | None] = [None]
     if args.trace is None and args.concurrency is None:
         rates = list(parse_rates(args.rates))
+    entries = read_trace(args.trace) if args.trace is not None else None
     targets = [await _resolve(t, args.model) for t in targets]
     text = _token_text(args.tokenizer)
-    if args.trace is not None:
-        jobs = trace_jobs(read_trace(args.trace), text, args.trace_time_scale)
+    if entries is not None:
+        jobs = trace_jobs(entries, text, args.trace_time_scale)
     else:
         jobs = build(_workload(args), text)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_itl_p99_ms)
