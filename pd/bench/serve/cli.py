@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser, *, targets: bool = True) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
     o.add_argument("--output-dir", help="also write records.csv and PNG plots there")
+    o.add_argument("--cdf-rate", type=float, help="rate of the CDF plots (default: the middle one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,7 +188,7 @@ def emit(out: dict[str, Any], records: list[RequestRecord], args: argparse.Names
         os.makedirs(args.output_dir, exist_ok=True)
         write_csv(os.path.join(args.output_dir, "records.csv"), records)
         try:
-            out["plots"] = write_plots(args.output_dir, records, out["results"])
+            out["plots"] = write_plots(args.output_dir, records, out["results"], args.cdf_rate)
         except ImportError:
             print("pd-bench serve: no plots (pip install matplotlib)", file=sys.stderr)
     if args.json:

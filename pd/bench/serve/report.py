@@ -28,7 +28,10 @@ def write_csv(path: str, records: list[RequestRecord]) -> None:
 
 
 def write_plots(
-    out_dir: str, records: list[RequestRecord], results: list[dict[str, Any]]
+    out_dir: str,
+    records: list[RequestRecord],
+    results: list[dict[str, Any]],
+    cdf_rate: float | None = None,
 ) -> list[str]:
     """The PNGs; returns their paths. Needs matplotlib (the `bench` extra)."""
     import matplotlib
@@ -39,12 +42,8 @@ def write_plots(
     written = []
     targets = sorted({r.target for r in records})
     rates = sorted({r.rate for r in records if r.rate is not None})
-    # CDFs at one rate: the highest one every target completed requests at (else all records).
-    shown = rates[-1] if rates else None
-    for rate in reversed(rates):
-        if all(any(r.ok and r.rate == rate and r.target == t for r in records) for t in targets):
-            shown = rate
-            break
+    # CDFs at one rate: `cdf_rate`, else the sweep's middle one.
+    shown = cdf_rate if cdf_rate is not None else (rates[len(rates) // 2] if rates else None)
     for name, values in (
         ("ttft", lambda r: [r.ttft_s] if r.ttft_s is not None else []),
         ("itl", lambda r: r.itl_s),
