@@ -195,3 +195,34 @@ async def main():
     await asyncio.Event().wait()
 asyncio.run(main())
 """
+
+
+async def test_a_request_whose_only_token_is_eos_has_a_ttft(aiohttp_server):
+    """A stream whose one token chunk has no text but a finish reason still has a TTFT."""
+    from aiohttp import web
+
+    async def eos_only(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        eos = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        for event in (role, eos, usage):
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", eos_only)
+    server = await aiohttp_server(app)
+    url = f"http://127.0.0.1:{server.port}"
+    args = serve_args("--url", url, "--workload", "shared-prefix", "--prefix-len", "8",
+                      "--num-requests", "2", "--rates", "50", "--slo-ttft-ms", "1000",
+                      "--warmup", "0")  # fmt: skip
+    out, records = await measure(parse_targets(url, [], None), args)
+    assert all(r.ttft_s is not None and r.output_tokens == 1 for r in records)
+    assert out["results"][0]["slo_attainment"] == 1.0

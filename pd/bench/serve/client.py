@@ -1,7 +1,8 @@
 """One streamed request to an OpenAI-compatible endpoint, and what it measured.
 
-TTFT is the time to the first chunk that carries text; each later text chunk adds an
-inter-token gap (a chunk carrying several tokens counts as one gap). Output tokens and cached
+TTFT is the time to the first chunk of a token: one that carries text or a finish reason (a
+request whose only token is EOS has no text; a chat stream's opening role chunk is no token).
+Each later such chunk adds an inter-token gap (a chunk carrying several tokens counts as one). Output tokens and cached
 prompt tokens come from `usage` (asked with `stream_options.include_usage`), else output tokens
 are the text chunks. A request fails with a kind: `http_<status>`, `timeout`, `connection`,
 `no_sse` (a 200 that is not an event stream, or one without events), `stream_error` (an error
@@ -113,8 +114,8 @@ async def _read_stream(
                 record.error = "stream_error"
                 record.detail = str(event["error"].get("message", event["error"]))[:300]
                 return
-            text = _text(event, chat)
-            if text:
+            text, finished = _token(event, chat)
+            if text or finished:
                 now = time.perf_counter() - t0
                 if last is None:
                     record.ttft_s = now
@@ -138,14 +139,17 @@ async def _read_stream(
             record.output_tokens = chunks
 
 
-def _text(event: dict[str, Any], chat: bool) -> str:
+def _token(event: dict[str, Any], chat: bool) -> tuple[str, bool]:
+    """The chunk's text, and whether it carries a finish reason."""
     choices = event.get("choices") or []
     if not choices:
-        return ""
+        return "", False
     choice = choices[0]
     if chat:
-        return (choice.get("delta") or {}).get("content") or ""
-    return choice.get("text") or ""
+        text = (choice.get("delta") or {}).get("content") or ""
+    else:
+        text = choice.get("text") or ""
+    return text, choice.get("finish_reason") is not None
 
 
 def _headers(extra: dict[str, str] | None) -> dict[str, str]:
