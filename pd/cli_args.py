@@ -1,7 +1,8 @@
 """Command-line flags generated from a frozen config dataclass, so each flag is written once.
 
 A field made with `flag(default, help, ...)` becomes `--field-name`; its type (int, float, str),
-choices, `repeat` (a repeatable flag collected into a tuple), `store_true` and `env` (an
+choices, `repeat` (a repeatable flag collected into a tuple), `store_true`, `boolean` (a
+`--name/--no-name` pair) and `env` (an
 environment variable read when the flag is absent) come from the field's metadata.
 """
 
@@ -25,6 +26,12 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
         kw: dict[str, Any] = {"help": help_text, "dest": f.name}
         if meta.get("store_true"):
             parser.add_argument(name, action="store_true", **kw)
+            continue
+        if meta.get("boolean"):  # --name / --no-name
+            kw["help"] += f" (default: {'on' if f.default else 'off'})"
+            parser.add_argument(
+                name, action=argparse.BooleanOptionalAction, default=f.default, **kw
+            )
             continue
         if meta.get("repeat"):
             parser.add_argument(name, action="append", default=[], metavar="URL", **kw)

@@ -45,6 +45,9 @@ class WorkerConfig:
         "share of the device's memory (CPU: total RAM; CUDA: free memory after weights) "
         "given to the KV cache when --kv-pages is 0",
     )
+    prefix_cache: bool = _flag(
+        True, "reuse the KV of cached prompt prefixes (full pages, LRU eviction)", boolean=True
+    )
     chunk_size: int = _flag(
         512, "token budget of one step: prefill chunks and decode tokens together"
     )

@@ -365,9 +365,11 @@ class WorkerLoad:
     waiting: int  # requests queued for admission
     queued_prefill_tokens: int  # prompt tokens not yet prefilled (waiting + partially prefilled)
     kv_pages_total: int
-    kv_pages_free: int
+    kv_pages_free: int  # what an allocation can have: free plus evictable
     inflight_transfers: int = 0  # P: pinned for D; D: pulling or waiting for pages
     kv_pages_held: int = 0  # pages of those transfers (P: pinned; D: reserved for the pull)
+    kv_pages_cached: int = 0  # pages whose KV the prefix cache can match (referenced or not)
+    kv_pages_evictable: int = 0  # cached pages nobody holds (counted in kv_pages_free)
 
     @property
     def kv_usage(self) -> float:
@@ -407,6 +409,7 @@ class KVTransferParams:
     lease_ttl_s: float
     # [logprob, [[token id, logprob], ...]] of the first token when the request asked for them
     first_token_logprobs: list | None = None
+    cached_tokens: int = 0  # prompt tokens P's prefix cache served (D reports them in usage)
     do_remote_prefill: bool = True
     pd_version: int = PD_VERSION
 

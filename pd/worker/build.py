@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pd.config import WorkerConfig
-from pd.kvcache.allocator import PageAllocator
+from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
-from pd.worker.disagg import DecodeSide, PrefillSide, TransferRole
+from pd.worker.disagg import DecodeSide, KVContract, PrefillSide, TransferRole
 from pd.worker.disagg.contract import make_transfer_manager
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
@@ -73,9 +73,10 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         max_model_len=max_model_len,
         seed=cfg.seed,
     )
-    scheduler = Scheduler(
-        PageAllocator(num_pages), cfg.page_size, cfg.chunk_size, cfg.max_running_requests
-    )
+    c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
+    salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"
+    cache = KVCacheManager(num_pages, cfg.page_size, prefix_cache=cfg.prefix_cache, salt=salt)
+    scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests)
     prefill = decode = None
     if cfg.role == "prefill":
         prefill = PrefillSide(make_transfer_manager(cfg), runner, scheduler, cfg.tp)
@@ -91,6 +92,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         metrics=metrics,
     )
     metrics.read_load_from(engine.load)
+    metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
     if cfg.role == "decode":
         decode = DecodeSide(make_transfer_manager(cfg), runner, engine)
     name = cfg.served_model_name or mcfg.name

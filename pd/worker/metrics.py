@@ -3,10 +3,12 @@ in tests)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pd.protocol import WorkerLoad
 
@@ -63,9 +65,23 @@ class WorkerMetrics:
                 "prompt tokens not yet prefilled",
                 lambda w: w.queued_prefill_tokens,
             ),
+            "pd_kv_pages_cached": (
+                "KV pages the prefix cache can match (held or not)",
+                lambda w: w.kv_pages_cached,
+            ),
+            "pd_kv_pages_evictable": (
+                "cached KV pages no request holds (counted as free)",
+                lambda w: w.kv_pages_evictable,
+            ),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(partial(self._read, read))
+        self._cache_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        r.register(_PrefixCacheCollector(lambda: self._cache_stats()))
+
+    def read_cache_stats_from(self, stats: Callable[[], tuple[int, int]]) -> None:
+        """`stats()` gives (prompt tokens looked up, prompt tokens found) in the prefix cache."""
+        self._cache_stats = stats
 
     def read_load_from(self, load: Callable[[], WorkerLoad]) -> None:
         """The gauges read `load()` (the engine's current `WorkerLoad`) at scrape time."""
@@ -76,3 +92,19 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector(Collector):
+    """pd_prefix_cache_queries_total / _hits_total, in prompt tokens, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], tuple[int, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        queries, hits = self._stats()
+        yield CounterMetricFamily(
+            "pd_prefix_cache_queries", "prompt tokens looked up in the prefix cache", queries
+        )
+        yield CounterMetricFamily(
+            "pd_prefix_cache_hits", "prompt tokens found in the prefix cache", hits
+        )

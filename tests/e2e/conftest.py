@@ -1,6 +1,6 @@
 """In-process worker servers on the real default model (fp32, CPU), one model load per session.
 
-After every test the worker must be idle with every KV page free and its allocator intact.
+After every test the worker must be idle with every KV page free and its page accounting intact.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ async def wait_idle(worker: Worker, timeout: float = 30.0) -> None:
 
 def assert_all_pages_free(worker: Worker) -> None:
     worker.check_integrity()
-    alloc = worker.engine.scheduler.allocator
+    alloc = worker.engine.scheduler.cache
     assert alloc.num_free == alloc.num_total, f"{alloc.num_used} pages still in use"
 
 

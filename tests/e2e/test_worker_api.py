@@ -207,7 +207,7 @@ async def test_client_disconnect_mid_stream_frees_pages(client, worker):
             got += 1
         if got >= 3:
             break
-    assert worker.engine.scheduler.allocator.num_used > 0
+    assert worker.engine.scheduler.cache.num_used > 0
     resp.close()  # the client goes away mid-stream
     await wait_idle(worker, timeout=10)
     assert_all_pages_free(worker)
@@ -224,7 +224,7 @@ async def test_client_disconnect_while_waiting_for_a_plain_answer(client, worker
             },
         )
     )
-    while worker.engine.scheduler.allocator.num_used == 0:
+    while worker.engine.scheduler.cache.num_used == 0:
         await asyncio.sleep(0.01)
     task.cancel()  # closes the connection before any answer
     with pytest.raises(asyncio.CancelledError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ class ResponseBuilder:
     logprobs: list = field(default_factory=list)
     wants_logprobs: bool = False
     finish_reason: str | None = None
+    # Prompt tokens the prefix cache served (read when the usage is rendered: known at admission).
+    cached_tokens: Callable[[], int] = lambda: 0
 
     @property
     def response_id(self) -> str:
@@ -45,11 +48,12 @@ class ResponseBuilder:
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
         }
 
     # ----------------------------------------------------------------------------- logprobs

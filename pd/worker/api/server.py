@@ -55,6 +55,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.cleanup_ctx.append(_engine_ctx)
     if worker.transfer is not None:
         app.cleanup_ctx.append(_transfer_ctx)
@@ -106,6 +107,13 @@ async def health(request: web.Request) -> web.Response:
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages
     }
     return json_response(body, 503 if worker.draining else 200)
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """Drop every cached page no request holds (as vLLM's endpoint does)."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    return json_response({"dropped_pages": worker.engine.reset_prefix_cache()})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -168,6 +176,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         prompt_tokens=len(ids),
         token_text=lambda t: worker.tokenizer.decode([t], False),
         wants_logprobs=req.options.wants_logprobs,
+        cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
     )
     try:
         if req.stream:

@@ -62,7 +62,8 @@ class DecodeSide(TransferRole):
 
     async def admit(self, kvp: KVTransferParams, options: GenerationOptions) -> RequestHandle:
         """Queue the request, dial P, then emit P's first token; the pull goes on in a task."""
-        handle = self.engine.add_pulled(kvp.prompt_token_ids, options)  # raises if it cannot fit
+        # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
+        handle = self.engine.add_pulled(kvp.prompt_token_ids, options, kvp.cached_tokens)
         try:
             rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
         except BaseException:

@@ -47,6 +47,7 @@ class PrefillSide(TransferRole):
                     [first_logprobs[1], first_logprobs[2]] if first_logprobs else None
                 ),
                 num_tokens=len(seq.prompt_ids),
+                cached_tokens=seq.num_cached_tokens or 0,
                 page_size=c.page_size,
                 tp_size=self.tp_size,
                 kv_layout=c.kv_layout,

@@ -65,7 +65,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.metrics = metrics
-        self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.allocator.num_total)
+        self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.cache.num_total)
         self.handles: dict[str, RequestHandle] = {}
         self.postprocess = OutputProcessor(
             scheduler,
@@ -100,10 +100,15 @@ class Engine:
         self._wake()
         return handle
 
-    def add_pulled(self, prompt_ids: list[int], options: GenerationOptions) -> RequestHandle:
-        """Decode role: a request whose KV will be pulled from a prefill worker. It emits P's
-        first token through `accept_first_token` and joins the batch through `admit_pulled`."""
-        return self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING)
+    def add_pulled(
+        self, prompt_ids: list[int], options: GenerationOptions, cached_tokens: int = 0
+    ) -> RequestHandle:
+        """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
+        cache served `cached_tokens` of its prompt). It emits P's first token through
+        `accept_first_token` and joins the batch through `admit_pulled`."""
+        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING)
+        handle.seq.num_cached_tokens = cached_tokens
+        return handle
 
     def accept_first_token(
         self, handle: RequestHandle, token: int, raw_logprobs: list | None
@@ -169,17 +174,23 @@ class Engine:
             self._wakeup.set()
 
     def load(self) -> WorkerLoad:
-        alloc = self.scheduler.allocator
+        cache = self.scheduler.cache
         return WorkerLoad(
             role=self.role,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
-            kv_pages_total=alloc.num_total,
-            kv_pages_free=alloc.num_free,
-            inflight_transfers=len(self.scheduler.held),
-            kv_pages_held=sum(map(len, self.scheduler.held.values())),
+            kv_pages_total=cache.num_total,
+            kv_pages_free=cache.num_free,  # free + evictable: what an allocation can have
+            inflight_transfers=len(cache.held),
+            kv_pages_held=sum(map(len, cache.held.values())),
+            kv_pages_cached=cache.num_cached,
+            kv_pages_evictable=cache.num_evictable,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached page; returns how many."""
+        return self.scheduler.cache.reset_prefix_cache()
 
     def integrity(self) -> str:
         """ "ok", or what is wrong with the page accounting (served in /health)."""

@@ -46,6 +46,10 @@ class Sequence:
     last_token_time: float | None = None
     num_preemptions: int = 0
     remote_decode: bool = False  # prefill side: hand the KV to a decode worker when prefilled
+    page_hashes: list[bytes] = field(default_factory=list)  # of its first pages, once cached
+    # Prompt tokens found in the prefix cache at its first admission (None: not admitted yet);
+    # on D, those P reported. Answered as usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

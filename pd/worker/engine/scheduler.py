@@ -10,18 +10,22 @@ Each step gets a token budget (`chunk_size`) shared by decode and prefill tokens
 2. Waiting requests are admitted in arrival order while budget, `max_running` and free pages allow.
    Admission never preempts: it stops at the first request that does not fit.
 
-The scheduler owns pages: it allocates them as tokens are scheduled and frees them exactly once,
-when a request finishes, is aborted or is preempted. In a disaggregated pair pages are also held
-outside the batch, by key (`held`): on prefill, pinned for the decode side to pull until it is
-done, aborts, or the lease runs out; on decode, reserved while the pull is in flight. The PD
-roles use them through `HeldPages` (pd/worker/engine/hooks.py).
+Pages come from the `KVCacheManager` (pd/kvcache/cache_manager.py), which owns every page's
+state; the scheduler decides when a request takes or drops its references: as tokens are
+scheduled, and exactly once when it finishes, is aborted or is preempted. With the prefix cache,
+a request admitted from the queue first takes references on the cached pages of its longest
+cached prefix (whole pages, never its last token: the forward pass needs that token's logits) and
+computes only the rest; after each step its newly full pages become matchable. In a
+disaggregated pair pages are also held by key in the manager: on prefill, pinned for the decode
+side to pull until it is done, aborts, or the lease runs out; on decode, reserved while the pull
+is in flight. The PD roles use them through `HeldPages` (pd/worker/engine/hooks.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from pd.kvcache.allocator import PageAllocator
+from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.request import SeqStatus, Sequence
 
@@ -29,18 +33,16 @@ from pd.worker.engine.request import SeqStatus, Sequence
 class Scheduler:
     def __init__(
         self,
-        allocator: PageAllocator,
-        page_size: int,
+        cache: KVCacheManager,
         chunk_size: int,
         max_running: int,
     ) -> None:
-        self.allocator = allocator
-        self.page_size = page_size
+        self.cache = cache
+        self.page_size = cache.page_size
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
-        self.held: dict[str, list[int]] = {}  # pages held outside the batch, by transfer key
 
     # ------------------------------------------------------------------------------ queues
 
@@ -88,9 +90,11 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            self._reuse_prefix(seq)
             n = min(seq.num_remaining, budget)
-            pages = self.allocator.allocate(self._pages_needed(seq, n))
+            pages = self.cache.allocate(self._pages_needed(seq, n))
             if pages is None:
+                self._release(seq)  # the prefix hit is looked up again next time
                 break
             self.waiting.popleft()
             seq.page_ids.extend(pages)
@@ -99,6 +103,29 @@ class Scheduler:
             self._add(batch, seq, n)
             budget -= n
         return batch
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Take references on the cached pages of `seq`'s longest cached prefix."""
+        limit = seq.num_tokens - 1  # the last token is computed: its logits sample the next
+        pages, hashes = self.cache.match(seq.token_slice(0, limit), limit)
+        self.cache.acquire(pages)
+        seq.page_ids = pages
+        seq.page_hashes = hashes
+        seq.num_computed = len(pages) * self.page_size
+        if seq.num_cached_tokens is None:  # counted once, at the first admission
+            seq.num_cached_tokens = seq.num_computed
+            self.cache.count_query(len(seq.prompt_ids), seq.num_computed)
+
+    def _cache_full_pages(self, seq: Sequence) -> None:
+        """Make `seq`'s full, computed pages matchable (deduplicated against cached ones)."""
+        full = seq.num_computed // self.page_size
+        if full <= len(seq.page_hashes):
+            return
+        tokens = seq.token_slice(0, full * self.page_size)
+        new, swaps = self.cache.insert(seq.page_ids, seq.page_hashes, tokens)
+        seq.page_hashes = seq.page_hashes + new
+        for i, page in swaps.items():
+            seq.page_ids[i] = page
 
     def _add(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
@@ -113,13 +140,13 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Give `seq` the pages for `n` more tokens, preempting the newest requests if needed."""
         need = self._pages_needed(seq, n)
-        while not self.allocator.can_allocate(need):
+        while not self.cache.can_allocate(need):
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
         if need:
-            pages = self.allocator.allocate(need)
+            pages = self.cache.allocate(need)
             assert pages is not None  # can_allocate said so
             seq.page_ids.extend(pages)
         return True
@@ -138,52 +165,59 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if seq.page_ids:
-            self.allocator.free(seq.page_ids)
+            # Tail first: the LRU then evicts a chain from its end, keeping its prefix matchable.
+            self.cache.free(reversed(seq.page_ids))
         seq.page_ids = []
+        seq.page_hashes = []
         seq.num_computed = 0
 
     # ------------------------------------------------------------------------------ held pages
 
     def pin(self, seq: Sequence, key: str) -> list[int]:
-        """Prefill: finish a prefilled request but keep its pages, held under `key`."""
-        assert seq.status is SeqStatus.RUNNING and key not in self.held
+        """Prefill: finish a prefilled request but keep its pages (cached ones too), each
+        referenced under `key` until the decode side is done."""
+        assert seq.status is SeqStatus.RUNNING and key not in self.cache.held
         self.running.remove(seq)
-        pages, seq.page_ids = seq.page_ids, []
-        self.held[key] = pages
+        pages, seq.page_ids, seq.page_hashes = seq.page_ids, [], []
+        self.cache.hold(key, pages)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = "remote_decode"
         return pages
 
     def reserve(self, key: str, num_pages: int) -> list[int] | None:
         """Decode: pages for a request's pulled KV, if no preempted request waits, they fit beside
-        the running batch's growth (one free page per running request stays in reserve) and the
-        batch is under `max_running`."""
-        assert key not in self.held
+        the running batch's growth (one free or evictable page per running request stays in
+        reserve) and the batch is under `max_running`."""
+        assert key not in self.cache.held
         if self.waiting:  # preempted requests get their pages back first
             return None
-        if len(self.running) + len(self.held) >= self.max_running:
+        if len(self.running) + len(self.cache.held) >= self.max_running:
             return None
-        if self.allocator.num_free - num_pages < len(self.running):
+        if self.cache.num_free - num_pages < len(self.running):
             return None
-        pages = self.allocator.allocate(num_pages)
+        pages = self.cache.allocate(num_pages)
         if pages is not None:
-            self.held[key] = pages
+            self.cache.hold(key, pages)
         return pages
 
     def release(self, key: str) -> None:
-        """Free pages held under `key` (idempotent: done, abort and lease expiry may race)."""
-        pages = self.held.pop(key, None)
-        if pages:
-            self.allocator.free(pages)
+        """Drop the pages held under `key` (idempotent: done, abort and lease expiry may race)."""
+        self.cache.release(key)
 
     def admit_pulled(self, seq: Sequence, key: str) -> None:
         """Decode: the pull is done; the request runs on its held pages, whose KV covers the
-        prompt, from there."""
+        prompt, from there (and its full prompt pages become matchable on this worker)."""
         assert seq.status is SeqStatus.TRANSFERRING
-        seq.page_ids = self.held.pop(key)
+        seq.page_ids = self.cache.take(key)
         seq.num_computed = len(seq.prompt_ids)
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
+        self._cache_full_pages(seq)
+
+    @property
+    def held(self) -> dict[str, list[int]]:
+        """Pages held by key (pinned on P, reserved on D)."""
+        return self.cache.held
 
     # ------------------------------------------------------------------------------ results
 
@@ -192,13 +226,10 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed += n
+                self._cache_full_pages(seq)
 
     def check_integrity(self) -> None:
-        self.allocator.check_integrity()
-        held = [p for s in self.running for p in s.page_ids]
-        held += [p for pages in self.held.values() for p in pages]
-        assert len(held) == len(set(held)), "a page is held twice"
-        assert len(held) == self.allocator.num_used, (
-            f"requests hold {len(held)} pages but {self.allocator.num_used} are in use"
-        )
+        """Every page in one state, each reference accounted for by a running request or a key,
+        and no waiting request holding pages."""
+        self.cache.check_integrity(s.page_ids for s in self.running)
         assert all(not s.page_ids for s in self.waiting), "a waiting request holds pages"

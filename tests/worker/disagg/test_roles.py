@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pd.kvcache.allocator import PageAllocator
+from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import APIError, GenerationOptions
 from pd.transfer import TransferParams
 from pd.worker.disagg import KV_POOL, DecodeSide, PrefillSide
@@ -57,7 +57,7 @@ class Manager:
 
 
 def make(hooks_for, num_pages: int = 16):
-    scheduler = Scheduler(PageAllocator(num_pages), PAGE, chunk_size=64, max_running=8)
+    scheduler = Scheduler(KVCacheManager(num_pages, PAGE), chunk_size=64, max_running=8)
     hooks = hooks_for(scheduler)
     engine = Engine(
         Runner(), scheduler, SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x"),
@@ -81,7 +81,7 @@ async def test_prefill_pins_pages_until_the_sender_releases_them():
         assert engine.load().kv_pages_held == 3 and engine.integrity() == "ok"
         sender = manager.senders[0]
         sender.on_release(sender, "done")  # D pulled and said done
-        assert engine.scheduler.allocator.num_used == 0 and prefill.released == {"done": 1}
+        assert engine.scheduler.cache.num_used == 0 and prefill.released == {"done": 1}
         assert engine.integrity() == "ok"
     finally:
         await engine.stop()
@@ -94,7 +94,7 @@ async def test_prefill_hand_off_failure_is_a_503_and_frees_the_pages():
         handle = engine.add_request(list(range(1, 10)), GenerationOptions(max_tokens=1), True)
         delta = await asyncio.wait_for(handle.queue.get(), 5)
         assert delta.error is not None and delta.error.status == 503
-        assert engine.scheduler.allocator.num_used == 0 and engine.integrity() == "ok"
+        assert engine.scheduler.cache.num_used == 0 and engine.integrity() == "ok"
     finally:
         await engine.stop()
 

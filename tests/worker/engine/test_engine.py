@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from pd.kvcache.allocator import PageAllocator
+from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import GenerationOptions
 from pd.worker.engine.engine import Engine
 from pd.worker.engine.scheduler import Scheduler
@@ -41,7 +41,7 @@ class Tok:
 
 def make_engine(num_pages: int = 16, hooks=None) -> tuple[Engine, SlowRunner]:
     runner = SlowRunner()
-    scheduler = Scheduler(PageAllocator(num_pages), PAGE, chunk_size=64, max_running=8)
+    scheduler = Scheduler(KVCacheManager(num_pages, PAGE), chunk_size=64, max_running=8)
     engine = Engine(
         runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8, hooks=hooks
     )
@@ -60,7 +60,7 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
         handle = engine.add_request(list(range(10)), GenerationOptions(max_tokens=8))
         await wait_in_step(runner)
         engine.abort(handle)  # the client left while the forward pass writes into its pages
-        alloc = engine.scheduler.allocator
+        alloc = engine.scheduler.cache
         assert alloc.num_used == 3, "pages in use by the running step were freed"
         assert alloc.allocate(16 - 3) is not None and alloc.allocate(1) is None
         alloc.free(range(3, 16))
@@ -91,7 +91,7 @@ async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
         delta = await asyncio.wait_for(handle.queue.get(), 5)
         assert delta.finish_reason == "error" and delta.error.status == 503
         assert "no transfer manager" in delta.error.message
-        assert engine.scheduler.allocator.num_used == 0
+        assert engine.scheduler.cache.num_used == 0
         engine.scheduler.check_integrity()
     finally:
         runner.go.set()
@@ -110,14 +110,16 @@ async def test_stopping_fails_queued_requests_and_frees_everything():
     while not handle.queue.empty():
         deltas.append(handle.queue.get_nowait())
     assert deltas and deltas[-1].finish_reason in ("error", "length")
-    assert engine.scheduler.allocator.num_used == 0
+    assert engine.scheduler.cache.num_used == 0
     engine.scheduler.check_integrity()
 
 
 def test_integrity_reports_pages_nobody_holds():
     engine, _ = make_engine()
     assert engine.integrity() == "ok"
-    leaked = engine.scheduler.allocator.allocate(2)  # in use, but held by no request
-    assert engine.integrity().startswith("error: requests hold 0 pages but 2 are in use")
-    engine.scheduler.allocator.free(leaked)
+    leaked = engine.scheduler.cache.allocate(2)  # in use, but held by no request
+    assert engine.integrity().startswith(
+        "error: requests hold 0 references on 0 pages but 2 on 2 pages"
+    )
+    engine.scheduler.cache.free(leaked)
     assert engine.integrity() == "ok"

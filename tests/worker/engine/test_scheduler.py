@@ -1,6 +1,6 @@
 """The scheduler over integers: budgets, chunking, admission, preemption, page accounting."""
 
-from pd.kvcache.allocator import PageAllocator
+from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import GenerationOptions
 from pd.worker.engine.request import SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
@@ -9,7 +9,7 @@ PAGE = 4
 
 
 def make(num_pages=64, chunk=8, max_running=8) -> Scheduler:
-    return Scheduler(PageAllocator(num_pages), PAGE, chunk, max_running)
+    return Scheduler(KVCacheManager(num_pages, PAGE, prefix_cache=False), chunk, max_running)
 
 
 def seq(name: str, prompt_len: int, max_tokens: int = 16) -> Sequence:
@@ -85,7 +85,7 @@ def test_preemption_by_recompute_frees_pages_and_requeues_first():
     s.add(a)
     s.add(b)
     run_step(s)  # both prefilled, a first token sampled for each
-    assert s.allocator.num_free == 0
+    assert s.cache.num_free == 0
     batch = run_step(s)  # both need a third page for token 9: b (newest) is preempted
     assert batch.preempted == [b] and batch.seqs == [a]
     assert b.status is SeqStatus.WAITING and b.page_ids == [] and b.num_computed == 0
@@ -96,7 +96,7 @@ def test_preemption_by_recompute_frees_pages_and_requeues_first():
     assert batch.seqs == [b] and batch.num_cached == [0] and batch.num_new == [9]
     assert batch.sample == [True]
     s.finish(b, "stop")
-    assert s.allocator.num_free == 4
+    assert s.cache.num_free == 4
     s.check_integrity()
 
 
@@ -107,7 +107,7 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     run_step(s)
     batch = run_step(s)  # a needs a third page, and a is the only (newest) request
     assert batch.preempted == [a] and batch.seqs == []
-    assert s.allocator.num_free == 2
+    assert s.cache.num_free == 2
 
 
 def test_finish_and_abort_free_pages_exactly_once():
@@ -119,7 +119,7 @@ def test_finish_and_abort_free_pages_exactly_once():
     s.finish(a, "abort")
     s.finish(a, "abort")  # idempotent
     s.finish(b, "stop")
-    assert s.allocator.num_free == s.allocator.num_total
+    assert s.cache.num_free == s.cache.num_total
     assert a.finish_reason == "abort" and b.finish_reason == "stop"
     s.check_integrity()
 
@@ -150,11 +150,11 @@ def test_prefill_pins_pages_until_released():
     run_step(s)
     pages = s.pin(a, "t1")
     assert a.is_finished and a.finish_reason == "remote_decode" and not s.running
-    assert len(pages) == 3 and s.allocator.num_used == 3
+    assert len(pages) == 3 and s.cache.num_used == 3
     s.check_integrity()
     s.release("t1")
     s.release("t1")  # done, abort and lease expiry may race: freed once
-    assert s.allocator.num_used == 0
+    assert s.cache.num_used == 0
     s.check_integrity()
 
 
@@ -171,7 +171,7 @@ def test_decode_reserves_pages_then_runs_the_pulled_request():
     batch = run_step(s)
     assert batch.seqs == [b] and batch.num_cached == [10] and batch.num_new == [1]
     s.finish(b, "stop")
-    assert s.allocator.num_used == 0
+    assert s.cache.num_used == 0
 
 
 def test_decode_reservation_leaves_room_for_running_growth_and_max_running():
