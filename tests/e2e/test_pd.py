@@ -77,6 +77,35 @@ def chat(content: str, **kw) -> dict:
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Who wrote Hamlet?"]
 
 
+def counts(usage: dict) -> dict:
+    """Token counts of a usage (cached_tokens depends on what each worker saw before)."""
+    return {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+
+
+SHARED = "A long shared preamble about rivers, mountains and the cities beside them. " * 6
+
+
+async def half_cached_matches_colocated(http, url: str, client) -> None:
+    """A prompt whose first half P has cached: same text as one worker, and usage says so."""
+    first = {
+        "prompt": SHARED + "Which river flows through Rome?",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    second = {
+        "prompt": SHARED + "Which river flows through Cairo?",
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    await ask(http, url, "/v1/completions", first)
+    pd_answer = await ask(http, url, "/v1/completions", second)
+    both = await (await client.post("/v1/completions", json=second)).json()
+    assert pd_answer["choices"][0]["text"] == both["choices"][0]["text"]
+    usage = pd_answer["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert 64 <= cached < usage["prompt_tokens"], usage  # P's hits, reported by D
+
+
 async def test_greedy_answers_match_the_colocated_worker(router, client):
     url, http = router
     for prompt in PROMPTS:
@@ -84,7 +113,7 @@ async def test_greedy_answers_match_the_colocated_worker(router, client):
         pd_answer = await ask(http, url, "/v1/chat/completions", body)
         both = await (await client.post("/v1/chat/completions", json=body)).json()
         assert pd_answer["choices"][0]["message"] == both["choices"][0]["message"]
-        assert pd_answer["usage"] == both["usage"]
+        assert counts(pd_answer["usage"]) == counts(both["usage"])
     assert (
         "Paris"
         in (
@@ -115,10 +144,10 @@ async def test_streaming_through_the_pair(router, client):
     assert events[-1] == b"[DONE]"
     chunks = [orjson.loads(e) for e in events[:-1]]
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    usage = chunks[-1]["usage"]
+    usage = counts(chunks[-1]["usage"])
     both = await (await client.post("/v1/completions", json=body)).json()
     assert text == both["choices"][0]["text"]
-    assert usage == both["usage"]
+    assert usage == counts(both["usage"])
 
 
 async def test_concurrent_requests_through_the_pair(router, client):
@@ -235,10 +264,19 @@ async def test_heterogeneous_tp_prefill_tp1_to_decode_tp3(pair, client, aiohttp_
             pd_answer = await ask(http, url, "/v1/chat/completions", body)
             both = await (await client.post("/v1/chat/completions", json=body)).json()
             assert pd_answer["choices"][0]["message"] == both["choices"][0]["message"]
+            await half_cached_matches_colocated(http, url, client)
             for worker_url in (p_url, d3_url):
                 await wait_pages_free(http, worker_url)
     finally:
         stop(d3)
+
+
+async def test_a_prompt_half_cached_on_prefill(router, client, pair):
+    url, http = router
+    await half_cached_matches_colocated(http, url, client)
+    # D keeps the finished requests' KV (prompt and answer) for a follow-up turn.
+    d_health = await (await http.get(f"{pair[1]}/health")).json()
+    assert d_health["kv_pages_cached"] >= 6 and d_health["integrity"] == "ok"
 
 
 async def test_logprobs_through_the_pair_match_one_worker(router, client):
