@@ -177,7 +177,7 @@ async def test_http_usage_health_metrics_and_reset(client, worker):
     assert hits and float(hits[0].split()[1]) >= 64
     assert "pd_kv_pages_evictable " in metrics and "pd_prefix_cache_queries_total " in metrics
     reset = await (await client.post("/reset_prefix_cache")).json()
-    assert reset["dropped_pages"] >= 4
+    assert reset["dropped_pages"] >= 4 and reset["kept_referenced_pages"] == 0
     assert (await (await client.get("/health")).json())["kv_pages_cached"] == 0
     again = await (await client.post("/v1/completions", json=body)).json()
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}

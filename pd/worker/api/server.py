@@ -110,10 +110,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    """Drop every cached page no request holds (as vLLM's endpoint does)."""
+    """Drop every cached page no request holds; pages requests still hold stay matchable and
+    are counted in the answer."""
     worker = request.app[WORKER]
     _check_auth(worker, request)
-    return json_response({"dropped_pages": worker.engine.reset_prefix_cache()})
+    dropped, kept = worker.engine.reset_prefix_cache()
+    return json_response({"dropped_pages": dropped, "kept_referenced_pages": kept})
 
 
 async def metrics(request: web.Request) -> web.Response:

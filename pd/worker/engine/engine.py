@@ -183,14 +183,16 @@ class Engine:
             kv_pages_total=cache.num_total,
             kv_pages_free=cache.num_free,  # free + evictable: what an allocation can have
             inflight_transfers=len(cache.held),
-            kv_pages_held=sum(map(len, cache.held.values())),
+            kv_pages_held=len(set().union(*cache.held.values())),  # shared pages once
             kv_pages_cached=cache.num_cached,
             kv_pages_evictable=cache.num_evictable,
         )
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached page; returns how many."""
-        return self.scheduler.cache.reset_prefix_cache()
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        """Drop every unreferenced cached page. Returns how many, and how many cached pages
+        stay matchable because requests still hold them (they are dropped by a later reset)."""
+        cache = self.scheduler.cache
+        return cache.reset_prefix_cache(), cache.num_cached
 
     def integrity(self) -> str:
         """ "ok", or what is wrong with the page accounting (served in /health)."""

@@ -96,6 +96,9 @@ class Scheduler:
             if pages is None:
                 self._release(seq)  # the prefix hit is looked up again next time
                 break
+            if seq.num_cached_tokens is None:  # counted once, at the first admission
+                seq.num_cached_tokens = seq.num_computed
+                self.cache.count_query(len(seq.prompt_ids), seq.num_computed)
             self.waiting.popleft()
             seq.page_ids.extend(pages)
             seq.status = SeqStatus.RUNNING
@@ -112,9 +115,6 @@ class Scheduler:
         seq.page_ids = pages
         seq.page_hashes = hashes
         seq.num_computed = len(pages) * self.page_size
-        if seq.num_cached_tokens is None:  # counted once, at the first admission
-            seq.num_cached_tokens = seq.num_computed
-            self.cache.count_query(len(seq.prompt_ids), seq.num_computed)
 
     def _cache_full_pages(self, seq: Sequence) -> None:
         """Make `seq`'s full, computed pages matchable (deduplicated against cached ones)."""

@@ -148,6 +148,10 @@ class ModelRunner:
         logits = self.model.forward(ids, meta, rows)  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         if not sampled:
+            # NOTE: the engine takes our return as "the KV writes are done" and may free or hand
+            # these pages to a pull; with no sample to wait for, wait for the device here.
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             return SampleOutput(token_ids=[])
         return self.sampler.sample(
             logits,

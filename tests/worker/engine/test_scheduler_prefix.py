@@ -104,3 +104,19 @@ def test_reservations_count_evictable_pages_as_free():
     assert s.reserve("d-2", 8) is not None  # evicts what it needs
     s.release("d-2")
     s.check_integrity()
+
+
+def test_a_failed_admission_records_no_hit():
+    """cached_tokens is what the request got when it was really admitted."""
+    s = make(num_pages=3, chunk=64)
+    a = seq("a", list(range(8)))
+    s.add(a)
+    drain(s, a)  # its 2 full pages are cached, then evictable
+    r = seq("r", list(range(100, 108)), max_tokens=1)
+    s.add(r)
+    step(s)  # r holds 2 pages (one of a's was evicted for it); a's first page is cached
+    b = seq("b", list(range(8)) + [50, 51, 52, 53, 54])  # needs 4 pages: cannot be admitted
+    s.add(b)
+    step(s)
+    assert b.status is SeqStatus.WAITING and b.num_cached_tokens is None
+    assert s.cache.hit_tokens == 0
