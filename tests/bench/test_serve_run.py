@@ -226,3 +226,25 @@ async def test_a_request_whose_only_token_is_eos_has_a_ttft(aiohttp_server):
     out, records = await measure(parse_targets(url, [], None), args)
     assert all(r.ttft_s is not None and r.output_tokens == 1 for r in records)
     assert out["results"][0]["slo_attainment"] == 1.0
+
+
+async def test_uniform_arrivals_and_max_duration_bound_the_run(aiohttp_server):
+    stub, url = await start(aiohttp_server)
+    args = serve_args("--url", url, "--rates", "10", "--arrival", "uniform", "--num-requests",
+                      "20", "--max-duration", "0.25", "--input-len", "8", "--output-len", "2",
+                      "--warmup", "0")  # fmt: skip
+    out, records = await measure(parse_targets(url, [], None), args)
+    assert sorted(r.planned_s for r in records) == pytest.approx([0.0, 0.1, 0.2])
+    assert out["results"][0]["requests"] == 3 and len(stub.bodies) == 3
+    assert all(r.lag_s < 0.05 for r in records)
+
+
+async def test_closed_loop_keeps_n_requests_in_flight(aiohttp_server):
+    stub, url = await start(aiohttp_server, chunk_delay=0.02)
+    args = serve_args("--url", url, "--concurrency", "3", "--num-requests", "9", "--input-len",
+                      "8", "--output-len", "4", "--warmup", "0")  # fmt: skip
+    out, records = await measure(parse_targets(url, [], None), args)
+    assert out["results"][0]["completed"] == 9 and out["results"][0]["rate"] is None
+    sends = sorted(r.sent_s for r in records)
+    assert sends[2] - sends[0] < 0.05  # the first three go at once
+    assert sends[3] - sends[0] > 0.05  # the fourth waits for one of them to finish
