@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Two set-ups at once (two serve.sh stacks) would race in pip: take turns.
+if command -v flock >/dev/null 2>&1; then
+  exec 9>"${TMPDIR:-/tmp}/pd-setup.lock"
+  flock 9
+fi
 pip() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 # torch first: a bare `torch` requirement pulls a multi-GB CUDA build. Without a CUDA driver,
