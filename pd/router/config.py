@@ -68,6 +68,9 @@ class RouterConfig:
     sticky_load_factor: float = _flag(
         1.25, "sticky-to-room: no worker takes more than this times the mean in-flight, plus one"
     )
+    sticky_room_ttl_s: float = _flag(
+        3600.0, "sticky-to-room: how long a room keeps its worker after its last request"
+    )
     access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
     log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
 
@@ -98,6 +101,7 @@ class RouterConfig:
         check(self.max_retries >= 0, "--max-retries must be >= 0")
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         check(self.sticky_load_factor >= 1.0, "--sticky-load-factor must be >= 1.0")
+        check(self.sticky_room_ttl_s > 0, "--sticky-room-ttl-s must be > 0")
         for name in ("api_key", "admin_token", "worker_api_key"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
 

@@ -61,7 +61,10 @@ class Pool:
 class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
         self.pools = {
-            name: Pool(name, make_policy(cfg.policy_of(name), cfg.sticky_load_factor))
+            name: Pool(
+                name,
+                make_policy(cfg.policy_of(name), cfg.sticky_load_factor, cfg.sticky_room_ttl_s),
+            )
             for name in POOLS
         }
         self.prefill = self.pools["prefill"]

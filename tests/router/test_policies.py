@@ -107,7 +107,9 @@ def test_sticky_removal_moves_only_its_rooms():
     assert len(moved) == sum(1 for k in keys if before[k] is gone)
 
 
-def test_sticky_skips_ejected_and_returns_after_readmission():
+def test_sticky_room_moves_once_when_its_worker_dies_and_stays():
+    """A room whose worker is ejected moves to the next one and stays there, also once the old
+    one is back (its caches now hold the room's KV)."""
     ws = workers(3)
     st = StickyToRoom()
     st.rebuild(ws)
@@ -117,7 +119,42 @@ def test_sticky_skips_ejected_and_returns_after_readmission():
     other = st.choose(healthy, "r")
     assert other is not home and other.healthy
     home.healthy = True
+    assert all(st.choose(ws, "r") is other for _ in range(5))
+    assert st.home_of("r") is other
+
+
+def test_sticky_over_the_bound_goes_elsewhere_but_keeps_its_home():
+    ws = workers(3)
+    st = StickyToRoom(load_factor=1.0)
+    st.rebuild(ws)
+    home = st.choose(ws, "r")
+    home.inflight = 5  # bound: (5 + 1) / 3 + 1 = 3
+    elsewhere = st.choose(ws, "r")
+    assert elsewhere is not home and st.home_of("r") is home
+    home.inflight = 0
     assert st.choose(ws, "r") is home
+
+
+def test_sticky_table_expires_is_bounded_and_forgets_removed_workers():
+    now = [0.0]
+    ws = workers(3)
+    st = StickyToRoom(room_ttl_s=10.0, max_rooms=50, clock=lambda: now[0])
+    st.rebuild(ws)
+    home = st.choose(ws, "r")
+    home.healthy = False
+    moved = st.choose([w for w in ws if w.healthy], "r")
+    home.healthy = True
+    now[0] = 5.0
+    assert st.choose(ws, "r") is moved  # used at 5 s: kept until 15 s
+    now[0] = 16.0
+    assert st.home_of("r") is None and st.choose(ws, "r") is home  # expired: the ring's home
+    for k in rooms(200):
+        st.choose(ws, k)
+    assert st.num_rooms == 50 and st.home_of("room-199") is not None
+    assert st.home_of("room-0") is None  # the least recently used rooms went first
+    keep = [w for w in ws if w is not home]
+    st.rebuild(keep)
+    assert all(st.home_of(k) is not home for k in rooms(200))
 
 
 def test_sticky_without_key_falls_back_to_load_aware():
