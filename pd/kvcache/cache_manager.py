@@ -151,18 +151,20 @@ class KVCacheManager:
         self, pages: Sequence[int], hashes: Sequence[PageHash], tokens: Sequence[int]
     ) -> tuple[list[PageHash], dict[int, int]]:
         """Make a holder's full, computed pages matchable. `pages` are the holder's pages in
-        order, `hashes` the hashes it already has (its first pages), `tokens` its tokens of
-        every full computed page. Returns the new hashes and the swaps to make: index -> cached
-        page, where another page already holds that content (the holder's page is released and
-        the cached one acquired here)."""
+        order, `hashes` the hashes it already has (of its first pages), `tokens` the tokens of
+        the full computed pages after those (only the new ones: nothing is hashed twice).
+        Returns the new hashes and the swaps to make: index -> cached page, where another page
+        already holds that content (the holder's page is released and the cached one acquired
+        here)."""
         new: list[PageHash] = []
         swaps: dict[int, int] = {}
         if not self.prefix_cache:
             return new, swaps
-        ps = self.page_size
+        ps, first = self.page_size, len(hashes)
         parent = hashes[-1] if hashes else self.root
-        for i in range(len(hashes), len(tokens) // ps):
-            h = chain_hash(parent, tokens[i * ps : (i + 1) * ps])
+        for k in range(len(tokens) // ps):
+            i = first + k
+            h = chain_hash(parent, tokens[k * ps : (k + 1) * ps])
             page = pages[i]
             cached = self._page_of.get(h)
             if cached is None:

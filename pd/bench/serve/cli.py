@@ -219,7 +219,7 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
 
 async def _resolve(target: Target, model: str | None) -> Target:
     """Check that the target answers, and take its first model id unless one was given."""
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    headers = target.auth_headers()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             async with http.get(f"{target.url}/v1/models", headers=headers) as resp:

@@ -31,6 +31,9 @@ class Target:
     model: str | None = None  # None: the body carries no model (the server's default)
     api_key: str | None = None  # sent as 'Authorization: Bearer KEY'
 
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -118,7 +121,7 @@ async def _run_job(
             body["model"] = target.model
         if job.ignore_eos:
             body["ignore_eos"] = True
-        headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+        headers = target.auth_headers()
         if job.room is not None:
             body["user"] = job.room
             headers["X-Room-Id"] = job.room

@@ -97,13 +97,13 @@ def _check_auth(worker: Worker, request: web.Request) -> None:
 
 async def health(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
-    load = worker.engine.load()
+    load = worker.engine.load().to_dict()
     body = {
         "status": "draining" if worker.draining else "ok",
         "role": worker.config.role,
         "model": worker.model_name,
-        "load": load.to_dict(),
-        **load.to_dict(),
+        "load": load,
+        **load,
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages
     }
     return json_response(body, 503 if worker.draining else 200)

@@ -118,12 +118,12 @@ class Scheduler:
 
     def _cache_full_pages(self, seq: Sequence) -> None:
         """Make `seq`'s full, computed pages matchable (deduplicated against cached ones)."""
-        full = seq.num_computed // self.page_size
-        if full <= len(seq.page_hashes):
+        full, done = seq.num_computed // self.page_size, len(seq.page_hashes)
+        if full <= done:
             return
-        tokens = seq.token_slice(0, full * self.page_size)
+        tokens = seq.token_slice(done * self.page_size, full * self.page_size)  # the new pages
         new, swaps = self.cache.insert(seq.page_ids, seq.page_hashes, tokens)
-        seq.page_hashes = seq.page_hashes + new
+        seq.page_hashes.extend(new)
         for i, page in swaps.items():
             seq.page_ids[i] = page
 
