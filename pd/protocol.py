@@ -370,6 +370,7 @@ class WorkerLoad:
     kv_pages_held: int = 0  # pages of those transfers (P: pinned; D: reserved for the pull)
     kv_pages_cached: int = 0  # pages whose KV the prefix cache can match (referenced or not)
     kv_pages_evictable: int = 0  # cached pages nobody holds (counted in kv_pages_free)
+    kv_page_size: int = 0  # tokens per page (0: not reported); sizes the router's prefix index
 
     @property
     def kv_usage(self) -> float:

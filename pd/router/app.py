@@ -19,6 +19,7 @@ from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
+from pd.router.prefix_index import PromptKey, chain, prompt_bytes
 from pd.router.proxy import KV, Exchange, Proxy, json_response
 from pd.router.registry import Registry
 
@@ -89,16 +90,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id")
         if request_id:
             headers = {**headers, "X-Request-Id": request_id}
+        chat = request.path.endswith("/chat/completions")
+        data = prompt_bytes(body, chat)
+        prompt = PromptKey(data, chain(data) if proxy.cfg.prefix_index_blocks else [])
         ex = Exchange(
             request=request,
             path=request.path,
             body=body,
-            chat=request.path.endswith("/chat/completions"),
+            chat=chat,
             stream=req.stream,
             include_usage=req.include_usage,
             max_tokens=req.options.max_tokens,
             key=request.headers.get("X-Room-Id") or req.room_key,
-            tokens=len(raw) // 4 + 1,
+            prompt=prompt,
+            tokens=proxy.registry.estimate.tokens(len(data)) + 1,
             headers=headers,
             t0=t0,
         )
@@ -112,6 +117,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         status = "499"  # the client went away
         raise
     finally:
+        if ex is not None and ex.route is not None:
+            route = ex.route
         proxy.metrics.request_done(status, route, ex.ttft if ex else None, perf_counter() - t0)
 
 

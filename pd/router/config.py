@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.cli_args import flag as _flag
 
-POLICIES = ("round-robin", "load-aware", "sticky-to-room")
+POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
 
 
@@ -71,6 +71,26 @@ class RouterConfig:
     sticky_room_ttl_s: float = _flag(
         3600.0, "sticky-to-room: how long a room keeps its worker after its last request"
     )
+    cache_balance_abs: int = _flag(
+        64,
+        "cache-aware: the pool is imbalanced when its busiest and idlest workers' in-flight "
+        "counts differ by more than this and by --cache-balance-rel times",
+    )
+    cache_balance_rel: float = _flag(1.5, "cache-aware: see --cache-balance-abs")
+    cache_threshold: float = _flag(
+        0.3, "cache-aware: least share of the prompt a worker must be expected to hold"
+    )
+    prefix_index_blocks: int = _flag(
+        1 << 16,
+        "most prompt blocks (64 bytes each) the router remembers per worker; 0 turns the "
+        "index off (cache-aware then acts as load-aware)",
+    )
+    prefix_index_ttl_s: float = _flag(1800.0, "how long the index remembers a block it sent")
+    local_prefill_max_tokens: int = _flag(
+        256,
+        "decode-local prefill: a request whose decode worker is expected to lack at most this "
+        "many prompt tokens (estimated) skips the prefill worker; 0 turns it off",
+    )
     access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
     log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
 
@@ -102,6 +122,12 @@ class RouterConfig:
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         check(self.sticky_load_factor >= 1.0, "--sticky-load-factor must be >= 1.0")
         check(self.sticky_room_ttl_s > 0, "--sticky-room-ttl-s must be > 0")
+        check(self.cache_balance_abs >= 0, "--cache-balance-abs must be >= 0")
+        check(self.cache_balance_rel >= 1.0, "--cache-balance-rel must be >= 1.0")
+        check(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in [0, 1]")
+        check(self.prefix_index_blocks >= 0, "--prefix-index-blocks must be >= 0")
+        check(self.prefix_index_ttl_s > 0, "--prefix-index-ttl-s must be > 0")
+        check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         for name in ("api_key", "admin_token", "worker_api_key"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
 

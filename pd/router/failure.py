@@ -13,6 +13,7 @@ from pd.protocol import error_body
 from pd.router.worker import Worker
 
 JSON = "application/json"
+RETRYABLE = frozenset((429, 500, 502, 503, 504))  # upstream statuses worth another worker
 
 
 def json_response(
@@ -28,6 +29,7 @@ class Failure:
     status: int
     body: bytes
     retry_after: str | None = None
+    retryable: bool = True  # another worker may succeed (not so for a 4xx about the request)
 
     @classmethod
     def local(cls, status: int, message: str, code: str) -> Failure:
@@ -48,7 +50,9 @@ class Failure:
                     "upstream_error",
                 )
             )
-        return cls(resp.status, data, resp.headers.get("Retry-After"))
+        return cls(
+            resp.status, data, resp.headers.get("Retry-After"), resp.status in RETRYABLE
+        )
 
     def response(self) -> web.Response:
         headers = {"Retry-After": self.retry_after} if self.retry_after else None

@@ -2,7 +2,8 @@
 
 A worker is admitted on its first good check, ejected after `health_failures` consecutive bad
 ones (at once when a request cannot even connect to it), and re-admitted after
-`health_successes` consecutive good ones. Each good check also refreshes the load it reports.
+`health_successes` consecutive good ones. Each good check also refreshes the load it reports,
+and a new `instance` in it (the worker restarted) clears what the router expected it to cache.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ async def probe(
         return f"worker reports role {role!r} but sits in the {w.role} pool"
     if isinstance(data.get("model"), str):
         w.model = data["model"]
+    if isinstance(data.get("instance"), str):
+        w.instance = data["instance"]
     load = data.get("load")
     if isinstance(load, dict):
         try:
@@ -78,7 +81,10 @@ class HealthChecker:
 
     async def check(self, w: Worker) -> bool:
         assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
+        before = w.instance
         reason = await probe(self.session, w, self.timeout, self.headers)
+        if before is not None and w.instance != before:
+            self.registry.pools[w.role].restarted(w)
         self.record(w, reason)
         return reason is None
 

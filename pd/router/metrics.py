@@ -41,7 +41,8 @@ LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
-ROUTES = ("pd", "both", "none")  # "none": answered before a route was chosen (bad input, 503)
+# "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
+ROUTES = ("pd", "local", "both", "none")
 
 
 class Hist:
@@ -71,6 +72,7 @@ class RouterMetrics(Collector):
         self.registry = registry
         self.policies = {name: pool.policy.name for name, pool in registry.pools.items()}
         self.policies["pd"] = f"{self.policies['prefill']}/{self.policies['decode']}"
+        self.policies["local"] = self.policies["decode"]
         self.requests: dict[tuple[str, str], int] = {}  # (status, route) -> count
         self.ttft = {route: Hist() for route in ROUTES}
         self.e2e = {route: Hist() for route in ROUTES}
@@ -78,6 +80,11 @@ class RouterMetrics(Collector):
         self.retries = dict.fromkeys(registry.pools, 0)
         self.ejections = dict.fromkeys(registry.pools, 0)
         self.health_failures = dict.fromkeys(registry.pools, 0)
+        self.local_fallbacks = 0  # decode-local requests that failed first and went through P
+        # Prompt tokens the prefix index expected a worker to have cached, and what it reported,
+        # summed over the answers that reported them (estimates vs the workers' counts).
+        self.cached_expected = dict.fromkeys(registry.pools, 0)
+        self.cached_actual = dict.fromkeys(registry.pools, 0)
         self.prom = CollectorRegistry()
         self.prom.register(self)
 
@@ -87,6 +94,10 @@ class RouterMetrics(Collector):
         if ttft is not None:
             self.ttft[route].observe(ttft)
         self.e2e[route].observe(e2e)
+
+    def cached_tokens(self, pool: str, expected: int, actual: int) -> None:
+        self.cached_expected[pool] += expected
+        self.cached_actual[pool] += actual
 
     def render(self) -> bytes:
         return generate_latest(self.prom)
@@ -125,11 +136,43 @@ class RouterMetrics(Collector):
             ("pd_router_retries", "Requests sent again to another worker", self.retries),
             ("pd_router_ejections", "Workers ejected from a pool", self.ejections),
             ("pd_router_health_check_failures", "Failed health checks", self.health_failures),
+            (
+                "pd_router_cached_tokens_expected",
+                "Prompt tokens the router's prefix index expected workers to have cached "
+                "(an estimate: bytes over the calibrated bytes per token)",
+                self.cached_expected,
+            ),
+            (
+                "pd_router_cached_tokens_actual",
+                "Prompt tokens the same workers reported cached (usage.cached_tokens)",
+                self.cached_actual,
+            ),
         ):
             counter = CounterMetricFamily(name, doc, labels=["pool"])
-            for pool, n in counts.items():
-                counter.add_metric([pool], n)
+            for pool_name, n in counts.items():
+                counter.add_metric([pool_name], n)
             yield counter
+        local = CounterMetricFamily(
+            "pd_router_local_prefill_fallbacks",
+            "Decode-local requests that failed before their first byte and went through P",
+        )
+        local.add_metric([], self.local_fallbacks)
+        yield local
+        decisions = CounterMetricFamily(
+            "pd_router_policy_decisions",
+            "Routing decisions by pool, policy and kind",
+            labels=["pool", "policy", "decision"],
+        )
+        for name, pool in self.registry.pools.items():
+            for decision, n in sorted(pool.policy.decisions.items()):
+                decisions.add_metric([name, pool.policy.name, decision], n)
+        yield decisions
+        ratio = GaugeMetricFamily(
+            "pd_router_bytes_per_token",
+            "Prompt bytes per token, calibrated from the workers' usage (the token estimate)",
+        )
+        ratio.add_metric([], self.registry.estimate.bytes_per_token)
+        yield ratio
         yield from self._workers()
 
     def _workers(self) -> Iterable[Metric]:
@@ -155,12 +198,18 @@ class RouterMetrics(Collector):
         kv = GaugeMetricFamily(
             "pd_router_worker_kv_usage", "KV cache usage (0..1) a worker reported", labels=labels
         )
+        index = GaugeMetricFamily(
+            "pd_router_prefix_index_blocks",
+            "Prompt blocks (64 bytes) the router's prefix index expects a worker to hold",
+            labels=labels,
+        )
         for w in self.registry:
             lv = [w.role, w.url]
+            index.add_metric(lv, self.registry.pools[w.role].index.blocks(w.url))
             inflight.add_metric(lv, w.inflight)
             healthy.add_metric(lv, 1.0 if w.healthy else 0.0)
             if w.load is not None:
                 queued.add_metric(lv, w.load.queued_prefill_tokens)
                 running.add_metric(lv, w.load.running)
                 kv.add_metric(lv, w.load.kv_usage)
-        return [inflight, healthy, queued, running, kv]
+        return [inflight, healthy, queued, running, kv, index]

@@ -1,7 +1,8 @@
 """Routing policies: plain Python over the workers' integers, no sockets.
 
 A policy picks one worker among a pool's healthy ones, never one in `exclude` (the workers a
-request already tried). It returns None when nothing is left.
+request already tried). It returns None when nothing is left. Each counts its decisions by kind
+in `decisions` (exported as pd_router_policy_decisions_total).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey
+
 if TYPE_CHECKING:
     from pd.router.worker import Worker
 
@@ -22,12 +25,22 @@ if TYPE_CHECKING:
 class Policy(ABC):
     name: str
 
+    def __init__(self) -> None:
+        self.decisions: dict[str, int] = {}
+
+    def count(self, decision: str) -> None:
+        self.decisions[decision] = self.decisions.get(decision, 0) + 1
+
     def rebuild(self, workers: Sequence[Worker]) -> None:  # noqa: B027 (optional hook)
         """Called when the pool's membership changes (not on health changes)."""
 
     @abstractmethod
     def choose(
-        self, healthy: Sequence[Worker], key: str | None, exclude: Sequence[Worker] = ()
+        self,
+        healthy: Sequence[Worker],
+        key: str | None,
+        exclude: Sequence[Worker] = (),
+        prompt: PromptKey | None = None,
     ) -> Worker | None: ...
 
 
@@ -35,14 +48,16 @@ class RoundRobin(Policy):
     name = "round-robin"
 
     def __init__(self) -> None:
+        super().__init__()
         self._next = 0
 
-    def choose(self, healthy, key=None, exclude=()):
+    def choose(self, healthy, key=None, exclude=(), prompt=None):
         n = len(healthy)
         for i in range(n):
             w = healthy[(self._next + i) % n]
             if w not in exclude:
                 self._next = (self._next + i + 1) % n
+                self.count("next")
                 return w
         return None
 
@@ -69,11 +84,13 @@ class LoadAware(Policy):
     name = "load-aware"
 
     def __init__(self, rng: random.Random | None = None) -> None:
+        super().__init__()
         self._rng = rng or random.Random()
 
-    def choose(self, healthy, key=None, exclude=()):
+    def choose(self, healthy, key=None, exclude=(), prompt=None):
         cands = [w for w in healthy if w not in exclude] if exclude else healthy
         n = len(cands)
+        self.count("least_loaded_of_two")
         if n <= 1:
             return cands[0] if n else None
         rand = self._rng.random
@@ -114,6 +131,7 @@ class StickyToRoom(Policy):
         clock: Callable[[], float] = time.monotonic,
     ):
         assert load_factor >= 1.0, "load_factor below 1 can leave no worker under the bound"
+        super().__init__()
         self.load_factor = load_factor
         self.vnodes = vnodes
         self.fallback = fallback or LoadAware()
@@ -148,6 +166,7 @@ class StickyToRoom(Policy):
     def _home(self, healthy: Sequence[Worker], key: str) -> Worker | None:
         home = self.home_of(key)
         if home is None or not home.healthy or home not in healthy:
+            self.count("new_home" if home is None else "moved_home")
             home = self._walk(healthy, key, lambda w: True)
         if home is not None:
             self._rooms[key] = (home, self._clock())
@@ -173,13 +192,16 @@ class StickyToRoom(Policy):
         total = sum(w.inflight for w in healthy) + 1
         return self.load_factor * total / len(healthy) + 1
 
-    def choose(self, healthy, key=None, exclude=()):
+    def choose(self, healthy, key=None, exclude=(), prompt=None):
         if key is None or not healthy:
-            return self.fallback.choose(healthy, key, exclude)
+            self.count("no_room_key")
+            return self.fallback.choose(healthy, key, exclude, prompt)
         cap = self.bound(healthy)
         home = self._home(healthy, key)
         if home is not None and home.inflight + 1 <= cap and home not in exclude:
+            self.count("home")
             return home
+        self.count("spill")  # home over the load bound, or tried already: the ring walks on
         w = self._walk(healthy, key, lambda w: w.inflight + 1 <= cap and w not in exclude)
         if w is not None:
             return w
@@ -188,11 +210,76 @@ class StickyToRoom(Policy):
         return min(left, key=lambda w: w.inflight) if left else None
 
 
-def make_policy(name: str, load_factor: float = 1.25, room_ttl_s: float = 3600.0) -> Policy:
+class CacheAware(Policy):
+    """SGLang router's `cache_aware`: the worker expected to hold the longest prefix of the
+    prompt, unless the pool's load is imbalanced; then, and when no worker is expected to hold
+    at least `cache_threshold` of the prompt, load-aware.
+
+    Expected holdings come from the router's `PrefixIndex`. The pool is imbalanced when the most
+    and least loaded healthy candidates (the router's in-flight requests on them) differ by more
+    than `balance_abs` and the most loaded has more than `balance_rel` times the least. Among
+    equal matches the less loaded worker wins.
+    """
+
+    name = "cache-aware"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+        cache_threshold: float = 0.3,
+        fallback: Policy | None = None,
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.cache_threshold = cache_threshold
+        self.fallback = fallback or LoadAware()
+
+    def imbalanced(self, cands: Sequence[Worker]) -> bool:
+        loads = [w.inflight for w in cands]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+
+    def choose(self, healthy, key=None, exclude=(), prompt=None):
+        cands = [w for w in healthy if w not in exclude] if exclude else list(healthy)
+        if not cands:
+            return None
+        if prompt is None or not prompt.blocks or not self.index.enabled:
+            self.count("short_prompt")  # under one block: nothing to match
+            return self.fallback.choose(cands, key, (), prompt)
+        if len(cands) > 1 and self.imbalanced(cands):
+            self.count("imbalanced")
+            return self.fallback.choose(cands, key, (), prompt)
+        best, best_n = cands[0], -1
+        for w in cands:
+            n = self.index.match(w.url, prompt.blocks)
+            if n > best_n or (n == best_n and w.inflight < best.inflight):
+                best, best_n = w, n
+        if best_n > 0 and best_n * BLOCK_BYTES >= self.cache_threshold * len(prompt.data):
+            self.count("cache_hit")
+            return best
+        self.count("no_match")
+        return self.fallback.choose(cands, key, (), prompt)
+
+
+def make_policy(
+    name: str,
+    load_factor: float = 1.25,
+    room_ttl_s: float = 3600.0,
+    index: PrefixIndex | None = None,
+    balance_abs: int = 64,
+    balance_rel: float = 1.5,
+    cache_threshold: float = 0.3,
+) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "load-aware":
         return LoadAware()
     if name == "sticky-to-room":
         return StickyToRoom(load_factor, room_ttl_s=room_ttl_s)
+    if name == "cache-aware":
+        return CacheAware(index or PrefixIndex(), balance_abs, balance_rel, cache_threshold)
     raise ValueError(f"unknown policy {name!r}")

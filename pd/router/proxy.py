@@ -1,4 +1,10 @@
-"""The request flow: PD (DESIGN.md §3) or co-located, with retries before the first byte only.
+"""The request flow: PD (DESIGN.md §3), decode-local, or co-located, with retries before the
+first byte only.
+
+Decode-local (conditional disaggregation, as in Dynamo): when the decode worker the policy picks
+is expected (from the router's prefix index) to lack at most `--local-prefill-max-tokens` of the
+prompt, it gets the client's body as it is, prefills what it lacks itself and decodes: no P, no
+transfer. If it fails before its first byte, the request goes the PD way.
 
 PD: P gets the client's body with `max_tokens=1`, `stream=false` and
 `kv_transfer_params={"do_remote_decode": true}`. If P's answer is final (no params), it is the
@@ -25,10 +31,11 @@ from aiohttp import web
 from pd._compat import asyncio_timeout
 from pd.protocol import error_body
 from pd.router.config import RouterConfig
-from pd.router.failure import JSON, Failure, json_response
+from pd.router.failure import JSON, RETRYABLE, Failure, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
+from pd.router.prefix_index import PromptKey, answer_bytes, chain
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse
 from pd.router.worker import Worker
@@ -36,7 +43,6 @@ from pd.router.worker import Worker
 log = logging.getLogger("pd.router")
 
 KV = "kv_transfer_params"
-RETRYABLE = frozenset((429, 500, 502, 503, 504))
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -58,9 +64,12 @@ class Exchange:
     include_usage: bool
     max_tokens: int | None  # the client's
     key: str | None  # room key for sticky-to-room
+    prompt: PromptKey  # the prompt as the prefix index sees it
     tokens: int  # estimated prompt tokens, charged to the prefill worker while it works
     headers: dict[str, str]  # to send to workers
     t0: float
+    route: str | None = None  # "local" when served decode-local (else the registry's route)
+    chunks: list[bytes] | None = None  # a relayed stream's bytes, kept to learn the answer
     ttft: float | None = None
     status: str | None = None  # overrides the response status in metrics ("stream_error")
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
@@ -101,6 +110,15 @@ class Proxy:
     # ------------------------------------------------------------------------------ flows
 
     async def pd(self, ex: Exchange) -> web.StreamResponse:
+        decode = self.registry.decode
+        d = None
+        if self.cfg.local_prefill_max_tokens:
+            d = decode.choose(ex.key, (), ex.prompt)
+            if d is not None and self._lacks(decode, d, ex) <= self.cfg.local_prefill_max_tokens:
+                resp = await self._local(d, ex)
+                if resp is not None:
+                    return resp
+                d = None  # it failed before its first byte: P, then whichever D
         p_body = dict(ex.body)
         p_body["stream"] = False
         p_body.pop("stream_options", None)
@@ -129,13 +147,32 @@ class Proxy:
         d_body["stream"] = True
         if not ex.stream:
             d_body["stream_options"] = {"include_usage": True}
-        return await self._relay(self.registry.decode, ex, orjson.dumps(d_body))
+        return await self._relay(decode, ex, orjson.dumps(d_body), first=d)
 
-    async def colocated(self, ex: Exchange) -> web.StreamResponse:
+    def _lacks(self, pool: Pool, w: Worker, ex: Exchange) -> int:
+        """Estimated prompt tokens `w` would have to prefill itself."""
+        cached = pool.expected_cached_bytes(w, ex.prompt)
+        return pool.estimate.tokens(len(ex.prompt.data) - cached)
+
+    async def _local(self, d: Worker, ex: Exchange) -> web.StreamResponse | None:
+        """Decode-local: D prefills and decodes; None when it failed before its first byte."""
+        pool = self.registry.decode
+        opened = await self._open(pool, d, ex, self._stream_payload(ex))
+        if isinstance(opened, Failure):
+            self.metrics.local_fallbacks += 1
+            log.info("decode-local request failed on %s (%s): going through P", d.url, opened)
+            return None
+        ex.route = "local"
+        return await self._serve(pool, d, ex, *opened)
+
+    def _stream_payload(self, ex: Exchange) -> bytes:
         body = ex.body
         if not ex.stream:  # a stream collected here, as for D: one code path, and a TTFT
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        return await self._relay(self.registry.both, ex, orjson.dumps(body))
+        return orjson.dumps(body)
+
+    async def colocated(self, ex: Exchange) -> web.StreamResponse:
+        return await self._relay(self.registry.both, ex, self._stream_payload(ex))
 
     # ------------------------------------------------------------------------------ prefill
 
@@ -144,12 +181,13 @@ class Proxy:
         tried: list[Worker] = []
         failure = None
         for attempt in range(self.cfg.max_retries + 1):
-            w = pool.choose(ex.key, tried)
+            w = pool.choose(ex.key, tried, ex.prompt)
             if w is None:
                 break
             if attempt:
                 self.metrics.retries["prefill"] += 1
             tried.append(w)
+            expected = pool.expected_cached_bytes(w, ex.prompt)
             w.acquire(ex.tokens)
             try:
                 async with self._client.post(
@@ -162,6 +200,7 @@ class Proxy:
                     except orjson.JSONDecodeError:
                         answer = None
                     if isinstance(answer, dict):
+                        self._learn(pool, w, ex, ex.prompt.blocks, expected, answer.get("usage"))
                         return answer
                     failure = Failure.local(
                         502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
@@ -178,63 +217,124 @@ class Proxy:
 
     # ------------------------------------------------------------------------------ relay
 
-    async def _relay(self, pool: Pool, ex: Exchange, payload: bytes) -> web.StreamResponse:
-        """Send to a worker of `pool` and relay its stream; retry while the client has nothing."""
+    async def _relay(
+        self, pool: Pool, ex: Exchange, payload: bytes, first: Worker | None = None
+    ) -> web.StreamResponse:
+        """Send to a worker of `pool` (`first` if it is still healthy) and relay its stream;
+        retry elsewhere while the client has nothing."""
         tried: list[Worker] = []
         failure = None
         for attempt in range(self.cfg.max_retries + 1):
-            w = pool.choose(ex.key, tried)
+            if attempt == 0 and first is not None and first.healthy and first in pool.healthy:
+                w: Worker | None = first
+            else:
+                w = pool.choose(ex.key, tried, ex.prompt)
             if w is None:
                 break
             if attempt:
                 self.metrics.retries[pool.name] += 1
             tried.append(w)
-            w.acquire(0)
-            resp = None
-            handed_over = False
-            try:
-                async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
-                    resp = await self._client.post(
-                        w.url + ex.path,
-                        data=payload,
-                        headers=ex.headers,
-                        timeout=self.stream_timeout,
-                    )
-                    if resp.status != 200:
-                        failure = Failure.upstream(w, resp, await resp.read())
-                        if resp.status not in RETRYABLE:
-                            return failure.response()
-                        continue
-                    first = await resp.content.readany()
-                if not first:
-                    failure = Failure.local(
-                        502,
-                        f"{pool.name} worker {w.url} sent an empty answer",
-                        f"{pool.name}_failed",
-                    )
-                    continue
-                handed_over = True
-            except (aiohttp.ClientError, TimeoutError) as e:
-                failure = self._on_error(w, e)
-            finally:
-                if not handed_over:
-                    w.release(0)
-                    if resp is not None:
-                        resp.close()
-            if not handed_over:
-                continue
-            assert resp is not None  # handed over: the worker answered
-            # The worker answered a first byte: from here on there is no retry.
-            self.idle.watch(ex, resp)
-            try:
-                if ex.stream:
-                    return await self._pipe(ex, resp, first)
-                return await self._collect(ex, resp, first)
-            finally:
-                self.idle.unwatch(ex)
-                w.release(0)
-                resp.close()  # a no-op once the body was read to its end
+            opened = await self._open(pool, w, ex, payload)
+            if not isinstance(opened, Failure):
+                return await self._serve(pool, w, ex, *opened)
+            failure = opened
+            if not failure.retryable:
+                return failure.response()
         return (failure or self._no_worker(pool, tried)).response()
+
+    async def _open(
+        self, pool: Pool, w: Worker, ex: Exchange, payload: bytes
+    ) -> tuple[aiohttp.ClientResponse, bytes] | Failure:
+        """POST to `w` and read its first chunk. On success `w` stays charged with the request
+        (`_serve` releases it); on failure it is released and the failure returned."""
+        w.acquire(0)
+        resp = None
+        handed_over = False
+        try:
+            async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
+                resp = await self._client.post(
+                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
+                )
+                if resp.status != 200:
+                    return Failure.upstream(w, resp, await resp.read())
+                first = await resp.content.readany()
+            if not first:
+                return Failure.local(
+                    502, f"{pool.name} worker {w.url} sent an empty answer", f"{pool.name}_failed"
+                )
+            handed_over = True
+            return resp, first
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return self._on_error(w, e)
+        finally:
+            if not handed_over:
+                w.release(0)
+                if resp is not None:
+                    resp.close()
+
+    async def _serve(
+        self, pool: Pool, w: Worker, ex: Exchange, resp: aiohttp.ClientResponse, first: bytes
+    ) -> web.StreamResponse:
+        """Relay an opened answer: from here on there is no retry."""
+        # A PD decode answer reports P's cache hits: only local and co-located ones are this
+        # worker's own, to hold against what the index expected.
+        own = pool.name != "decode" or ex.route == "local"
+        expected = pool.expected_cached_bytes(w, ex.prompt) if own else None
+        if pool.index.enabled:
+            ex.chunks = []
+        self.idle.watch(ex, resp)
+        try:
+            if ex.stream:
+                out = await self._pipe(ex, resp, first)
+                answer = self._read_back(ex) if ex.status is None else None
+            else:
+                out, answer = await self._collect(ex, resp, first)
+        finally:
+            self.idle.unwatch(ex)
+            w.release(0)
+            resp.close()  # a no-op once the body was read to its end
+        if answer is not None:
+            text = _answer_text(answer, ex.chat)
+            if text is not None:
+                blocks = chain(ex.prompt.data + answer_bytes(text, ex.chat))
+                self._learn(pool, w, ex, blocks, expected, answer.get("usage"))
+        return out
+
+    def _read_back(self, ex: Exchange) -> dict[str, Any] | None:
+        """The answer a relayed stream carried (for the index), off the relay's hot path."""
+        chunks, ex.chunks = ex.chunks, None
+        if not chunks:
+            return None
+        collector = SSECollector(ex.chat)
+        try:
+            collector.feed(b"".join(chunks))
+        except (StreamError, orjson.JSONDecodeError):
+            return None
+        return collector.result() if collector.done else None
+
+    def _learn(
+        self,
+        pool: Pool,
+        w: Worker,
+        ex: Exchange,
+        blocks: list[int],
+        expected_bytes: int | None,
+        usage: Any,
+    ) -> None:
+        """After a good answer: `w` now holds `blocks`; its usage calibrates the token estimate
+        and says how many prompt tokens it actually had cached, against what was expected."""
+        pool.record(w, blocks)
+        if not isinstance(usage, dict):
+            return
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            pool.estimate.observe(len(ex.prompt.data), prompt_tokens)
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if expected_bytes is not None and isinstance(cached, int):
+            self.metrics.cached_tokens(
+                pool.name, pool.estimate.tokens(expected_bytes), cached
+            )
 
     async def _pipe(
         self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
@@ -243,6 +343,9 @@ class Proxy:
         content = upstream.content
         try:
             await resp.prepare(ex.request)
+            chunks = ex.chunks
+            if chunks is not None:
+                chunks.append(first)
             if content.at_eof():  # the whole stream came at once: one write, headers included
                 await resp.write_eof(first)
                 ex.ttft = perf_counter() - ex.t0
@@ -251,6 +354,8 @@ class Proxy:
             ex.ttft = perf_counter() - ex.t0
             async for chunk in content.iter_any():
                 ex.reads += 1
+                if chunks is not None:
+                    chunks.append(chunk)
                 if content.at_eof():  # the last bytes go out with the end of the body
                     await resp.write_eof(chunk)
                     return resp
@@ -272,8 +377,10 @@ class Proxy:
 
     async def _collect(
         self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+        """The stream as one JSON answer, and that answer (None when the stream failed)."""
         ex.ttft = perf_counter() - ex.t0
+        ex.chunks = None  # the collector has the answer
         collector = SSECollector(ex.chat)
         try:
             collector.feed(first)
@@ -281,16 +388,17 @@ class Proxy:
                 ex.reads += 1
                 collector.feed(chunk)
         except StreamError as e:
-            return json_response(e.body, 502)
+            return json_response(e.body, 502), None
         except aiohttp.ClientError as e:
-            return Failure.local(502, _broken(ex, e), "stream_broken").response()
+            return Failure.local(502, _broken(ex, e), "stream_broken").response(), None
         except orjson.JSONDecodeError:
-            return Failure.local(502, "the decode stream carried bad JSON", "bad_stream").response()
+            failure = Failure.local(502, "the decode stream carried bad JSON", "bad_stream")
+            return failure.response(), None
         if not collector.done:
-            return Failure.local(
-                502, "the decode stream ended before [DONE]", "stream_broken"
-            ).response()
-        return json_response(collector.result())
+            failure = Failure.local(502, "the decode stream ended before [DONE]", "stream_broken")
+            return failure.response(), None
+        answer = collector.result()
+        return json_response(answer), answer
 
     # ------------------------------------------------------------------------------ errors
 
@@ -312,6 +420,15 @@ class Proxy:
         f = Failure.local(503, f"no healthy {pool.name} worker", "no_healthy_worker")
         f.retry_after = "1"
         return f
+
+
+def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:
+    choices = answer.get("choices") or ()
+    if not choices or not isinstance(choices[0], dict):
+        return None
+    c = choices[0]
+    text = (c.get("message") or {}).get("content") if chat else c.get("text")
+    return text if isinstance(text, str) else None
 
 
 __all__ = ["DONE", "Exchange", "Proxy", "json_response"]

@@ -1,4 +1,5 @@
-"""The worker registry: three pools (prefill, decode, both), each with its policy."""
+"""The worker registry: three pools (prefill, decode, both), each with its policy and its
+prefix index (what the router expects each of its workers to have cached)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,24 @@ from typing import Any
 from pd.protocol import APIError
 from pd.router.config import POOLS, RouterConfig, normalize_url
 from pd.router.policies import Policy, make_policy
+from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey, TokenEstimate
 from pd.router.worker import Worker
 
 log = logging.getLogger("pd.router")
 
 
 class Pool:
-    def __init__(self, name: str, policy: Policy) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: Policy,
+        index: PrefixIndex | None = None,
+        estimate: TokenEstimate | None = None,
+    ) -> None:
         self.name = name
         self.policy = policy
+        self.index = index or PrefixIndex()
+        self.estimate = estimate or TokenEstimate()
         self.workers: dict[str, Worker] = {}
         self.healthy: list[Worker] = []  # kept in step with the workers' `healthy` flags
         self.on_eject: Callable[[Worker], None] | None = None
@@ -34,6 +44,7 @@ class Pool:
         w = self.workers.pop(url, None)
         if w is not None:
             w.healthy = False
+            self.index.forget(url)
             self.policy.rebuild(list(self.workers.values()))
             self._refresh()
         return w
@@ -46,13 +57,34 @@ class Pool:
             log.info("%s worker %s admitted", self.name, w.url)
         else:
             w.ejections += 1
+            self.index.forget(w.url)  # its caches may be gone by the time it comes back
             log.warning("%s worker %s ejected: %s", self.name, w.url, reason)
             if self.on_eject:
                 self.on_eject(w)
         self._refresh()
 
-    def choose(self, key: str | None, exclude: Sequence[Worker] = ()) -> Worker | None:
-        return self.policy.choose(self.healthy, key, exclude)
+    def choose(
+        self, key: str | None, exclude: Sequence[Worker] = (), prompt: PromptKey | None = None
+    ) -> Worker | None:
+        return self.policy.choose(self.healthy, key, exclude, prompt)
+
+    # ------------------------------------------------------------------------ prefix index
+
+    def expected_cached_bytes(self, w: Worker, prompt: PromptKey) -> int:
+        return self.index.match(w.url, prompt.blocks) * BLOCK_BYTES
+
+    def record(self, w: Worker, blocks: list[int]) -> None:
+        """`w` now holds KV for these blocks (its cache keeps them until it evicts them)."""
+        cap = None
+        load = w.load
+        if load is not None and load.kv_page_size:
+            capacity_tokens = load.kv_pages_total * load.kv_page_size
+            cap = int(capacity_tokens * self.estimate.bytes_per_token / BLOCK_BYTES)
+        self.index.insert(w.url, blocks, cap)
+
+    def restarted(self, w: Worker) -> None:
+        log.info("%s worker %s restarted: forgetting what it had cached", self.name, w.url)
+        self.index.forget(w.url)
 
     def _refresh(self) -> None:
         self.healthy = [w for w in self.workers.values() if w.healthy]
@@ -60,13 +92,20 @@ class Pool:
 
 class Registry:
     def __init__(self, cfg: RouterConfig) -> None:
-        self.pools = {
-            name: Pool(
-                name,
-                make_policy(cfg.policy_of(name), cfg.sticky_load_factor, cfg.sticky_room_ttl_s),
+        self.estimate = TokenEstimate()  # one bytes-per-token ratio: one model behind the router
+        self.pools = {}
+        for name in POOLS:
+            index = PrefixIndex(cfg.prefix_index_blocks, cfg.prefix_index_ttl_s)
+            policy = make_policy(
+                cfg.policy_of(name),
+                cfg.sticky_load_factor,
+                cfg.sticky_room_ttl_s,
+                index,
+                cfg.cache_balance_abs,
+                cfg.cache_balance_rel,
+                cfg.cache_threshold,
             )
-            for name in POOLS
-        }
+            self.pools[name] = Pool(name, policy, index, self.estimate)
         self.prefill = self.pools["prefill"]
         self.decode = self.pools["decode"]
         self.both = self.pools["both"]

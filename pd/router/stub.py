@@ -17,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from pd.protocol import error_body
+from pd.router.prefix_index import prompt_bytes
 
 KV = "kv_transfer_params"
 
@@ -44,6 +45,8 @@ class StubWorker:
         self.chunk_delay = 0.0  # seconds between stream chunks
         self.break_after: int | None = None  # drop the connection after this many chunks
         self.final = False  # as prefill: the first token ends the request (no params)
+        self.instance = "stub-1"  # change it to look restarted
+        self.cached_tokens = 0  # reported in usage.prompt_tokens_details
         self.requests: list[dict[str, Any]] = []  # bodies received
         self.headers: list = []  # their headers (CIMultiDicts)
         self.active = 0  # requests being answered now
@@ -64,7 +67,13 @@ class StubWorker:
         if self.health_status != 200:
             return web.json_response({"status": "unavailable", "role": self.role}, status=503)
         return web.json_response(
-            {"status": "ok", "role": self.role, "model": self.model, "load": self.load}
+            {
+                "status": "ok",
+                "role": self.role,
+                "model": self.model,
+                "instance": self.instance,
+                "load": self.load,
+            }
         )
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -104,6 +113,19 @@ class StubWorker:
         finally:
             self.active -= 1
 
+    def _usage(self, body: dict, chat: bool, n: int) -> dict[str, Any]:
+        """Usage with 4 prompt bytes to a token (as the router's initial estimate)."""
+        try:
+            prompt = max(1, len(prompt_bytes(body, chat)) // 4)
+        except (KeyError, TypeError, AttributeError):
+            prompt = 5
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": n,
+            "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
     def _answer(self, chat: bool, text: str, finish: str, body: dict) -> dict[str, Any]:
         n = len(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
@@ -117,7 +139,7 @@ class StubWorker:
             "created": int(time.time()),
             "model": self.model,
             "choices": [choice],
-            "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n},
+            "usage": self._usage(body, chat, n),
         }
 
     def _prefill_answer(self, body: dict, chat: bool) -> web.Response:
@@ -133,11 +155,13 @@ class StubWorker:
         }
         return web.json_response(answer)
 
-    def _events(self, chat: bool, usage: bool) -> list[bytes]:
-        key = (chat, f"{usage}")
+    def _events(self, chat: bool, usage: dict | None) -> list[bytes]:
+        key = (chat, str(usage))  # usage differs by prompt: a bounded cache, cleared when full
         cached = self._chunk_cache.get(key)
         if cached is not None:
             return cached
+        if len(self._chunk_cache) > 64:
+            self._chunk_cache.clear()
         head = {
             "id": "cmpl-stub",
             "created": 0,
@@ -160,15 +184,17 @@ class StubWorker:
                 choice["text"] = "x"
             events.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
         if usage:
-            n = self.chunks
-            u = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
-            events.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": u}) + b"\n\n")
+            events.append(
+                b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            )
         events.append(b"data: [DONE]\n\n")
         self._chunk_cache[key] = events
         return events
 
     async def _stream(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        usage = None
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = self._usage(body, chat, self.chunks)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i, event in enumerate(self._events(chat, usage)):

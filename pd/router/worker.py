@@ -23,6 +23,7 @@ class Worker:
         "inflight_tokens",
         "load",
         "model",
+        "instance",
         "fails",
         "oks",
         "last_error",
@@ -38,6 +39,7 @@ class Worker:
         self.inflight_tokens = 0  # their estimated prompt tokens (prefill-side cost)
         self.load: WorkerLoad | None = None  # as last reported in /health
         self.model: str | None = None
+        self.instance: str | None = None  # changes when the worker restarts
         self.fails = 0  # consecutive failed checks
         self.oks = 0  # consecutive good checks
         self.last_error: str | None = None

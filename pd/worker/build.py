@@ -5,6 +5,7 @@ HTTP app only starts and stops what is built here."""
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,9 @@ class Worker:
     decode: DecodeSide | None = None  # role decode
     draining: bool = False
     accepted_names: frozenset[str] = field(default_factory=frozenset)
+    # A new one each start: the router forgets what it thought this worker had cached when it
+    # sees another.
+    instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
     def transfer(self) -> TransferRole | None:

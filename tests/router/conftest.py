@@ -12,7 +12,10 @@ from pd.router.keys import REGISTRY
 from pd.router.registry import Registry
 from pd.router.stub import StubWorker
 
-FAST = dict(health_interval=0.05, health_timeout=0.5, connect_timeout=0.5)
+# Decode-local prefill is off unless a test turns it on: the flow tests exercise P then D.
+FAST = dict(
+    health_interval=0.05, health_timeout=0.5, connect_timeout=0.5, local_prefill_max_tokens=0
+)
 
 
 @pytest.fixture

@@ -102,6 +102,7 @@ async def health(request: web.Request) -> web.Response:
         "status": "draining" if worker.draining else "ok",
         "role": worker.config.role,
         "model": worker.model_name,
+        "instance": worker.instance_id,
         "load": load,
         **load,
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages
@@ -163,7 +164,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    if worker.decode is not None:
+    if worker.decode is not None and req.kv_transfer_params is not None:
         kvp = worker.decode.validate(req.kv_transfer_params)
         ids = kvp.prompt_token_ids  # D never re-tokenizes
         handle = await worker.decode.admit(kvp, req.options)

@@ -8,6 +8,10 @@ A request arriving with params from a prefill worker:
 3. waits for pages (`HeldPages.reserve`: they must fit beside the running batch's growth),
    pulls P's pages into them, and joins the running batch at position `num_tokens`.
 A failed pull, a client that leaves, or a dead P releases the reserved pages exactly once.
+
+A request without params is not this module's: the engine prefills it here, from this worker's
+own prefix cache, and decodes it as a co-located worker would (decode-local prefill, which the
+router chooses when little of the prompt is new to this worker).
 """
 
 from __future__ import annotations
@@ -34,13 +38,7 @@ class DecodeSide(TransferRole):
         self.pages = engine.held_pages
         self._tasks: set[asyncio.Task] = set()
 
-    def validate(self, raw: dict[str, Any] | None) -> KVTransferParams:
-        if raw is None:
-            raise bad_request(
-                "a decode worker serves requests carrying kv_transfer_params from a prefill "
-                "worker: send requests through pd-router",
-                param="kv_transfer_params",
-            )
+    def validate(self, raw: dict[str, Any]) -> KVTransferParams:
         kvp = KVTransferParams.from_dict(raw)
         ours = self.contract
         for name in ("model_fingerprint", "page_size", "kv_layout", "dtype"):

@@ -186,6 +186,7 @@ class Engine:
             kv_pages_held=len(set().union(*cache.held.values())),  # shared pages once
             kv_pages_cached=cache.num_cached,
             kv_pages_evictable=cache.num_evictable,
+            kv_page_size=cache.page_size,
         )
 
     def reset_prefix_cache(self) -> tuple[int, int]:
