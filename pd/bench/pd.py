@@ -105,6 +105,8 @@ def start_setup(kind: str, args) -> tuple[str, list[subprocess.Popen]]:
             f"http://127.0.0.1:{d_port}",
             "--health-interval",
             "0.5",
+            "--local-prefill-max-tokens",  # every request through P then D: the transfer path
+            "0",
         )
     )
     return f"http://127.0.0.1:{r_port}", procs

@@ -50,9 +50,7 @@ class Failure:
                     "upstream_error",
                 )
             )
-        return cls(
-            resp.status, data, resp.headers.get("Retry-After"), resp.status in RETRYABLE
-        )
+        return cls(resp.status, data, resp.headers.get("Retry-After"), resp.status in RETRYABLE)
 
     def response(self) -> web.Response:
         headers = {"Retry-After": self.retry_after} if self.retry_after else None

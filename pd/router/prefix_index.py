@@ -35,7 +35,9 @@ def prompt_bytes(body: dict[str, Any], chat: bool) -> bytes:
     """The prompt of a validated request body, canonically serialized: the serialization of a
     conversation is a prefix of the serialization of that conversation continued."""
     if chat:
-        return b"".join(message_bytes(m.get("role", ""), m.get("content")) for m in body["messages"])
+        return b"".join(
+            message_bytes(m.get("role", ""), m.get("content")) for m in body["messages"]
+        )
     prompt = body["prompt"]
     if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
         prompt = prompt[0]

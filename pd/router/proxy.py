@@ -332,9 +332,7 @@ class Proxy:
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if expected_bytes is not None and isinstance(cached, int):
-            self.metrics.cached_tokens(
-                pool.name, pool.estimate.tokens(expected_bytes), cached
-            )
+            self.metrics.cached_tokens(pool.name, pool.estimate.tokens(expected_bytes), cached)
 
     async def _pipe(
         self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes

@@ -42,7 +42,14 @@ def pair():
 
 async def start_router(aiohttp_server, p_url: str, d_url: str) -> str:
     """An in-process pd-router (test servers cancel handlers on disconnect) once it sees both."""
-    cfg = RouterConfig(port=0, prefill=(p_url,), decode=(d_url,), health_interval=0.2)
+    # Decode-local prefill off: these scenarios test the transfer path.
+    cfg = RouterConfig(
+        port=0,
+        prefill=(p_url,),
+        decode=(d_url,),
+        health_interval=0.2,
+        local_prefill_max_tokens=0,
+    )
     server = await aiohttp_server(make_router(cfg))
     url = str(server.make_url("")).rstrip("/")
     async with aiohttp.ClientSession() as http:
@@ -198,12 +205,12 @@ async def prefill_for_remote_decode(http: aiohttp.ClientSession, p_url: str) -> 
     return await (await http.post(f"{p_url}/v1/completions", json=body)).json()
 
 
-async def test_decode_worker_refuses_bad_params(pair):
+async def test_decode_worker_refuses_bad_params_and_serves_plain_requests(pair):
     p_url, d_url = pair
     async with aiohttp.ClientSession() as http:
-        resp = await http.post(f"{d_url}/v1/completions", json={"prompt": "hi"})
-        assert resp.status == 400
-        assert "pd-router" in (await resp.json())["error"]["message"]
+        # A plain request (no params) is prefilled on D itself: decode-local prefill.
+        resp = await http.post(f"{d_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert resp.status == 200, await resp.text()
         # Real params from P, then tampered: a different model shape is refused before any pull.
         first = await prefill_for_remote_decode(http, p_url)
         params = first["kv_transfer_params"]

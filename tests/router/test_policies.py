@@ -6,7 +6,8 @@ import random
 from collections import Counter
 
 from pd.protocol import WorkerLoad
-from pd.router.policies import LoadAware, RoundRobin, StickyToRoom, cost
+from pd.router.policies import CacheAware, LoadAware, RoundRobin, StickyToRoom, cost
+from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey, chain
 from pd.router.worker import Worker
 
 
@@ -164,3 +165,65 @@ def test_sticky_without_key_falls_back_to_load_aware():
     st.rebuild(ws)
     assert all(st.choose(ws, None) is ws[1] for _ in range(20))
     assert st.choose(ws, "k", exclude=ws) is None
+
+
+# ------------------------------------------------------------------------------ cache-aware
+
+
+def cached(index: PrefixIndex, w: Worker, data: bytes) -> None:
+    index.insert(w.url, chain(data))
+
+
+def test_cache_aware_routes_to_the_longest_expected_match():
+    index = PrefixIndex()
+    ca = CacheAware(index, fallback=RoundRobin())
+    ws = workers(3)
+    system = b"s" * (20 * BLOCK_BYTES)
+    cached(index, ws[1], system[: 10 * BLOCK_BYTES])
+    cached(index, ws[2], system)
+    prompt = PromptKey.of(system + b"new question")
+    assert all(ca.choose(ws, None, (), prompt) is ws[2] for _ in range(5))
+    # Tried already: the next longest match.
+    assert ca.choose(ws, None, [ws[2]], prompt) is ws[1]
+    assert ca.decisions["cache_hit"] == 6
+    # Equal matches: the less loaded one.
+    cached(index, ws[1], system)
+    ws[2].acquire(1)
+    assert ca.choose(ws, None, (), prompt) is ws[1]
+    assert ca.choose(ws, None, ws, prompt) is None
+
+
+def test_cache_aware_acts_as_its_fallback_below_the_threshold_and_for_short_prompts():
+    index = PrefixIndex()
+    ca = CacheAware(index, cache_threshold=0.5, fallback=RoundRobin())
+    ws = workers(2)
+    data = b"d" * (10 * BLOCK_BYTES)
+    cached(index, ws[1], data[: 4 * BLOCK_BYTES])  # 40% of the prompt: under 0.5
+    picks = [ca.choose(ws, None, (), PromptKey.of(data)) for _ in range(4)]
+    assert picks == [ws[0], ws[1], ws[0], ws[1]]  # round robin, the fallback
+    assert ca.decisions == {"no_match": 4}
+    cached(index, ws[1], data[: 5 * BLOCK_BYTES])  # 50%: at the threshold it counts
+    assert ca.choose(ws, None, (), PromptKey.of(data)) is ws[1]
+    assert ca.choose(ws, None, (), PromptKey.of(b"short")) is not None
+    assert ca.decisions["short_prompt"] == 1
+    assert ca.choose(ws, None, (), None) is not None  # no prompt at all: the fallback
+
+
+def test_cache_aware_balances_when_load_is_imbalanced():
+    index = PrefixIndex()
+    ca = CacheAware(index, balance_abs=4, balance_rel=1.5, fallback=LoadAware(random.Random(0)))
+    ws = workers(2)
+    data = b"c" * (10 * BLOCK_BYTES)
+    cached(index, ws[0], data)
+    prompt = PromptKey.of(data)
+    for _ in range(5):
+        ws[0].acquire(1)  # 5 vs 0: more than 4 apart and more than 1.5x
+    assert ca.choose(ws, None, (), prompt) is ws[1]
+    assert ca.decisions["imbalanced"] == 1
+    ws[1].acquire(1)
+    ws[1].acquire(1)  # 5 vs 2: 3 apart, within balance_abs: the cache wins again
+    assert ca.choose(ws, None, (), prompt) is ws[0]
+    for _ in range(20):
+        ws[0].acquire(1)
+        ws[1].acquire(1)  # 25 vs 22: far apart in absolute terms, but within 1.5x
+    assert ca.choose(ws, None, (), prompt) is ws[0]
