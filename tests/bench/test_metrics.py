@@ -62,3 +62,11 @@ def test_max_rate_at_90pct():
     ]
     assert max_rate_at(results) == 3.0
     assert max_rate_at([{"rate": 1.0, "slo_attainment": 0.5}]) is None
+
+
+def test_summary_splits_the_first_turn_from_later_ones():
+    first, later = rec(0.0, 0.9, 1.0, 4), rec(1.0, 0.1, 1.0, 4)
+    later.turn = 1
+    s = summarize([first, later, rec(2.0, 0.7, 1.0, 4)], SLO())
+    assert s["ttft_first_turn_ms"]["p50"] == pytest.approx(800.0)
+    assert s["ttft_later_turns_ms"]["p50"] == pytest.approx(100.0)

@@ -85,6 +85,13 @@ def summarize(records: list[RequestRecord], slo: SLO) -> dict[str, Any]:
         "goodput_rps": round(meeting / duration, 4),
         "slo_attainment": round(meeting / len(records), 4) if records else 0.0,
         "ttft_ms": summary_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        # Multi-turn: the first turn (nothing cached yet) apart from the later ones.
+        "ttft_first_turn_ms": summary_ms(
+            [r.ttft_s for r in done if r.ttft_s is not None and r.turn == 0]
+        ),
+        "ttft_later_turns_ms": summary_ms(
+            [r.ttft_s for r in done if r.ttft_s is not None and r.turn > 0]
+        ),
         "tpot_ms": summary_ms([t for r in done if (t := r.tpot_s) is not None]),
         "itl_ms": summary_ms([g for r in done for g in r.itl_s]),
         "e2e_ms": summary_ms([r.e2e_s for r in done if r.e2e_s is not None]),

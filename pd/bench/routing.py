@@ -1,0 +1,303 @@
+"""`pd-bench routing`: routing policies and decode-local prefill on one multi-turn load.
+
+A preset of `pd-bench serve` over one fixed set of workers: two prefill workers (`--p-kv-pages`
+each: about half of the conversations) and one decode worker, each with `--threads` cores
+(default 1: this machine's two cores are shared three ways, with the router and the client).
+For each setup (`POLICY:LOCAL`, a routing policy and a `--local-prefill-max-tokens`) in turn, and
+`--rounds` times over in alternation, it:
+
+1. drops every worker's prefix cache (`POST /reset_prefix_cache`: each phase starts cold),
+2. starts a router with that setup,
+3. runs the workload (default: 16 conversations of 4 turns, each with its own 1,500-token system
+   prompt, all 16 in flight: a closed loop of 16 clients),
+4. reads what it cost from the workers' own counters: prompt tokens the prefill workers computed
+   (`pd_prefix_cache_queries_total` minus `_hits_total`), requests that reached them
+   (`pd_requests_total`), and from the router the requests served decode-local.
+
+It prints a table (or `--json`) with, per setup, the medians over rounds and the ratios against
+the first setup (prefill tokens, TTFT p50 of turns 2 and later) and, for each policy run with and
+without decode-local prefill, local against off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pd.bench import serve
+from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.serve.cli import BenchInputError, check_args, measure
+from pd.bench.serve.runner import Target
+
+DEFAULT_SETUPS = "round-robin:0,cache-aware:0,sticky-to-room:0,cache-aware:256,sticky-to-room:256"
+POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
+
+
+@dataclass(frozen=True)
+class Setup:
+    policy: str
+    local: int  # --local-prefill-max-tokens
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy}:{self.local}"
+
+
+def parse_setups(text: str) -> list[Setup]:
+    setups = []
+    for item in text.split(","):
+        policy, _, local = item.strip().partition(":")
+        if policy not in POLICIES or not local.isdigit():
+            raise BenchInputError(
+                f"--setups: {item!r} is not POLICY:LOCAL (policy one of {', '.join(POLICIES)}, "
+                "LOCAL a token count, 0 for off)"
+            )
+        setups.append(Setup(policy, int(local)))
+    return setups
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    serve.add_arguments(p, targets=False)
+    p.set_defaults(
+        workload="multi-turn",
+        conversations=16,
+        turns=4,
+        prefix_len=1500,
+        input_len=50,
+        output_len=64,
+        concurrency=16,
+        warmup=0,
+    )
+    g = p.add_argument_group("setups")
+    g.add_argument("--setups", default=DEFAULT_SETUPS, help="POLICY:LOCAL,... measured in turn")
+    g.add_argument("--rounds", type=int, default=1, help="times each setup is measured")
+    g.add_argument("--threads", type=int, default=1, help="cores of each worker")
+    g.add_argument("--dtype", default="auto", help="compute dtype of the workers")
+    g.add_argument("--p-kv-pages", type=int, default=900, help="KV pages of each prefill worker")
+    g.add_argument("--d-kv-pages", type=int, default=2600, help="KV pages of the decode worker")
+
+
+def prometheus_sum(text: str, name: str) -> float:
+    """The sum of a metric's samples over all its labels, from Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _scrape(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(f"{url}/metrics") as r:
+        return await r.text()
+
+
+async def _reset(http: aiohttp.ClientSession, urls: list[str]) -> None:
+    for url in urls:
+        async with http.post(f"{url}/reset_prefix_cache") as r:
+            if r.status != 200:
+                raise RuntimeError(f"{url}/reset_prefix_cache answered {r.status}")
+
+
+async def _prefill_counts(http: aiohttp.ClientSession, p_urls: list[str]) -> tuple[float, float]:
+    """(prompt tokens computed, requests) summed over the prefill workers."""
+    computed = requests = 0.0
+    for url in p_urls:
+        text = await _scrape(http, url)
+        computed += prometheus_sum(text, "pd_prefix_cache_queries_total") - prometheus_sum(
+            text, "pd_prefix_cache_hits_total"
+        )
+        requests += prometheus_sum(text, "pd_requests_total")
+    return computed, requests
+
+
+def _local_requests(router_metrics: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in router_metrics.splitlines()
+        if line.startswith("pd_router_requests_total{") and 'route="local"' in line
+    )
+
+
+def start_workers(args: argparse.Namespace) -> tuple[list[str], str, list]:
+    common = ["--dtype", args.dtype, "--max-model-len", "4096", "--threads", str(args.threads)]
+    procs, p_urls = [], []
+    for _ in range(2):
+        port = _free_port()
+        procs.append(
+            _spawn("pd.worker.main", "--role", "prefill", "--port", str(port),
+                   "--kv-pages", str(args.p_kv_pages), *common)
+        )  # fmt: skip
+        p_urls.append(f"http://127.0.0.1:{port}")
+    port = _free_port()
+    procs.append(
+        _spawn("pd.worker.main", "--role", "decode", "--port", str(port),
+               "--kv-pages", str(args.d_kv_pages), *common)
+    )  # fmt: skip
+    return p_urls, f"http://127.0.0.1:{port}", procs
+
+
+async def run_setup(
+    setup: Setup, p_urls: list[str], d_url: str, args: argparse.Namespace, worker_procs: list
+) -> dict[str, Any]:
+    port = _free_port()
+    router = _spawn(
+        "pd.router.main", "--port", str(port), "--policy", setup.policy,
+        "--local-prefill-max-tokens", str(setup.local), "--health-interval", "0.5",
+        *[a for u in p_urls for a in ("--prefill", u)], "--decode", d_url,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_healthy(url, [router, *worker_procs])
+        async with aiohttp.ClientSession() as http:
+            await _reset(http, [*p_urls, d_url])
+            computed0, requests0 = await _prefill_counts(http, p_urls)
+            out, _ = await measure([Target(setup.name, url)], args)
+            computed1, requests1 = await _prefill_counts(http, p_urls)
+            local = _local_requests(await _scrape(http, url))
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+    r = out["results"][0]
+    return {
+        "setup": setup.name,
+        "policy": setup.policy,
+        "local_prefill_max_tokens": setup.local,
+        "requests": r["requests"],
+        "completed": r["completed"],
+        "errors": r["errors"],
+        "p_prefill_tokens": int(computed1 - computed0),
+        "p_requests": int(requests1 - requests0),
+        "local_requests": int(local),
+        "ttft_first_turn_p50_ms": r["ttft_first_turn_ms"]["p50"],
+        "ttft_later_turns_p50_ms": r["ttft_later_turns_ms"]["p50"],
+        "ttft_later_turns_p90_ms": r["ttft_later_turns_ms"]["p90"],
+        "tpot_p50_ms": r["tpot_ms"]["p50"],
+        "duration_s": r["duration_s"],
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def summarize_runs(runs: list[dict[str, Any]], setups: list[Setup]) -> dict[str, Any]:
+    keys = ("p_prefill_tokens", "p_requests", "local_requests", "ttft_first_turn_p50_ms",
+            "ttft_later_turns_p50_ms", "ttft_later_turns_p90_ms", "tpot_p50_ms")  # fmt: skip
+    medians: dict[str, dict[str, Any]] = {}
+    for s in setups:
+        mine = [r for r in runs if r["setup"] == s.name]
+        medians[s.name] = {
+            k: statistics.median(v) if (v := [r[k] for r in mine if r[k] is not None]) else None
+            for k in keys
+        }
+    base = setups[0].name
+    vs_base = {
+        name: {
+            "p_prefill_tokens": _ratio(m["p_prefill_tokens"], medians[base]["p_prefill_tokens"]),
+            "ttft_later_turns_p50": _ratio(
+                m["ttft_later_turns_p50_ms"], medians[base]["ttft_later_turns_p50_ms"]
+            ),
+        }
+        for name, m in medians.items()
+    }
+    local_vs_off = {}
+    for s in setups:
+        off = f"{s.policy}:0"
+        if s.local and off in medians:
+            local_vs_off[s.name] = {
+                "ttft_later_turns_p50": _ratio(
+                    medians[s.name]["ttft_later_turns_p50_ms"],
+                    medians[off]["ttft_later_turns_p50_ms"],
+                ),
+                "p_requests": medians[s.name]["p_requests"],
+                "p_requests_off": medians[off]["p_requests"],
+            }
+    return {"medians": medians, f"vs_{base}": vs_base, "local_vs_off": local_vs_off}
+
+
+def _print_table(summary: dict[str, Any], base: str) -> None:
+    cols = ("p_prefill_tokens", "p_requests", "local_requests", "ttft_first_turn_p50_ms",
+            "ttft_later_turns_p50_ms", "tpot_p50_ms")  # fmt: skip
+    print("setup".ljust(22) + "".join(c.replace("_ms", "").rjust(24) for c in cols))
+    for name, m in summary["medians"].items():
+        cells = "".join(("-" if m[c] is None else f"{m[c]:.0f}").rjust(24) for c in cols)
+        print(name.ljust(22) + cells)
+    print(f"\nagainst {base}:")
+    for name, r in summary[f"vs_{base}"].items():
+        print(f"  {name:22} prefill tokens x{r['p_prefill_tokens']}, "
+              f"TTFT p50 of later turns x{r['ttft_later_turns_p50']}")  # fmt: skip
+    for name, r in summary["local_vs_off"].items():
+        print(f"  {name:22} vs local off: TTFT p50 of later turns x{r['ttft_later_turns_p50']}, "
+              f"requests at P {r['p_requests']} (off: {r['p_requests_off']})")  # fmt: skip
+
+
+def _write(out_dir: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """runs.json and routing.png (bars per setup: prefill tokens, TTFT p50 of later turns)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import orjson
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "runs.json"), "wb") as f:
+        f.write(orjson.dumps({"runs": runs, **summary}, option=orjson.OPT_INDENT_2))
+    names = list(summary["medians"])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, key, label in (
+        (axes[0], "p_prefill_tokens", "prompt tokens the prefill workers computed"),
+        (axes[1], "ttft_later_turns_p50_ms", "TTFT p50, turns 2 and later (ms)"),
+        (axes[2], "p_requests", "requests that reached a prefill worker"),
+    ):
+        values = [summary["medians"][n][key] or 0 for n in names]
+        ax.bar(range(len(names)), values, color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(label, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "routing.png"), dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        setups = parse_setups(args.setups)
+        check_args(args)
+        if args.rounds < 1 or args.threads < 1:
+            raise BenchInputError("--rounds and --threads must be >= 1")
+    except BenchInputError as e:
+        print(f"pd-bench routing: {e}", file=sys.stderr)
+        return 2
+    p_urls, d_url, procs = start_workers(args)
+    runs = []
+    try:
+        for url in (*p_urls, d_url):
+            asyncio.run(_wait_healthy(url, procs))
+        for round_no in range(args.rounds):
+            for setup in setups:
+                r = asyncio.run(run_setup(setup, p_urls, d_url, args, procs))
+                r["round"] = round_no
+                runs.append(r)
+                print(f"  {setup.name} round {round_no}: {r}", file=sys.stderr)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+    summary = summarize_runs(runs, setups)
+    if args.output_dir:
+        _write(args.output_dir, runs, summary)
+    if args.json:
+        import orjson
+
+        sys.stdout.write(orjson.dumps({"runs": runs, **summary}).decode() + "\n")
+    else:
+        _print_table(summary, setups[0].name)
+    return 0
