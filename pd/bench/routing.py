@@ -9,7 +9,8 @@ For each setup (`POLICY:LOCAL`, a routing policy and a `--local-prefill-max-toke
 1. drops every worker's prefix cache (`POST /reset_prefix_cache`: each phase starts cold),
 2. starts a router with that setup,
 3. runs the workload (default: 16 conversations of 4 turns, each with its own 1,500-token system
-   prompt, all 16 in flight: a closed loop of 16 clients),
+   prompt, 50-token questions and 64-token answers (`--ignore-eos`), all 16 in flight: a closed
+   loop of 16 clients),
 4. reads what it cost from the workers' own counters: prompt tokens the prefill workers computed
    (`pd_prefix_cache_queries_total` minus `_hits_total`), requests that reached them
    (`pd_requests_total`), and from the router the requests served decode-local.
@@ -73,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         output_len=64,
         concurrency=16,
         warmup=0,
+        # Every answer is 64 tokens: an answer that ends on its first token is served by P alone
+        # and never reaches D, which would then have nothing of that conversation to reuse.
+        ignore_eos=True,
     )
     g = p.add_argument_group("setups")
     g.add_argument("--setups", default=DEFAULT_SETUPS, help="POLICY:LOCAL,... measured in turn")

@@ -114,7 +114,9 @@ class StickyToRoom(Policy):
     recorded in a bounded table (LRU, `max_rooms`) for `room_ttl_s` after its last request.
     A request goes home while home is healthy and its in-flight count stays within
     `load_factor * mean + 1` (mean over the pool's healthy workers, this request included);
-    a request over the bound walks on along the ring, and the room keeps its home. A room whose
+    a request over the bound walks on along the ring, and the room keeps its home, unless this
+    was the room's first request there (new, or just moved): then the room's home is where the
+    request landed, which now holds its KV. A room whose
     home dies, drains or leaves the pool moves once, to the next healthy worker on the ring,
     and stays there even when the old one comes back. No key: `fallback` decides.
     """
@@ -163,17 +165,22 @@ class StickyToRoom(Policy):
             return None
         return entry[0]
 
-    def _home(self, healthy: Sequence[Worker], key: str) -> Worker | None:
+    def _home(self, healthy: Sequence[Worker], key: str) -> tuple[Worker | None, bool]:
+        """The room's home, and whether it had one already (False: new, or moved just now)."""
         home = self.home_of(key)
-        if home is None or not home.healthy or home not in healthy:
+        settled = home is not None and home.healthy and home in healthy
+        if not settled:
             self.count("new_home" if home is None else "moved_home")
             home = self._walk(healthy, key, lambda w: True)
         if home is not None:
-            self._rooms[key] = (home, self._clock())
-            self._rooms.move_to_end(key)
-            while len(self._rooms) > self.max_rooms:
-                self._rooms.popitem(last=False)
-        return home
+            self._set_home(key, home)
+        return home, settled
+
+    def _set_home(self, key: str, home: Worker) -> None:
+        self._rooms[key] = (home, self._clock())
+        self._rooms.move_to_end(key)
+        while len(self._rooms) > self.max_rooms:
+            self._rooms.popitem(last=False)
 
     def _walk(
         self, healthy: Sequence[Worker], key: str, ok: Callable[[Worker], bool]
@@ -197,17 +204,21 @@ class StickyToRoom(Policy):
             self.count("no_room_key")
             return self.fallback.choose(healthy, key, exclude, prompt)
         cap = self.bound(healthy)
-        home = self._home(healthy, key)
+        home, settled = self._home(healthy, key)
         if home is not None and home.inflight + 1 <= cap and home not in exclude:
             self.count("home")
             return home
         self.count("spill")  # home over the load bound, or tried already: the ring walks on
         w = self._walk(healthy, key, lambda w: w.inflight + 1 <= cap and w not in exclude)
-        if w is not None:
-            return w
-        # Everything on the ring is excluded, full or gone: the least loaded of what is left.
-        left = [w for w in healthy if w not in exclude]
-        return min(left, key=lambda w: w.inflight) if left else None
+        if w is None:
+            # Everything on the ring is excluded, full or gone: the least loaded of what is left.
+            left = [w for w in healthy if w not in exclude]
+            w = min(left, key=lambda w: w.inflight) if left else None
+        if w is not None and not settled:
+            # A room's first request on a new home makes its home where it lands: its KV is
+            # there now. A settled room keeps its home through a spill.
+            self._set_home(key, w)
+        return w
 
 
 class CacheAware(Policy):

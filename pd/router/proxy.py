@@ -20,6 +20,7 @@ upstream connection and so tells the worker) all release it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -114,7 +115,10 @@ class Proxy:
         d = None
         if self.cfg.local_prefill_max_tokens:
             d = decode.choose(ex.key, (), ex.prompt)
-            if d is not None and self._lacks(decode, d, ex) <= self.cfg.local_prefill_max_tokens:
+            lacks = self._lacks(decode, d, ex) if d is not None else None
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("decode worker %s lacks ~%s prompt tokens", d and d.url, lacks)
+            if d is not None and lacks is not None and lacks <= self.cfg.local_prefill_max_tokens:
                 resp = await self._local(d, ex)
                 if resp is not None:
                     return resp
@@ -283,22 +287,25 @@ class Proxy:
         if pool.index.enabled:
             ex.chunks = []
         self.idle.watch(ex, resp)
+
+        def learn(answer: dict[str, Any] | None) -> None:
+            text = _answer_text(answer, ex.chat) if answer is not None else None
+            if answer is not None and text is not None:
+                blocks = chain(ex.prompt.data + answer_bytes(text, ex.chat))
+                self._learn(pool, w, ex, blocks, expected, answer.get("usage"))
+
         try:
             if ex.stream:
-                out = await self._pipe(ex, resp, first)
-                answer = self._read_back(ex) if ex.status is None else None
-            else:
-                out, answer = await self._collect(ex, resp, first)
+                # Learnt before the stream's last bytes leave: the client's next turn may be
+                # routed as soon as they arrive.
+                return await self._pipe(ex, resp, first, lambda: learn(self._read_back(ex)))
+            out, answer = await self._collect(ex, resp, first)
+            learn(answer)
+            return out
         finally:
             self.idle.unwatch(ex)
             w.release(0)
             resp.close()  # a no-op once the body was read to its end
-        if answer is not None:
-            text = _answer_text(answer, ex.chat)
-            if text is not None:
-                blocks = chain(ex.prompt.data + answer_bytes(text, ex.chat))
-                self._learn(pool, w, ex, blocks, expected, answer.get("usage"))
-        return out
 
     def _read_back(self, ex: Exchange) -> dict[str, Any] | None:
         """The answer a relayed stream carried (for the index), off the relay's hot path."""
@@ -335,8 +342,13 @@ class Proxy:
             self.metrics.cached_tokens(pool.name, pool.estimate.tokens(expected_bytes), cached)
 
     async def _pipe(
-        self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
+        self,
+        ex: Exchange,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        complete: Callable[[], None],
     ) -> web.StreamResponse:
+        """Relay the stream; `complete()` runs once it has all come, before its end goes out."""
         resp = _SSEResponse(headers=SSE_HEADERS)
         content = upstream.content
         try:
@@ -345,6 +357,7 @@ class Proxy:
             if chunks is not None:
                 chunks.append(first)
             if content.at_eof():  # the whole stream came at once: one write, headers included
+                complete()
                 await resp.write_eof(first)
                 ex.ttft = perf_counter() - ex.t0
                 return resp
@@ -355,9 +368,11 @@ class Proxy:
                 if chunks is not None:
                     chunks.append(chunk)
                 if content.at_eof():  # the last bytes go out with the end of the body
+                    complete()
                     await resp.write_eof(chunk)
                     return resp
                 await resp.write(chunk)
+            complete()
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp

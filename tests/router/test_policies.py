@@ -93,6 +93,24 @@ def test_sticky_hot_room_is_bounded():
     assert ws[[x.url for x in ws].index(home.url)].inflight == max(x.inflight for x in ws)
 
 
+def test_a_new_room_over_the_bound_makes_its_home_where_it_lands():
+    ws = workers(2)
+    st = StickyToRoom(load_factor=1.0)
+    st.rebuild(ws)
+    ring_home = st.choose(ws, "settled")  # an idle pool: the ring's home, now settled
+    other = ws[1] if ring_home is ws[0] else ws[0]
+    for _ in range(3):
+        ring_home.acquire(1)  # busy: over the bound for anyone
+    new = next(k for k in rooms(200) if st._walk(ws, k, lambda w: True) is ring_home)
+    assert st.choose(ws, new) is other
+    assert st.home_of(new) is other  # its first request landed there: so did its KV
+    assert st.choose(ws, "settled") is other
+    assert st.home_of("settled") is ring_home  # a settled room keeps its home through a spill
+    for _ in range(3):
+        ring_home.release(1)
+    assert st.choose(ws, new) is other and st.choose(ws, "settled") is ring_home
+
+
 def test_sticky_removal_moves_only_its_rooms():
     ws = workers(5)
     st = StickyToRoom()
