@@ -252,6 +252,8 @@ def run(args: argparse.Namespace) -> int:
                 "1",
                 "--log-level",
                 "warning",
+                "--local-prefill-max-tokens",  # the PD flow, P then D, as the bare relay does
+                "0",
             ]
         ),
     ]

@@ -10,7 +10,7 @@ For each setup (`POLICY:LOCAL`, a routing policy and a `--local-prefill-max-toke
 2. starts a router with that setup,
 3. runs the workload (default: 16 conversations of 4 turns, each with its own 1,500-token system
    prompt, 50-token questions and 64-token answers (`--ignore-eos`), all 16 in flight: a closed
-   loop of 16 clients),
+   loop of 16 clients; `--rates R` starts conversations at R per second instead),
 4. reads what it cost from the workers' own counters: prompt tokens the prefill workers computed
    (`pd_prefix_cache_queries_total` minus `_hits_total`), requests that reached them
    (`pd_requests_total`), and from the router the requests served decode-local.
@@ -44,22 +44,34 @@ POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 class Setup:
     policy: str
     local: int  # --local-prefill-max-tokens
+    flags: tuple[str, ...] = ()  # more router flags, e.g. ("--cache-balance-abs", "8")
+    spec: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.policy}:{self.local}"
+        return self.spec or f"{self.policy}:{self.local}"
 
 
 def parse_setups(text: str) -> list[Setup]:
+    """`POLICY:LOCAL[:FLAG=VALUE+FLAG=VALUE...]`, comma-separated; FLAG is a pd-router flag
+    without its dashes (`cache-aware:0:cache-balance-abs=8`)."""
     setups = []
     for item in text.split(","):
-        policy, _, local = item.strip().partition(":")
+        item = item.strip()
+        policy, _, rest = item.partition(":")
+        local, _, extra = rest.partition(":")
+        flags: list[str] = []
+        for opt in filter(None, extra.split("+")):
+            name, eq, value = opt.partition("=")
+            if not eq or not name or name.startswith("-"):
+                raise BenchInputError(f"--setups: {opt!r} in {item!r} is not FLAG=VALUE")
+            flags += [f"--{name}", value]
         if policy not in POLICIES or not local.isdigit():
             raise BenchInputError(
-                f"--setups: {item!r} is not POLICY:LOCAL (policy one of {', '.join(POLICIES)}, "
-                "LOCAL a token count, 0 for off)"
+                f"--setups: {item!r} is not POLICY:LOCAL[:FLAG=VALUE+...] (policy one of "
+                f"{', '.join(POLICIES)}, LOCAL a token count, 0 for off)"
             )
-        setups.append(Setup(policy, int(local)))
+        setups.append(Setup(policy, int(local), tuple(flags), item))
     return setups
 
 
@@ -72,18 +84,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         prefix_len=1500,
         input_len=50,
         output_len=64,
-        concurrency=16,
         warmup=0,
         # Every answer is 64 tokens: an answer that ends on its first token is served by P alone
         # and never reaches D, which would then have nothing of that conversation to reuse.
         ignore_eos=True,
     )
     g = p.add_argument_group("setups")
-    g.add_argument("--setups", default=DEFAULT_SETUPS, help="POLICY:LOCAL,... measured in turn")
+    g.add_argument(
+        "--setups",
+        default=DEFAULT_SETUPS,
+        help="POLICY:LOCAL[:FLAG=VALUE+...],... measured in turn (FLAG: a pd-router flag)",
+    )
     g.add_argument("--rounds", type=int, default=1, help="times each setup is measured")
     g.add_argument("--threads", type=int, default=1, help="cores of each worker")
     g.add_argument("--dtype", default="auto", help="compute dtype of the workers")
-    g.add_argument("--p-kv-pages", type=int, default=900, help="KV pages of each prefill worker")
+    g.add_argument(
+        "--p-kv-pages",
+        type=int,
+        default=1000,
+        help="KV pages of each prefill worker (16,000 tokens: 8 conversations at their last turn)",
+    )
     g.add_argument("--d-kv-pages", type=int, default=2600, help="KV pages of the decode worker")
 
 
@@ -153,7 +173,7 @@ async def run_setup(
     router = _spawn(
         "pd.router.main", "--port", str(port), "--policy", setup.policy,
         "--local-prefill-max-tokens", str(setup.local), "--health-interval", "0.5",
-        *[a for u in p_urls for a in ("--prefill", u)], "--decode", d_url,
+        *[a for u in p_urls for a in ("--prefill", u)], "--decode", d_url, *setup.flags,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -213,7 +233,7 @@ def summarize_runs(runs: list[dict[str, Any]], setups: list[Setup]) -> dict[str,
     local_vs_off = {}
     for s in setups:
         off = f"{s.policy}:0"
-        if s.local and off in medians:
+        if s.local and not s.flags and off in medians:
             local_vs_off[s.name] = {
                 "ttft_later_turns_p50": _ratio(
                     medians[s.name]["ttft_later_turns_p50_ms"],
@@ -271,6 +291,8 @@ def _write(out_dir: str, runs: list[dict[str, Any]], summary: dict[str, Any]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rates is None and args.concurrency is None and args.trace is None:
+        args.concurrency = 16  # the default load: every conversation in flight
     try:
         setups = parse_setups(args.setups)
         check_args(args)

@@ -38,7 +38,7 @@ from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
 from pd.router.prefix_index import PromptKey, answer_bytes, chain
 from pd.router.registry import Pool, Registry
-from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse
+from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
 from pd.router.worker import Worker
 
 log = logging.getLogger("pd.router")
@@ -284,40 +284,38 @@ class Proxy:
         # worker's own, to hold against what the index expected.
         own = pool.name != "decode" or ex.route == "local"
         expected = pool.expected_cached_bytes(w, ex.prompt) if own else None
-        if pool.index.enabled:
+        # Chat answers come back as the next turn's assistant message, so a worker that
+        # generated one holds the KV of the conversation so far: the relayed stream is kept and
+        # read back for the index. (A completion's prompt rarely grows by its own answer: its
+        # prompt alone is recorded, and its stream is not kept.)
+        if pool.index.enabled and ex.chat:
             ex.chunks = []
         self.idle.watch(ex, resp)
 
-        def learn(answer: dict[str, Any] | None) -> None:
-            text = _answer_text(answer, ex.chat) if answer is not None else None
-            if answer is not None and text is not None:
+        def learn(text: str | None, usage: Any) -> None:
+            blocks = ex.prompt.blocks
+            if text and ex.chat:
                 blocks = chain(ex.prompt.data + answer_bytes(text, ex.chat))
-                self._learn(pool, w, ex, blocks, expected, answer.get("usage"))
+            self._learn(pool, w, ex, blocks, expected, usage)
+
+        def learn_stream() -> None:
+            chunks, ex.chunks = ex.chunks, None
+            read = stream_text(b"".join(chunks)) if chunks else None
+            learn(*(read or (None, None)))
 
         try:
             if ex.stream:
                 # Learnt before the stream's last bytes leave: the client's next turn may be
                 # routed as soon as they arrive.
-                return await self._pipe(ex, resp, first, lambda: learn(self._read_back(ex)))
+                return await self._pipe(ex, resp, first, learn_stream)
             out, answer = await self._collect(ex, resp, first)
-            learn(answer)
+            if answer is not None:
+                learn(_answer_text(answer, ex.chat), answer.get("usage"))
             return out
         finally:
             self.idle.unwatch(ex)
             w.release(0)
             resp.close()  # a no-op once the body was read to its end
-
-    def _read_back(self, ex: Exchange) -> dict[str, Any] | None:
-        """The answer a relayed stream carried (for the index), off the relay's hot path."""
-        chunks, ex.chunks = ex.chunks, None
-        if not chunks:
-            return None
-        collector = SSECollector(ex.chat)
-        try:
-            collector.feed(b"".join(chunks))
-        except (StreamError, orjson.JSONDecodeError):
-            return None
-        return collector.result() if collector.done else None
 
     def _learn(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -54,6 +55,37 @@ def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> by
         events.append(_event(obj))
     events.append(DONE)
     return b"".join(events)
+
+
+# A chat chunk's content string, as OpenAI servers write it (ours, vLLM, SGLang): a regex over
+# the whole stream and one JSON parse of the strings beat parsing every event (a few us for a
+# 32-chunk stream, against ~30). A string value cannot contain an unescaped quote, so the
+# pattern cannot match inside the text itself.
+_CONTENT = re.compile(rb'"delta":\{(?:"role":"[a-z]*",)?"content":("[^"\\]*(?:\\.[^"\\]*)*")')
+
+
+def stream_text(data: bytes) -> tuple[str, dict[str, Any] | None] | None:
+    """The text a complete chat SSE stream carried and its usage (None when absent), or None
+    when it carried an error event or did not end with [DONE]. The router reads back every chat
+    stream it relays, to learn what the worker now has cached."""
+    tail = data.rstrip()
+    if not tail.endswith(b"data: [DONE]") or b'data: {"error"' in data:
+        return None
+    strings = _CONTENT.findall(data)
+    try:
+        text = "".join(orjson.loads(b"[" + b",".join(strings) + b"]"))
+    except orjson.JSONDecodeError:
+        return None
+    usage = None
+    at = data.rfind(b'"usage":{')
+    if at >= 0:  # the usage event, when the stream has one: parse that event alone
+        begin = data.rfind(b"data: ", 0, at) + 6
+        stop = data.find(b"\n", at)
+        try:
+            usage = orjson.loads(data[begin : stop if stop >= 0 else None]).get("usage")
+        except orjson.JSONDecodeError:
+            usage = None
+    return text, usage
 
 
 class StreamError(Exception):
