@@ -140,6 +140,19 @@ async def _prefill_counts(http: aiohttp.ClientSession, p_urls: list[str]) -> tup
     return computed, requests
 
 
+def _decisions(router_metrics: str) -> dict[str, int]:
+    """The router's policy decisions, as {"pool/decision": count}."""
+    out: dict[str, int] = {}
+    for line in router_metrics.splitlines():
+        if line.startswith("pd_router_policy_decisions_total{"):
+            labels = dict(
+                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            name = f"{labels['pool'].strip(chr(34))}/{labels['decision'].strip(chr(34))}"
+            out[name] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 def _local_requests(router_metrics: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
@@ -183,7 +196,8 @@ async def run_setup(
             computed0, requests0 = await _prefill_counts(http, p_urls)
             out, _ = await measure([Target(setup.name, url)], args)
             computed1, requests1 = await _prefill_counts(http, p_urls)
-            local = _local_requests(await _scrape(http, url))
+            router_metrics = await _scrape(http, url)
+            local = _local_requests(router_metrics)
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -203,6 +217,7 @@ async def run_setup(
         "ttft_later_turns_p90_ms": r["ttft_later_turns_ms"]["p90"],
         "tpot_p50_ms": r["tpot_ms"]["p50"],
         "duration_s": r["duration_s"],
+        "decisions": _decisions(router_metrics),
     }
 
 
