@@ -68,6 +68,9 @@ class RouterConfig:
     sticky_load_factor: float = _flag(
         1.25, "sticky-to-room: no worker takes more than this times the mean in-flight, plus one"
     )
+    sticky_slack: int = _flag(
+        4, "sticky-to-room: in-flight requests a worker may hold beyond the load factor's share"
+    )
     sticky_room_ttl_s: float = _flag(
         3600.0, "sticky-to-room: how long a room keeps its worker after its last request"
     )
@@ -122,6 +125,7 @@ class RouterConfig:
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         check(self.sticky_load_factor >= 1.0, "--sticky-load-factor must be >= 1.0")
         check(self.sticky_room_ttl_s > 0, "--sticky-room-ttl-s must be > 0")
+        check(self.sticky_slack >= 1, "--sticky-slack must be >= 1")
         check(self.cache_balance_abs >= 0, "--cache-balance-abs must be >= 0")
         check(self.cache_balance_rel >= 1.0, "--cache-balance-rel must be >= 1.0")
         check(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in [0, 1]")

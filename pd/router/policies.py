@@ -113,7 +113,8 @@ class StickyToRoom(Policy):
     A room's home is the first healthy worker clockwise from its key on a ring of virtual nodes,
     recorded in a bounded table (LRU, `max_rooms`) for `room_ttl_s` after its last request.
     A request goes home while home is healthy and its in-flight count stays within
-    `load_factor * mean + 1` (mean over the pool's healthy workers, this request included);
+    `load_factor * mean + slack` (mean over the pool's healthy workers, this request included;
+    the slack keeps a few requests in flight from scattering rooms: a spill is a cache miss);
     a request over the bound walks on along the ring, and the room keeps its home, unless this
     was the room's first request there (new, or just moved): then the room's home is where the
     request landed, which now holds its KV. A room whose
@@ -131,10 +132,13 @@ class StickyToRoom(Policy):
         room_ttl_s: float = 3600.0,
         max_rooms: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
+        slack: int = 4,
     ):
         assert load_factor >= 1.0, "load_factor below 1 can leave no worker under the bound"
+        assert slack >= 1, "a slack below 1 can leave no worker under the bound"
         super().__init__()
         self.load_factor = load_factor
+        self.slack = slack
         self.vnodes = vnodes
         self.fallback = fallback or LoadAware()
         self.room_ttl_s = room_ttl_s
@@ -197,7 +201,7 @@ class StickyToRoom(Policy):
     def bound(self, healthy: Sequence[Worker]) -> float:
         """Most in-flight requests a worker may hold after taking one more."""
         total = sum(w.inflight for w in healthy) + 1
-        return self.load_factor * total / len(healthy) + 1
+        return self.load_factor * total / len(healthy) + self.slack
 
     def choose(self, healthy, key=None, exclude=(), prompt=None):
         if key is None or not healthy:
@@ -280,6 +284,7 @@ def make_policy(
     name: str,
     load_factor: float = 1.25,
     room_ttl_s: float = 3600.0,
+    slack: int = 4,
     index: PrefixIndex | None = None,
     balance_abs: int = 64,
     balance_rel: float = 1.5,
@@ -290,7 +295,7 @@ def make_policy(
     if name == "load-aware":
         return LoadAware()
     if name == "sticky-to-room":
-        return StickyToRoom(load_factor, room_ttl_s=room_ttl_s)
+        return StickyToRoom(load_factor, room_ttl_s=room_ttl_s, slack=slack)
     if name == "cache-aware":
         return CacheAware(index or PrefixIndex(), balance_abs, balance_rel, cache_threshold)
     raise ValueError(f"unknown policy {name!r}")

@@ -100,6 +100,7 @@ class Registry:
                 cfg.policy_of(name),
                 cfg.sticky_load_factor,
                 cfg.sticky_room_ttl_s,
+                cfg.sticky_slack,
                 index,
                 cfg.cache_balance_abs,
                 cfg.cache_balance_rel,
