@@ -354,8 +354,12 @@ class Proxy:
             chunks = ex.chunks
             if chunks is not None:
                 chunks.append(first)
-            if content.at_eof():  # the whole stream came at once: one write, headers included
+            # `complete()` runs before the client can see the stream's end: its last event
+            # ([DONE]) or the end of the body, whichever comes first.
+            done = first.endswith(DONE) or content.at_eof()
+            if done:
                 complete()
+            if content.at_eof():  # the whole stream came at once: one write, headers included
                 await resp.write_eof(first)
                 ex.ttft = perf_counter() - ex.t0
                 return resp
@@ -365,12 +369,16 @@ class Proxy:
                 ex.reads += 1
                 if chunks is not None:
                     chunks.append(chunk)
-                if content.at_eof():  # the last bytes go out with the end of the body
+                last = content.at_eof()
+                if not done and (last or chunk.endswith(DONE)):
+                    done = True
                     complete()
+                if last:  # the last bytes go out with the end of the body
                     await resp.write_eof(chunk)
                     return resp
                 await resp.write(chunk)
-            complete()
+            if not done:
+                complete()
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp

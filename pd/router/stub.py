@@ -43,6 +43,7 @@ class StubWorker:
         self.fail_times: int | None = None  # ... this many times (None: always)
         self.delay = 0.0  # seconds before the answer's headers
         self.chunk_delay = 0.0  # seconds between stream chunks
+        self.eof_delay = 0.0  # seconds between a stream's [DONE] and the end of its body
         self.break_after: int | None = None  # drop the connection after this many chunks
         self.final = False  # as prefill: the first token ends the request (no params)
         self.instance = "stub-1"  # change it to look restarted
@@ -205,6 +206,8 @@ class StubWorker:
             if i and self.chunk_delay:
                 await asyncio.sleep(self.chunk_delay)
             await resp.write(event)
+        if self.eof_delay:
+            await asyncio.sleep(self.eof_delay)
         await resp.write_eof()
         self.completed += 1
         return resp

@@ -7,6 +7,7 @@ from __future__ import annotations
 import orjson
 
 from pd.router.keys import METRICS
+from pd.router.prefix_index import answer_bytes, prompt_bytes
 from tests.router.conftest import registry_of, sse_events, wait_for
 
 T = 32  # --local-prefill-max-tokens in these tests; the stub's usage counts 4 bytes a token
@@ -90,6 +91,30 @@ async def test_a_conversations_next_turn_goes_local_once_d_holds_the_history(stu
         resp = await off.post("/v1/chat/completions", json={**body, "messages": messages})
         await resp.read()
     assert len(p2.requests) == 2 and all(kv_of(b) for b in d2.requests)
+
+
+async def test_the_answer_is_learnt_before_the_client_sees_the_streams_end(stub, router):
+    """A client sends its next turn as soon as it reads [DONE]: by then the router must know
+    what D holds, even when D closes the body later."""
+    p, d, client = await setup(stub, router)
+    d.eof_delay = 0.5
+    system = {"role": "system", "content": "S" * 2000}
+    body = {
+        "model": "stub-model",
+        "messages": [system, {"role": "user", "content": "q"}],
+        "max_tokens": 4,
+        "stream": True,
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    async for line in resp.content:
+        if line.strip() == b"data: [DONE]":
+            break
+    reg = registry_of(client)
+    assert (
+        reg.decode.index.blocks(d.url)
+        == len(prompt_bytes(body, True) + answer_bytes("xxxx", True)) // 64
+    )
+    resp.close()
 
 
 async def test_a_local_request_that_fails_before_its_first_byte_goes_through_p(stub, router):
