@@ -66,7 +66,7 @@ class Exchange:
     max_tokens: int | None  # the client's
     key: str | None  # room key for sticky-to-room
     prompt: PromptKey  # the prompt as the prefix index sees it
-    tokens: int  # estimated prompt tokens, charged to the prefill worker while it works
+    tokens: int  # estimated prompt tokens (P is charged those it lacks while it works)
     headers: dict[str, str]  # to send to workers
     t0: float
     route: str | None = None  # "local" when served decode-local (else the registry's route)
@@ -192,7 +192,9 @@ class Proxy:
                 self.metrics.retries["prefill"] += 1
             tried.append(w)
             expected = pool.expected_cached_bytes(w, ex.prompt)
-            w.acquire(ex.tokens)
+            # P is charged what it is expected to compute: the prompt less its expected hit.
+            cost = max(1, ex.tokens - pool.estimate.tokens(expected))
+            w.acquire(cost)
             try:
                 async with self._client.post(
                     w.url + ex.path, data=payload, headers=ex.headers, timeout=self.prefill_timeout
@@ -216,7 +218,7 @@ class Proxy:
             except (aiohttp.ClientError, TimeoutError) as e:
                 failure = self._on_error(w, e)
             finally:
-                w.release(ex.tokens)
+                w.release(cost)
         return (failure or self._no_worker(pool, tried)).response()
 
     # ------------------------------------------------------------------------------ relay

@@ -36,7 +36,7 @@ class Worker:
         self.healthy = False  # admitted on its first good health check
         self.checked = False  # False until the first health check answered
         self.inflight = 0  # router requests on this worker now
-        self.inflight_tokens = 0  # their estimated prompt tokens (prefill-side cost)
+        self.inflight_tokens = 0  # their estimated uncached prompt tokens (prefill-side cost)
         self.load: WorkerLoad | None = None  # as last reported in /health
         self.model: str | None = None
         self.instance: str | None = None  # changes when the worker restarts

@@ -4,6 +4,8 @@ the metrics that show it."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 
 from pd.router.keys import METRICS
@@ -174,3 +176,29 @@ async def test_cache_aware_keeps_each_conversation_on_the_prefill_worker_that_ha
     assert metric(client, "pd_router_cached_tokens_actual_total", pool="prefill") == 0
     assert metric(client, "pd_router_policy_decisions_total", policy="cache-aware") >= 12
     assert metric(client, "pd_router_prefix_index_blocks", pool="prefill") > 0
+
+
+async def test_prefill_is_charged_the_tokens_it_is_expected_to_lack(stub, router):
+    p = await stub("prefill", delay=0.3)
+    d = await stub("decode")
+    client = await router(prefill=[p], decode=[d])
+    reg = registry_of(client)
+    w = reg.prefill.workers[p.url]
+    long = completion("C" * 4000)  # 1,000 estimated tokens
+    charged = []
+
+    async def watch():
+        while not charged or charged[-1] == 0:
+            charged.append(w.inflight_tokens)
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(watch())
+    assert (await client.post("/v1/completions", json=long)).status == 200
+    await asyncio.wait_for(watcher, 5)
+    assert max(charged) >= 1000  # nothing cached: the whole prompt
+    charged.clear()
+    watcher = asyncio.create_task(watch())
+    assert (await client.post("/v1/completions", json=long)).status == 200
+    await asyncio.wait_for(watcher, 5)
+    assert 0 < max(charged) <= 20  # all but the last partial block is expected on P
+    assert w.inflight_tokens == 0
