@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd.bench import serve
 from pd.bench.pd import _free_port, _spawn, _wait_healthy
@@ -107,13 +108,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--d-kv-pages", type=int, default=2600, help="KV pages of the decode worker")
 
 
-def prometheus_sum(text: str, name: str) -> float:
-    """The sum of a metric's samples over all its labels, from Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def prometheus_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (those with the given label values), from Prometheus text."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 async def _scrape(http: aiohttp.ClientSession, url: str) -> str:
@@ -142,23 +144,12 @@ async def _prefill_counts(http: aiohttp.ClientSession, p_urls: list[str]) -> tup
 
 def _decisions(router_metrics: str) -> dict[str, int]:
     """The router's policy decisions, as {"pool/decision": count}."""
-    out: dict[str, int] = {}
-    for line in router_metrics.splitlines():
-        if line.startswith("pd_router_policy_decisions_total{"):
-            labels = dict(
-                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
-            )
-            name = f"{labels['pool'].strip(chr(34))}/{labels['decision'].strip(chr(34))}"
-            out[name] = int(float(line.rsplit(" ", 1)[1]))
-    return out
-
-
-def _local_requests(router_metrics: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in router_metrics.splitlines()
-        if line.startswith("pd_router_requests_total{") and 'route="local"' in line
-    )
+    return {
+        f"{sample.labels['pool']}/{sample.labels['decision']}": int(sample.value)
+        for family in text_string_to_metric_families(router_metrics)
+        for sample in family.samples
+        if sample.name == "pd_router_policy_decisions_total"
+    }
 
 
 def start_workers(args: argparse.Namespace) -> tuple[list[str], str, list]:
@@ -197,7 +188,7 @@ async def run_setup(
             out, _ = await measure([Target(setup.name, url)], args)
             computed1, requests1 = await _prefill_counts(http, p_urls)
             router_metrics = await _scrape(http, url)
-            local = _local_requests(router_metrics)
+            local = prometheus_sum(router_metrics, "pd_router_requests_total", route="local")
     finally:
         router.terminate()
         router.wait(timeout=30)

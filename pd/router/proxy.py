@@ -115,10 +115,10 @@ class Proxy:
         d = None
         if self.cfg.local_prefill_max_tokens:
             d = decode.choose(ex.key, (), ex.prompt)
-            lacks = self._lacks(decode, d, ex) if d is not None else None
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("decode worker %s lacks ~%s prompt tokens", d and d.url, lacks)
-            if d is not None and lacks is not None and lacks <= self.cfg.local_prefill_max_tokens:
+        if d is not None:
+            lacks = self._lacks(decode, d, ex)
+            log.debug("decode worker %s lacks ~%d prompt tokens", d.url, lacks)
+            if lacks <= self.cfg.local_prefill_max_tokens:
                 resp = await self._local(d, ex)
                 if resp is not None:
                     return resp
@@ -290,7 +290,7 @@ class Proxy:
         # generated one holds the KV of the conversation so far: the relayed stream is kept and
         # read back for the index. (A completion's prompt rarely grows by its own answer: its
         # prompt alone is recorded, and its stream is not kept.)
-        if pool.index.enabled and ex.chat:
+        if pool.index.enabled and ex.chat and ex.stream:  # (a collected answer is at hand)
             ex.chunks = []
         self.idle.watch(ex, resp)
 
@@ -401,7 +401,6 @@ class Proxy:
     ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
         """The stream as one JSON answer, and that answer (None when the stream failed)."""
         ex.ttft = perf_counter() - ex.t0
-        ex.chunks = None  # the collector has the answer
         collector = SSECollector(ex.chat)
         try:
             collector.feed(first)
