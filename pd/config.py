@@ -73,6 +73,14 @@ class WorkerConfig:
         30.0, "prefill: how long pinned KV waits for the decode side without a renewal"
     )
     kv_transfer_timeout_s: float = _flag(30.0, "decode: longest KV pull before it fails")
+    page_wait_timeout_s: float = _flag(
+        30.0, "decode: longest wait of a pulled request for free KV pages before it fails (503)"
+    )
+    kv_quarantine_s: float = _flag(
+        30.0,
+        "decode: longest hold of the pages of a read the transport could not cancel, when it "
+        "never confirms the read ended",
+    )
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
 
@@ -99,3 +107,5 @@ class WorkerConfig:
         check(0 <= self.bootstrap_port < 65536, "--bootstrap-port must be in 0..65535")
         check(self.lease_ttl_s > 0, "--lease-ttl-s must be > 0")
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")
+        check(self.page_wait_timeout_s > 0, "--page-wait-timeout-s must be > 0")
+        check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")

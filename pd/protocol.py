@@ -371,6 +371,9 @@ class WorkerLoad:
     kv_pages_cached: int = 0  # pages whose KV the prefix cache can match (referenced or not)
     kv_pages_evictable: int = 0  # cached pages nobody holds (counted in kv_pages_free)
     kv_page_size: int = 0  # tokens per page (0: not reported); sizes the router's prefix index
+    kv_pages_pinned: int = 0  # P: pages pinned for decode workers to pull
+    kv_pages_reserved: int = 0  # D: pages reserved for pulls (transferring, or quarantined)
+    waiting_for_pages: int = 0  # D: pulled requests queued until their pages fit
 
     @property
     def kv_usage(self) -> float:

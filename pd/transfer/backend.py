@@ -67,6 +67,11 @@ class Backend(ABC):
         """Release a transfer (cancelling it if still in flight). Idempotent. False when an
         in-flight transfer could not be cancelled: it may still write into its destination."""
 
+    def settled(self, xfer: int) -> bool:
+        """For a transfer whose `release` returned False: True once the transport confirms it
+        has ended (nothing can land any more). Backends that always cancel never see this."""
+        return True
+
     @abstractmethod
     def counts(self) -> BackendCounts: ...
 

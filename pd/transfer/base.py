@@ -57,6 +57,9 @@ class KVSender(ABC):
 
 class KVReceiver(ABC):
     transfer_id: str
+    # True when a read could not be cancelled and may still land in the destination slots:
+    # their owner must not reuse them until `reclaim()` says the read has ended.
+    dst_unsafe: bool = False
 
     @abstractmethod
     def poll(self) -> KVPoll: ...
@@ -77,6 +80,11 @@ class KVReceiver(ABC):
     def abort(self, reason: str = "aborted by decode") -> None:
         """Give up: stop the pull, release transfer resources, tell the prefill side."""
 
+    @abstractmethod
+    def reclaim(self) -> bool:
+        """True once nothing can land in the destination slots any more (always, unless
+        `dst_unsafe`: then once the transport confirms the uncancelled read has ended)."""
+
 
 class KVBootstrapServer(ABC):
     @property
@@ -93,7 +101,7 @@ class KVBootstrapServer(ABC):
 
 ReleaseCallback = Callable[
     [KVSender, str], None
-]  # (sender, reason: "done"|"abort"|"lease_expired")
+]  # (sender, reason: "done"|"abort"|"lease_expired"|"decode_lost")
 
 
 class KVManager(ABC):
@@ -139,6 +147,10 @@ class SenderHost(Protocol):
     @property
     def bootstrap_port(self) -> int:
         """The bound bootstrap port (goes into the params)."""
+
+    @property
+    def renewal_ttl_s(self) -> float:
+        """How long a renewal by the decode side's heartbeat lasts (a few heartbeats)."""
 
     async def server_send(self, session: Session, msg: Message) -> None:
         """Send a session message to the decode side behind `session`."""

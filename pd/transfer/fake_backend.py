@@ -39,6 +39,11 @@ class FakeBackend(Backend):
         self.agent_name = agent_name
         self.read_delay_s = read_delay_s  # fault hook: how long a read stays in flight
         self.fail_reads = False  # fault hook: every read ends in ERR
+        self.check_error: Exception | None = None  # fault hook: `check` raises this
+        # Fault hook: a read released while in flight cannot be cancelled; it "lands" for this
+        # many seconds more (then `settled` says so). None: every release cancels.
+        self.uncancellable_s: float | None = None
+        self._landing: dict[int, float] = {}  # uncancelled read -> when it has surely ended
         self._regions: list[MemRegion] = []
         self._peers: set[str] = set()
         self._xfers: dict[int, _Xfer] = {}
@@ -92,6 +97,8 @@ class FakeBackend(Backend):
         return xid
 
     def check(self, xfer: int) -> XferState:
+        if self.check_error is not None:
+            raise self.check_error
         x = self._xfers.get(xfer)
         if x is None:
             return XferState.ERR
@@ -107,7 +114,16 @@ class FakeBackend(Backend):
         return x.state
 
     def release(self, xfer: int) -> bool:
-        self._xfers.pop(xfer, None)  # the copy is done or never started: nothing can land later
+        x = self._xfers.pop(xfer, None)
+        if x is not None and x.state is XferState.PROC and self.uncancellable_s is not None:
+            self._landing[xfer] = time.monotonic() + self.uncancellable_s
+        # Else the copy is done or never started: nothing can land later.
+        return xfer not in self._landing
+
+    def settled(self, xfer: int) -> bool:
+        if time.monotonic() < self._landing.get(xfer, 0.0):
+            return False
+        self._landing.pop(xfer, None)
         return True
 
     def counts(self) -> BackendCounts:

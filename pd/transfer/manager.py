@@ -113,6 +113,12 @@ class TransferManager(KVManager):
         return self._server.port if self._server is not None else 0
 
     @property
+    def renewal_ttl_s(self) -> float:
+        # D heartbeats every interval and gives P up after `misses` silent ones: one more
+        # interval of slack, and P gives D up too.
+        return self.config.heartbeat_interval_s * (self.config.heartbeat_misses + 1)
+
+    @property
     def advertise_host(self) -> str:
         return self.config.advertise_host or self.config.bootstrap_host
 

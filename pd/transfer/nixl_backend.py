@@ -38,7 +38,8 @@ class NixlBackend(Backend):
         self._reg: list[object] = []  # registration descriptor lists, for deregistration
         self._peers: set[str] = set()
         self._xfers: dict[int, tuple[str, list[NixlXferHandle]]] = {}  # id -> (agent, handles)
-        self._uncancelled: set[int] = set()  # released ids whose reads NIXL could not cancel
+        # Released ids whose reads NIXL could not cancel -> the peer agent they read from.
+        self._uncancelled: dict[int, str] = {}
         self._ids = itertools.count(1)
 
     def register(self, regions: list[MemRegion]) -> None:
@@ -113,8 +114,18 @@ class NixlBackend(Backend):
                 log.warning("nixl: releasing transfer %d: %s", xfer, e)
                 safe = False
         if not safe:
-            self._uncancelled.add(xfer)  # ids are never reused (a counter)
+            self._uncancelled[xfer] = entry[0]  # ids are never reused (a counter)
         return safe
+
+    def settled(self, xfer: int) -> bool:
+        # Confirmed once the peer it reads from is removed: its UCX endpoints are closed then,
+        # so nothing more can land. (A live peer's read usually just completes: the owner's
+        # quarantine bounds the wait for that case.)
+        agent = self._uncancelled.get(xfer)
+        if agent is None or agent not in self._peers:
+            self._uncancelled.pop(xfer, None)
+            return True
+        return False
 
     def counts(self) -> BackendCounts:
         return BackendCounts(len(self._peers), sum(len(h) for _, h in self._xfers.values()), 0)

@@ -18,6 +18,9 @@ class Pollable(Protocol):
     def progress(self, now: float) -> bool:
         """Advance once; True when finished (the poller then drops it)."""
 
+    def poll_failed(self, error: Exception) -> None:
+        """`progress` raised: end the transfer as failed (the poller drops it)."""
+
 
 class Poller:
     def __init__(self, interval_s: float) -> None:
@@ -58,9 +61,13 @@ class Poller:
             for key, item in list(self._active.items()):
                 try:
                     finished = item.progress(now)
-                except Exception:
+                except Exception as e:  # fail it, or its waiter would never return
                     log.exception("transfer poller: progress failed")
                     finished = True
+                    try:
+                        item.poll_failed(e)
+                    except Exception:
+                        log.exception("transfer poller: failing a transfer failed")
                 if finished:
                     self._active.pop(key, None)
             if self._active:

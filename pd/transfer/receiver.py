@@ -29,9 +29,8 @@ class Receiver(KVReceiver):
         self._link: ReceiverLink | None = None
         self._dst: SlotIds | None = None
         self._xfer: int | None = None
+        self._unsafe_xfer: int | None = None  # an uncancelled read, until the transport settles it
         self._deadline = 0.0
-        # True when a read could not be cancelled and may still land in the destination slots:
-        # their owner must not reuse them.
         self.dst_unsafe = False
         self.started_at: float | None = None
         self.finished_at: float | None = None
@@ -167,6 +166,12 @@ class Receiver(KVReceiver):
             )
         return self._state.done
 
+    def poll_failed(self, error: Exception) -> None:
+        self._fail(
+            f"TransferFailed: checking the pull raised {type(error).__name__}: {error}",
+            tell_prefill=True,
+        )
+
     def _succeed(self) -> None:
         if not self._state.advance(KVPoll.Success):
             return
@@ -194,8 +199,15 @@ class Receiver(KVReceiver):
         self._host.forget_receiver(self)
         self._event.set()
 
+    def reclaim(self) -> bool:
+        if self._unsafe_xfer is not None and self._host.backend.settled(self._unsafe_xfer):
+            self._unsafe_xfer = None
+            self.dst_unsafe = False
+        return not self.dst_unsafe
+
     def _release_xfer(self) -> None:
         if self._xfer is not None:
             if not self._host.backend.release(self._xfer):
                 self.dst_unsafe = True
+                self._unsafe_xfer = self._xfer
             self._xfer = None

@@ -1,10 +1,13 @@
 """Prefill side, one per request: holds the request's slots under a lease until done/abort/expiry.
 
 The slots belong to their owner (the worker's KV cache); the sender never frees them itself but
-calls `on_release(sender, reason)` exactly once, with reason "done", "abort" or "lease_expired".
-The lease is a time-to-live on this machine's monotonic clock, renewed by the decode side's
-heartbeats; no clock is compared across machines. Nothing polls: a timer per sender fires at the
-lease deadline and re-arms itself if the lease was renewed meanwhile.
+calls `on_release(sender, reason)` exactly once, with reason "done", "abort", "lease_expired"
+(no decode worker claimed it within the lease) or "decode_lost" (the decode worker that claimed it
+stopped heartbeating). The lease is a time-to-live on this machine's monotonic clock; no clock is
+compared across machines. Until a decode worker claims the transfer it is the full lease (the
+router is between P's answer and D's call); once claimed, D renews it on every heartbeat, so a
+renewal lasts only `renewal_ttl_s` (a few heartbeat intervals): a dead D is seen within seconds.
+Nothing polls: a timer per sender fires at the deadline and re-arms itself if it moved meanwhile.
 """
 
 from __future__ import annotations
@@ -41,9 +44,8 @@ class Sender(KVSender):
         self._on_release: ReleaseCallback | None = on_release
         self._state = PollState(KVPoll.WaitingForInput)
         self._deadline = time.monotonic() + lease_ttl_s
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            lease_ttl_s, self._check_lease
-        )
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm(lease_ttl_s)
         self.session: Session | None = None  # the decode session that renews the lease
         self.release_reason: str | None = None
 
@@ -82,7 +84,10 @@ class Sender(KVSender):
     def renew(self, session: Session) -> None:
         if self._state.done:
             return
-        self._deadline = time.monotonic() + self.lease_ttl_s
+        ttl = min(self.lease_ttl_s, self._host.renewal_ttl_s)
+        self._deadline = time.monotonic() + ttl
+        if self._timer is not None and self._timer.when() > asyncio.get_running_loop().time() + ttl:
+            self._arm(ttl)  # the first renewal brings the deadline forward
         self.session = session
         self._state.advance(KVPoll.Transferring)  # D holds the request and will pull
 
@@ -100,10 +105,19 @@ class Sender(KVSender):
             return
         left = self._deadline - time.monotonic()
         if left > 0:
-            self._timer = asyncio.get_running_loop().call_later(left, self._check_lease)
+            self._arm(left)
             return
-        if self._state.fail(f"lease of {self.lease_ttl_s}s expired without renewal"):
+        if self.session is not None:
+            reason = f"the decode worker stopped renewing for {self._host.renewal_ttl_s}s"
+            if self._state.fail(reason):
+                self._release("decode_lost")
+        elif self._state.fail(f"lease of {self.lease_ttl_s}s expired without renewal"):
             self._release("lease_expired")
+
+    def _arm(self, delay: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check_lease)
 
     def _release(self, reason: str) -> None:
         if self._timer is not None:
@@ -114,6 +128,6 @@ class Sender(KVSender):
         callback, self._on_release = self._on_release, None
         if callback is not None:
             try:
-                callback(self, reason)
+                callback(self, reason)  # NOTE: done | abort | lease_expired | decode_lost
             except Exception:
                 log.exception("release callback of transfer %s failed", self.transfer_id)

@@ -94,11 +94,12 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         max_waiting=cfg.max_waiting_requests,
         hooks=prefill,
         metrics=metrics,
+        page_wait_timeout_s=cfg.page_wait_timeout_s,
     )
     metrics.read_load_from(engine.load)
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
     if cfg.role == "decode":
-        decode = DecodeSide(make_transfer_manager(cfg), runner, engine)
+        decode = DecodeSide(make_transfer_manager(cfg), runner, engine, cfg.kv_quarantine_s)
     name = cfg.served_model_name or mcfg.name
     log.info(
         "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",

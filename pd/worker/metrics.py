@@ -61,6 +61,18 @@ class WorkerMetrics:
                 "KV pages held for transfers (P: pinned for D; D: reserved for the pull)",
                 lambda w: w.kv_pages_held,
             ),
+            "pd_kv_pages_pinned": (
+                "prefill: KV pages pinned for decode workers to pull",
+                lambda w: w.kv_pages_pinned,
+            ),
+            "pd_kv_pages_reserved": (
+                "decode: KV pages reserved for pulls (transferring, or quarantined)",
+                lambda w: w.kv_pages_reserved,
+            ),
+            "pd_kv_pulls_waiting_for_pages": (
+                "decode: pulled requests queued until their KV pages fit",
+                lambda w: w.waiting_for_pages,
+            ),
             "pd_queued_prefill_tokens": (
                 "prompt tokens not yet prefilled",
                 lambda w: w.queued_prefill_tokens,

@@ -24,7 +24,8 @@ class StubSenderHost:
     advertise_host = "10.1.2.3"
     bootstrap_port = 4242
 
-    def __init__(self) -> None:
+    def __init__(self, renewal_ttl_s: float = 60.0) -> None:
+        self.renewal_ttl_s = renewal_ttl_s
         self.sent: list[tuple[Session, Message]] = []
         self.forgotten: list[KVSender] = []
 
@@ -119,7 +120,22 @@ async def test_renewals_hold_the_lease_then_it_expires():
     assert s.session is SESSION
     assert host.forgotten == []
     await eventually(lambda: rel.calls, timeout_s=2.0, what="lease expiry after renewals stop")
-    assert_released_once(s, host, rel, "lease_expired")
+    assert_released_once(s, host, rel, "decode_lost")
+
+
+async def test_a_claimed_transfer_whose_decode_side_goes_silent_is_released_within_renewal_ttl():
+    """A dead D is seen by its missing heartbeats, not when the (long) lease runs out."""
+    host = StubSenderHost(renewal_ttl_s=0.1)
+    s, rel = make(host, ttl=30.0)
+    t0 = asyncio.get_running_loop().time()
+    for _ in range(5):  # renewed past one renewal TTL: the heartbeats hold it
+        s.renew(SESSION)
+        await asyncio.sleep(0.04)
+    assert rel.calls == []
+    await eventually(lambda: rel.calls, timeout_s=2.0, what="release after D goes silent")
+    assert asyncio.get_running_loop().time() - t0 < 1.0  # not the 30 s lease
+    assert_released_once(s, host, rel, "decode_lost")
+    assert "stopped renewing" in (s.failure_reason or "")
 
 
 async def test_done_releases_once_and_stops_the_lease():
@@ -223,5 +239,5 @@ async def test_every_end_calls_on_release_exactly_once(event):
     for _ in range(3):
         poke_after_release(s)
     await asyncio.sleep(0.12)  # past the lease
-    want = {"done": "done", "lease": "lease_expired"}.get(event, "abort")
+    want = {"done": "done", "lease": "decode_lost"}.get(event, "abort")
     assert_released_once(s, host, rel, want)

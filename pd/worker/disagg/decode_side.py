@@ -5,9 +5,13 @@ A request arriving with params from a prefill worker:
    clear 400, never silent garbage; then it is queued in the engine (which checks that it fits);
 2. dials P (handshake, lease renewals start at once); its response headers and first token (P's,
    carried in the params) go out as soon as the handshake is done;
-3. waits for pages (`HeldPages.reserve`: they must fit beside the running batch's growth),
-   pulls P's pages into them, and joins the running batch at position `num_tokens`.
-A failed pull, a client that leaves, or a dead P releases the reserved pages exactly once.
+3. waits in the engine's prealloc queue (`PageWaitQueue`, first come first served) for pages
+   that fit beside the running batch's growth, pulls P's pages into them, and joins the running
+   batch at position `num_tokens`.
+A failed pull, a client that leaves, a dead P, a lost lease or a wait past its deadline ends the
+request and tells P (its pins go at once); reserved pages are released exactly once. Pages a
+read that could not be cancelled may still land in are quarantined until the transport says the
+read has ended, or for at most `quarantine_s`, and then released.
 
 A request without params is not this module's: the engine prefills it here, from this worker's
 own prefix cache, and decodes it as a co-located worker would (decode-local prefill, which the
@@ -28,14 +32,21 @@ from pd.worker.model import ModelRunner
 
 log = logging.getLogger(__name__)
 
-PAGE_WAIT_S = 0.005  # how often a request waiting for pages looks again
+QUARANTINE_POLL_S = 0.2  # how often a quarantined pull asks the transport whether it ended
 
 
 class DecodeSide(TransferRole):
-    def __init__(self, manager: TransferManager, runner: ModelRunner, engine: Engine) -> None:
+    def __init__(
+        self,
+        manager: TransferManager,
+        runner: ModelRunner,
+        engine: Engine,
+        quarantine_s: float = 30.0,
+    ) -> None:
         super().__init__(manager, runner)
         self.engine = engine
-        self.pages = engine.held_pages
+        self.quarantine_s = quarantine_s
+        self.quarantined = 0  # pulls whose pages went into quarantine (for tests and logs)
         self._tasks: set[asyncio.Task] = set()
 
     def validate(self, raw: dict[str, Any]) -> KVTransferParams:
@@ -82,25 +93,33 @@ class DecodeSide(TransferRole):
         except BaseException:  # refused, or the client left during the handshake: tell P
             self.engine.abort(handle, "the decode request ended before the pull")
             raise
-        task = asyncio.create_task(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
+        self._spawn(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
+        return handle
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return handle
 
     async def _pull(self, handle: RequestHandle, rx: KVReceiver, num_pages: int) -> None:
         key = f"d-{handle.seq.request_id}"
         try:
-            while (pages := self.pages.reserve(key, num_pages)) is None:  # the prealloc queue
-                if handle.finished:
-                    rx.abort("the client left before pages were free")
-                    return
-                await asyncio.sleep(PAGE_WAIT_S)
+            # The wait ends when the pull fails meanwhile (P died or aborted, the lease was
+            # lost, or the client left: its abort aborts `rx`), or at the queue's deadline.
+            pages = await self.engine.page_wait.acquire(key, num_pages, until=rx.wait())
+            if pages is None:
+                self._end(handle, rx)
+                return
             if handle.finished:  # finished by its first token, or aborted: no pull needed
                 rx.abort("request finished before the pull")
-                self.pages.release(key)
+                self.engine.release_held(key)
                 return
             rx.init({KV_POOL: pages})
             state = await rx.wait()
+        except APIError as e:  # no pages within the deadline
+            rx.abort(e.message)
+            self.engine.fail(handle, e)
+            return
         except BaseException as e:
             rx.abort(f"decode side error: {e!r}")
             self._settle(rx, key)
@@ -112,6 +131,10 @@ class DecodeSide(TransferRole):
             self.engine.admit_pulled(handle, key)
             return
         self._settle(rx, key)
+        self._end(handle, rx)
+
+    def _end(self, handle: RequestHandle, rx: KVReceiver) -> None:
+        """The pull failed (or the request ended meanwhile): fail it if it is still on."""
         if not handle.finished:
             self.engine.fail(
                 handle,
@@ -124,12 +147,23 @@ class DecodeSide(TransferRole):
             )
 
     def _settle(self, rx: KVReceiver, key: str) -> None:
-        """Free a failed pull's pages, unless a read might still land in them (NIXL could not
-        cancel it): those stay held, counted in /health, never given to another request."""
-        if getattr(rx, "dst_unsafe", False):
-            log.error("KV pull %s could not be cancelled: keeping its pages out of use", key)
+        """Free a failed pull's pages, unless a read might still land in them (the transport
+        could not cancel it): those are quarantined, never given to another request meanwhile."""
+        if rx.dst_unsafe:
+            log.error("KV pull %s could not be cancelled: its pages are quarantined", key)
+            self.quarantined += 1
+            self._spawn(self._quarantine(rx, key))
             return
-        self.pages.release(key)
+        self.engine.release_held(key)
+
+    async def _quarantine(self, rx: KVReceiver, key: str) -> None:
+        deadline = asyncio.get_running_loop().time() + self.quarantine_s
+        while not rx.reclaim():
+            if asyncio.get_running_loop().time() >= deadline:
+                log.error("KV pull %s: releasing its pages after %ss", key, self.quarantine_s)
+                break
+            await asyncio.sleep(QUARANTINE_POLL_S)
+        self.engine.release_held(key)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

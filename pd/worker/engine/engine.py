@@ -24,6 +24,7 @@ from pd.protocol import APIError, GenerationOptions, WorkerLoad
 from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.hooks import HeldPages, RoleHooks
+from pd.worker.engine.page_wait import PageWaitQueue
 from pd.worker.engine.postprocess import OutputProcessor, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
@@ -57,6 +58,7 @@ class Engine:
         max_waiting: int,
         hooks: RoleHooks | None = None,
         metrics: WorkerMetrics | None = None,
+        page_wait_timeout_s: float = 30.0,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -82,11 +84,18 @@ class Engine:
         self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
         self.steps = 0
+        # Decode role: pulls waiting for their pages, woken whenever pages may have come free.
+        self.page_wait = PageWaitQueue(scheduler, page_wait_timeout_s)
 
     @property
     def held_pages(self) -> HeldPages:
         """Pages held outside the batch (pinned on P, reserved for a pull on D)."""
         return self.scheduler
+
+    def release_held(self, key: str) -> None:
+        """Free the pages held under `key` (idempotent); pulls waiting for pages may fit now."""
+        self.scheduler.release(key)
+        self.page_wait.grant()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -152,22 +161,29 @@ class Engine:
             self._release(handle.seq, "abort")
             if self.metrics:
                 self.metrics.aborted.inc()
-        if handle.on_abort is not None:
-            on_abort, handle.on_abort = handle.on_abort, None
-            on_abort(reason)
+        self._tell_side_channel(handle, reason)
         self.handles.pop(handle.seq.request_id, None)
 
     def fail(self, handle: RequestHandle, error: APIError) -> None:
-        """End a request with an error (its pages are freed; see `abort` for a step in flight)."""
+        """End a request with an error (its pages are freed; see `abort` for a step in flight);
+        its side channel (a decode request's pull) is aborted too."""
         self._release(handle.seq, "error")
+        self._tell_side_channel(handle, f"the request failed: {error.message}")
         self.handles.pop(handle.seq.request_id, None)
         handle.queue.put_nowait(Delta("", [], [], "error", error))
+
+    @staticmethod
+    def _tell_side_channel(handle: RequestHandle, reason: str) -> None:
+        if handle.on_abort is not None:
+            on_abort, handle.on_abort = handle.on_abort, None
+            on_abort(reason)
 
     def _release(self, seq: Sequence, reason: str) -> None:
         if seq in self._step_seqs:  # NOTE: the forward pass may still write into its pages
             self._deferred.append((seq, reason))
         else:
             self.scheduler.finish(seq, reason)
+            self.page_wait.grant()
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -175,6 +191,7 @@ class Engine:
 
     def load(self) -> WorkerLoad:
         cache = self.scheduler.cache
+        held = len(set().union(*cache.held.values()))  # shared pages once
         return WorkerLoad(
             role=self.role,
             running=len(self.scheduler.running),
@@ -182,11 +199,14 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             kv_pages_total=cache.num_total,
             kv_pages_free=cache.num_free,  # free + evictable: what an allocation can have
-            inflight_transfers=len(cache.held),
-            kv_pages_held=len(set().union(*cache.held.values())),  # shared pages once
+            inflight_transfers=len(cache.held) + len(self.page_wait),
+            kv_pages_held=held,
             kv_pages_cached=cache.num_cached,
             kv_pages_evictable=cache.num_evictable,
             kv_page_size=cache.page_size,
+            kv_pages_pinned=held if self.role == "prefill" else 0,
+            kv_pages_reserved=held if self.role == "decode" else 0,
+            waiting_for_pages=len(self.page_wait),
         )
 
     def reset_prefix_cache(self) -> tuple[int, int]:
@@ -261,6 +281,7 @@ class Engine:
             return
         out = await self.execute(batch)
         self.postprocess.process(batch, out)
+        self.page_wait.grant()  # finished requests freed pages; the batch may have shrunk
 
     async def execute(self, batch: ScheduledBatch) -> SampleOutput:
         """Run the batch in the forward thread; then its tokens are in the KV cache, and the

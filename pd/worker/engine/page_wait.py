@@ -1,0 +1,92 @@
+"""The decode side's prealloc queue: pulled requests wait here, first come first served, until
+the pages for their KV fit beside the running batch (`HeldPages.reserve`).
+
+Event-driven: the engine calls `grant()` whenever pages may have come free (after each step,
+after an abort or a failure, after held pages are released), and each waiter is woken by the
+grant of its pages, by its `until` future (the pull failed: P died, P aborted, the lease was lost
+or the client left), or by its deadline. A waiter that gives up leaves the queue at once and never
+holds a page; one granted pages owns them under its key (the caller releases them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+
+from pd.protocol import APIError
+from pd.worker.engine.hooks import HeldPages
+
+
+@dataclass(eq=False)
+class _Waiter:
+    key: str
+    num_pages: int
+    granted: asyncio.Future[list[int]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class PageWaitQueue:
+    def __init__(self, pages: HeldPages, timeout_s: float) -> None:
+        self.pages = pages
+        self.timeout_s = timeout_s
+        self._queue: deque[_Waiter] = deque()
+        self.timeouts = 0  # waits that ran out (for tests and metrics)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    async def acquire(self, key: str, num_pages: int, until: Awaitable[object]) -> list[int] | None:
+        """Pages for `num_pages` held under `key`, in arrival order; None when `until` finished
+        first. Raises APIError 503 when they do not fit within the queue's deadline."""
+        if not self._queue and (pages := self.pages.reserve(key, num_pages)) is not None:
+            return pages
+        waiter = _Waiter(key, num_pages)
+        self._queue.append(waiter)
+        stop = asyncio.ensure_future(until)
+        try:
+            done, _ = await asyncio.wait(
+                (waiter.granted, stop), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        except BaseException:
+            self._leave(waiter)
+            raise
+        finally:
+            stop.cancel()
+        if waiter.granted in done:
+            return waiter.granted.result()
+        self._leave(waiter)
+        if stop in done:
+            return None
+        self.timeouts += 1
+        raise APIError(
+            503,
+            f"no KV pages came free for this request within {self.timeout_s}s",
+            "server_busy",
+            "kv_pages_exhausted",
+        )
+
+    def grant(self) -> None:
+        """Give pages to the waiters at the head of the queue while they fit."""
+        while self._queue:
+            head = self._queue[0]
+            if head.granted.done():  # cancelled meanwhile: `acquire` takes it out
+                self._queue.popleft()
+                continue
+            pages = self.pages.reserve(head.key, head.num_pages)
+            if pages is None:
+                return
+            self._queue.popleft()
+            head.granted.set_result(pages)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """Take a waiter out; pages granted to it meanwhile are given back."""
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+        if waiter.granted.done() and not waiter.granted.cancelled():
+            self.pages.release(waiter.key)
+            self.grant()
+        else:
+            waiter.granted.cancel()
