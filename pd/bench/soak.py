@@ -537,39 +537,45 @@ async def stream_once(
     `rec.disconnect_after` chunks when that is set. A cancelled request keeps `end` None."""
     try:
         async with asyncio_timeout(timeout_s):
-            async with http.post(
-                f"{url}/v1/chat/completions",
-                data=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
-            ) as resp:
-                rec.status = resp.status
-                if resp.status != 200:
-                    rec.error = (await resp.text())[:300]
-                    return
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        rec.done = True
-                        break
-                    event = orjson.loads(data)
-                    if isinstance(event, dict) and "error" in event:
-                        rec.error = orjson.dumps(event["error"]).decode()[:300]
-                        break
-                    now = time.monotonic()
-                    rec.chunks += 1
-                    rec.first_chunk = rec.first_chunk or now
-                    rec.last_chunk = now
-                    if rec.disconnect_after is not None and rec.chunks >= rec.disconnect_after:
-                        rec.disconnected = True
-                        resp.close()
-                        break
+            await _exchange(http, url, body, rec)
     except TimeoutError:
         rec.error = f"client timeout after {timeout_s:g} s"
     except (aiohttp.ClientError, orjson.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"[:300]
     rec.end = time.monotonic()
+
+
+async def _exchange(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: RequestRecord
+) -> None:
+    async with http.post(
+        f"{url}/v1/chat/completions",
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+    ) as resp:
+        rec.status = resp.status
+        if resp.status != 200:
+            rec.error = (await resp.text())[:300]
+            return
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                rec.done = True
+                return
+            event = orjson.loads(data)
+            if isinstance(event, dict) and "error" in event:
+                rec.error = orjson.dumps(event["error"]).decode()[:300]
+                return
+            now = time.monotonic()
+            rec.chunks += 1
+            rec.first_chunk = rec.first_chunk or now
+            rec.last_chunk = now
+            if rec.disconnect_after is not None and rec.chunks >= rec.disconnect_after:
+                rec.disconnected = True
+                resp.close()  # the connection, not only the response: the router sees it go
+                return
 
 
 # --------------------------------------------------------------------------------- soak

@@ -106,7 +106,7 @@ class DecodeSide(TransferRole):
         try:
             # The wait ends when the pull fails meanwhile (P died or aborted, the lease was
             # lost, or the client left: its abort aborts `rx`), or at the queue's deadline.
-            pages = await self.engine.page_wait.acquire(key, num_pages, until=rx.wait())
+            pages = await self.engine.page_wait.acquire(key, num_pages, until=rx.wait)
             if pages is None:
                 self._end(handle, rx)
                 return

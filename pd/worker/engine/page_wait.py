@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pd.protocol import APIError
@@ -38,14 +38,17 @@ class PageWaitQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
-    async def acquire(self, key: str, num_pages: int, until: Awaitable[object]) -> list[int] | None:
-        """Pages for `num_pages` held under `key`, in arrival order; None when `until` finished
-        first. Raises APIError 503 when they do not fit within the queue's deadline."""
+    async def acquire(
+        self, key: str, num_pages: int, until: Callable[[], Awaitable[object]]
+    ) -> list[int] | None:
+        """Pages for `num_pages` held under `key`, in arrival order; None when `until()` (e.g.
+        the receiver's `wait`) finished first. Raises APIError 503 when they do not fit within
+        the queue's deadline."""
         if not self._queue and (pages := self.pages.reserve(key, num_pages)) is not None:
             return pages
         waiter = _Waiter(key, num_pages)
         self._queue.append(waiter)
-        stop = asyncio.ensure_future(until)
+        stop = asyncio.ensure_future(until())
         try:
             done, _ = await asyncio.wait(
                 (waiter.granted, stop), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED
