@@ -55,7 +55,17 @@ class RouterConfig:
     health_failures: int = _flag(2, "consecutive failed checks that eject a worker")
     health_successes: int = _flag(1, "consecutive good checks that re-admit an ejected worker")
     connect_timeout: float = _flag(3.0, "seconds to connect to a worker")
-    prefill_timeout: float = _flag(300.0, "seconds a prefill request may take in all")
+    prefill_timeout: float = _flag(
+        300.0, "most seconds a prefill request may take (caps the deadline below)"
+    )
+    prefill_deadline_base: float = _flag(
+        10.0, "seconds a prefill may take beyond what its tokens account for"
+    )
+    prefill_min_rate: float = _flag(
+        200.0,
+        "prompt tokens per second a prefill worker sustains at the least: a prefill's deadline "
+        "is --prefill-deadline-base plus the tokens in flight on that worker over this rate",
+    )
     read_timeout: float = _flag(
         120.0,
         "longest silence (seconds) of a decode or co-located worker, before its first byte "
@@ -120,6 +130,8 @@ class RouterConfig:
         check(self.health_successes >= 1, "--health-successes must be >= 1")
         check(self.connect_timeout > 0, "--connect-timeout must be > 0")
         check(self.prefill_timeout > 0, "--prefill-timeout must be > 0")
+        check(self.prefill_deadline_base > 0, "--prefill-deadline-base must be > 0")
+        check(self.prefill_min_rate > 0, "--prefill-min-rate must be > 0")
         check(self.read_timeout > 0, "--read-timeout must be > 0")
         check(self.max_retries >= 0, "--max-retries must be >= 0")
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")

@@ -81,6 +81,7 @@ class RouterMetrics(Collector):
         self.ejections = dict.fromkeys(registry.pools, 0)
         self.health_failures = dict.fromkeys(registry.pools, 0)
         self.local_fallbacks = 0  # decode-local requests that failed first and went through P
+        self.prefill_releases = 0  # transfers P was told to drop: no decode worker will pull them
         # Prompt tokens the prefix index expected a worker to have cached, and what it reported,
         # summed over the answers that reported them (estimates vs the workers' counts).
         self.cached_expected = dict.fromkeys(registry.pools, 0)
@@ -158,6 +159,12 @@ class RouterMetrics(Collector):
         )
         local.add_metric([], self.local_fallbacks)
         yield local
+        releases = CounterMetricFamily(
+            "pd_router_prefill_releases",
+            "Prefilled KV that P was told to release because no decode worker would pull it",
+        )
+        releases.add_metric([], self.prefill_releases)
+        yield releases
         decisions = CounterMetricFamily(
             "pd_router_policy_decisions",
             "Routing decisions by pool, policy and kind",

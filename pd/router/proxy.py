@@ -7,10 +7,19 @@ prompt, it gets the client's body as it is, prefills what it lacks itself and de
 transfer. If it fails before its first byte, the request goes the PD way.
 
 PD: P gets the client's body with `max_tokens=1`, `stream=false` and
-`kv_transfer_params={"do_remote_decode": true}`. If P's answer is final (no params), it is the
-answer. Else D gets the client's body plus P's params with `stream=true`; its SSE is relayed byte
-for byte, or collected into one JSON answer when the client asked for no stream (so the router
-still tells the first token from the end, for TTFT).
+`kv_transfer_params={"do_remote_decode": true, "max_tokens": <the client's>}` (P refuses what no
+D could take, before prefilling). If P's answer is final (no params), it is the answer. Else D
+gets the client's body plus P's params with `stream=true`; its SSE is relayed byte for byte, or
+collected into one JSON answer when the client asked for no stream (so the router still tells
+the first token from the end, for TTFT). If D fails before its first byte, P is told to release
+the pages (`POST /kv/release`) and the whole P-then-D flow runs again on another D: D's failure
+may have aborted the transfer, so P's params cannot be used twice. P is told the same when no D
+is healthy, or when the client leaves before D answered.
+
+Deadlines: a prefill gets `--prefill-deadline-base` plus the tokens in flight on its worker over
+`--prefill-min-rate` (at most `--prefill-timeout`); a stream `--read-timeout` of silence. A worker
+ejected by the health checks fails its in-flight requests at once (retried elsewhere when the
+client has no byte yet).
 
 Every worker picked is charged one in-flight request at once and released in a `finally`, so
 finish, error and cancellation (a client that goes away cancels the handler, which closes the
@@ -19,8 +28,10 @@ upstream connection and so tells the worker) all release it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -75,11 +86,14 @@ class Exchange:
     status: str | None = None  # overrides the response status in metrics ("stream_error")
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
     timed_out: bool = False  # the idle watch closed the upstream
+    ejected: bool = False  # the worker streaming the answer was ejected meanwhile
 
 
 def _broken(ex: Exchange, e: BaseException) -> str:
     if ex.timed_out:
         return "the worker's stream was silent for longer than the read timeout"
+    if ex.ejected:
+        return "the worker was ejected (failed health checks) while it streamed"
     return f"the worker's stream broke off: {type(e).__name__}"
 
 
@@ -102,6 +116,8 @@ class Proxy:
         # idle watch (see idle.py).
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.read_timeout)
+        self.release_timeout = aiohttp.ClientTimeout(total=max(1.0, cfg.connect_timeout))
+        self._background: set[asyncio.Future] = set()  # releases sent to P
 
     @property
     def _client(self) -> aiohttp.ClientSession:
@@ -132,26 +148,72 @@ class Proxy:
         # A client asking one token gets it from P alone: P is not told to keep KV for D.
         final = ex.max_tokens == 1
         if not final:
-            p_body[KV] = {"do_remote_decode": True}
-        t = perf_counter()
-        answer = await self._prefill(ex, orjson.dumps(p_body))
-        if isinstance(answer, web.StreamResponse):
-            return answer
-        self.metrics.prefill.observe(perf_counter() - t)
-        params = answer.pop(KV, None)
-        if final or not params:  # final on P (EOS, a stop, or the client's max_tokens is 1)
-            ex.ttft = perf_counter() - ex.t0
+            p_body[KV] = {"do_remote_decode": True, "max_tokens": ex.max_tokens}
+        p_payload = orjson.dumps(p_body)
+        tried: list[Worker] = []
+        failure = None
+        for attempt in range(self.cfg.max_retries + 1):
+            t = perf_counter()
+            prefilled = await self._prefill(ex, p_payload)
+            if isinstance(prefilled, web.StreamResponse):
+                return prefilled
+            p, answer = prefilled
+            self.metrics.prefill.observe(perf_counter() - t)
+            params = answer.pop(KV, None)
+            if final or not params:  # final on P (EOS, a stop, or the client's max_tokens is 1)
+                ex.ttft = perf_counter() - ex.t0
+                if not ex.stream:
+                    return json_response(answer)
+                return web.Response(
+                    body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
+                )
+            if attempt == 0 and d is not None and d.healthy and d in decode.healthy:
+                w: Worker | None = d
+            else:
+                w = decode.choose(ex.key, tried, ex.prompt)
+            if w is None:
+                self._release_prefill(p, params, "no healthy decode worker to pull it")
+                break
+            if attempt:
+                self.metrics.retries["decode"] += 1
+            tried.append(w)
+            d_body = dict(ex.body)
+            d_body[KV] = params
+            d_body["stream"] = True
             if not ex.stream:
-                return json_response(answer)
-            return web.Response(
-                body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
-            )
-        d_body = dict(ex.body)
-        d_body[KV] = params
-        d_body["stream"] = True
-        if not ex.stream:
-            d_body["stream_options"] = {"include_usage": True}
-        return await self._relay(decode, ex, orjson.dumps(d_body), first=d)
+                d_body["stream_options"] = {"include_usage": True}
+            try:
+                opened = await self._open(decode, w, ex, orjson.dumps(d_body))
+            except BaseException:  # the client left before D answered
+                self._release_prefill(p, params, "the client left before the decode worker")
+                raise
+            if not isinstance(opened, Failure):
+                return await self._serve(decode, w, ex, *opened)
+            self._release_prefill(p, params, f"decode worker {w.url} answered {opened.status}")
+            failure = opened
+            if not failure.retryable:
+                return failure.response()
+        return (failure or self._no_worker(decode, tried)).response()
+
+    def _release_prefill(self, p: Worker, params: Any, reason: str) -> None:
+        """Tell P to drop the pages it pinned for these params: no D will pull them."""
+        tid = params.get("transfer_id") if isinstance(params, dict) else None
+        if not isinstance(tid, str):
+            return
+        self.metrics.prefill_releases += 1
+        task = asyncio.ensure_future(self._post_release(p, tid, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_release(self, p: Worker, transfer_id: str, reason: str) -> None:
+        body = orjson.dumps({"transfer_id": transfer_id, "reason": reason})
+        try:
+            async with self._client.post(
+                p.url + "/kv/release", data=body, headers=self.headers, timeout=self.release_timeout
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as e:  # P's lease releases them then
+            log.info("could not release transfer %s on %s: %s", transfer_id, p.url, e)
 
     def _lacks(self, pool: Pool, w: Worker, ex: Exchange) -> int:
         """Estimated prompt tokens `w` would have to prefill itself."""
@@ -180,7 +242,10 @@ class Proxy:
 
     # ------------------------------------------------------------------------------ prefill
 
-    async def _prefill(self, ex: Exchange, payload: bytes) -> dict[str, Any] | web.Response:
+    async def _prefill(
+        self, ex: Exchange, payload: bytes
+    ) -> tuple[Worker, dict[str, Any]] | web.Response:
+        """P's answer, and which P gave it; or the error answer when every try failed."""
         pool = self.registry.prefill
         tried: list[Worker] = []
         failure = None
@@ -195,11 +260,20 @@ class Proxy:
             # P is charged what it is expected to compute: the prompt less its expected hit.
             cost = max(1, ex.tokens - pool.estimate.tokens(expected))
             w.acquire(cost)
+            # Its deadline grows with the tokens ahead of it on that worker (its own included).
+            deadline = min(
+                self.cfg.prefill_timeout,
+                self.cfg.prefill_deadline_base + w.inflight_tokens / self.cfg.prefill_min_rate,
+            )
             try:
-                async with self._client.post(
-                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.prefill_timeout
-                ) as resp:
-                    data = await resp.read()
+                async with _deadline(w, deadline):
+                    async with self._client.post(
+                        w.url + ex.path,
+                        data=payload,
+                        headers=ex.headers,
+                        timeout=self.prefill_timeout,
+                    ) as resp:
+                        data = await resp.read()
                 if resp.status == 200:
                     try:
                         answer = orjson.loads(data)
@@ -207,7 +281,7 @@ class Proxy:
                         answer = None
                     if isinstance(answer, dict):
                         self._learn(pool, w, ex, ex.prompt.blocks, expected, answer.get("usage"))
-                        return answer
+                        return w, answer
                     failure = Failure.local(
                         502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
                     )
@@ -215,7 +289,9 @@ class Proxy:
                 failure = Failure.upstream(w, resp, data)
                 if resp.status not in RETRYABLE:
                     return failure.response()
-            except (aiohttp.ClientError, TimeoutError) as e:
+            except TimeoutError:
+                failure = self._timed_out(w, f"did not answer within {deadline:.1f}s")
+            except aiohttp.ClientError as e:
                 failure = self._on_error(w, e)
             finally:
                 w.release(cost)
@@ -223,18 +299,13 @@ class Proxy:
 
     # ------------------------------------------------------------------------------ relay
 
-    async def _relay(
-        self, pool: Pool, ex: Exchange, payload: bytes, first: Worker | None = None
-    ) -> web.StreamResponse:
-        """Send to a worker of `pool` (`first` if it is still healthy) and relay its stream;
-        retry elsewhere while the client has nothing."""
+    async def _relay(self, pool: Pool, ex: Exchange, payload: bytes) -> web.StreamResponse:
+        """Send to a worker of `pool` and relay its stream; retry elsewhere while the client has
+        nothing."""
         tried: list[Worker] = []
         failure = None
         for attempt in range(self.cfg.max_retries + 1):
-            if attempt == 0 and first is not None and first.healthy and first in pool.healthy:
-                w: Worker | None = first
-            else:
-                w = pool.choose(ex.key, tried, ex.prompt)
+            w = pool.choose(ex.key, tried, ex.prompt)
             if w is None:
                 break
             if attempt:
@@ -257,7 +328,7 @@ class Proxy:
         resp = None
         handed_over = False
         try:
-            async with asyncio_timeout(self.cfg.read_timeout):  # up to the first byte
+            async with _deadline(w, self.cfg.read_timeout):  # up to the first byte
                 resp = await self._client.post(
                     w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
                 )
@@ -270,7 +341,9 @@ class Proxy:
                 )
             handed_over = True
             return resp, first
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except TimeoutError:
+            return self._timed_out(w, f"sent nothing within {self.cfg.read_timeout}s")
+        except aiohttp.ClientError as e:
             return self._on_error(w, e)
         finally:
             if not handed_over:
@@ -294,6 +367,12 @@ class Proxy:
             ex.chunks = []
         self.idle.watch(ex, resp)
 
+        def ejected() -> None:  # the pending read fails: the relay ends the stream with an error
+            ex.ejected = True
+            resp.close()
+
+        w.cancels.add(ejected)
+
         def learn(text: str | None, usage: Any) -> None:
             blocks = ex.prompt.blocks
             if text and ex.chat:
@@ -315,6 +394,7 @@ class Proxy:
                 learn(_answer_text(answer, ex.chat), answer.get("usage"))
             return out
         finally:
+            w.cancels.discard(ejected)
             self.idle.unwatch(ex)
             w.release(0)
             resp.close()  # a no-op once the body was read to its end
@@ -422,10 +502,17 @@ class Proxy:
 
     # ------------------------------------------------------------------------------ errors
 
+    def _timed_out(self, w: Worker, what: str) -> Failure:
+        """A deadline ran out, or the worker was ejected meanwhile (which expires it at once)."""
+        phase = w.role if w.role != "both" else "worker"
+        if not w.healthy:
+            return Failure.local(
+                502, f"{w.role} worker {w.url} was ejected: {w.last_error}", f"{phase}_failed"
+            )
+        return Failure.local(504, f"{w.role} worker {w.url} {what}", f"{phase}_timeout")
+
     def _on_error(self, w: Worker, e: BaseException) -> Failure:
         phase = w.role if w.role != "both" else "worker"
-        if isinstance(e, TimeoutError):
-            return Failure.local(504, f"{w.role} worker {w.url} timed out", f"{phase}_timeout")
         if isinstance(e, aiohttp.ClientConnectorError):
             self.health.eject(w, f"cannot connect: {e}")
         return Failure.local(
@@ -440,6 +527,19 @@ class Proxy:
         f = Failure.local(503, f"no healthy {pool.name} worker", "no_healthy_worker")
         f.retry_after = "1"
         return f
+
+
+@contextlib.asynccontextmanager
+async def _deadline(w: Worker, seconds: float) -> AsyncIterator[None]:
+    """`asyncio_timeout(seconds)`, which also expires at once when `w` is ejected."""
+    loop = asyncio.get_running_loop()
+    async with asyncio_timeout(seconds) as cm:
+        expire = lambda: cm.reschedule(loop.time())  # noqa: E731
+        w.cancels.add(expire)
+        try:
+            yield
+        finally:
+            w.cancels.discard(expire)
 
 
 def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:

@@ -62,6 +62,8 @@ class Pool:
             if self.on_eject:
                 self.on_eject(w)
         self._refresh()
+        if not ok:
+            w.fail_inflight()
 
     def choose(
         self, key: str | None, exclude: Sequence[Worker] = (), prompt: PromptKey | None = None

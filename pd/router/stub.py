@@ -49,6 +49,7 @@ class StubWorker:
         self.instance = "stub-1"  # change it to look restarted
         self.cached_tokens = 0  # reported in usage.prompt_tokens_details
         self.requests: list[dict[str, Any]] = []  # bodies received
+        self.released: list[dict[str, Any]] = []  # bodies of /kv/release calls (as prefill)
         self.headers: list = []  # their headers (CIMultiDicts)
         self.active = 0  # requests being answered now
         self.cancelled = 0  # requests whose client (the router) went away
@@ -62,7 +63,13 @@ class StubWorker:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_post("/kv/release", self._release)
         return app
+
+    async def _release(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.released.append(body)
+        return web.json_response({"transfer_id": body.get("transfer_id"), "released": True})
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.health_status != 200:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pd.protocol import WorkerLoad
@@ -28,6 +29,7 @@ class Worker:
         "oks",
         "last_error",
         "ejections",
+        "cancels",
     )
 
     def __init__(self, url: str, role: str) -> None:
@@ -44,6 +46,8 @@ class Worker:
         self.oks = 0  # consecutive good checks
         self.last_error: str | None = None
         self.ejections = 0
+        # What ends this worker's in-flight requests when it is ejected (one per request).
+        self.cancels: set[Callable[[], None]] = set()
 
     def acquire(self, tokens: int) -> None:
         self.inflight += 1
@@ -53,6 +57,12 @@ class Worker:
         self.inflight -= 1
         self.inflight_tokens -= tokens
         assert self.inflight >= 0, f"in-flight count of {self.url} went negative"
+
+    def fail_inflight(self) -> None:
+        """Ejected: end every request in flight on it now, not when its timeout runs out."""
+        cancels, self.cancels = self.cancels, set()
+        for cancel in cancels:
+            cancel()
 
     def to_dict(self) -> dict[str, Any]:
         return {

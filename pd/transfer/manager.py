@@ -170,6 +170,14 @@ class TransferManager(KVManager):
         self._senders[tid] = sender
         return sender
 
+    def abort_sender(self, transfer_id: str, reason: str) -> bool:
+        """Abort a transfer this side still holds (its slots are released); False if none."""
+        sender = self._senders.get(transfer_id)
+        if sender is None:
+            return False
+        sender.abort(reason)
+        return True
+
     def forget_sender(self, sender: KVSender) -> None:
         if self._senders.get(sender.transfer_id) is sender:
             del self._senders[sender.transfer_id]

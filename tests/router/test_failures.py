@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import aiohttp
 import orjson
 
 from tests.router.conftest import COMPLETION, registry_of, sse_events, wait_for
@@ -24,16 +28,65 @@ async def test_prefill_retried_on_another_worker_before_first_byte(stub, router)
     assert idle(client)
 
 
-async def test_decode_retried_before_first_byte_with_the_same_params(stub, router):
+async def test_a_decode_failure_before_first_byte_releases_p_and_reruns_p_then_d(stub, router):
+    """D1's failure may have aborted P's transfer: the params are not sent twice."""
     p = await stub("prefill")
     d1 = await stub("decode", fail_status=503)
     d2 = await stub("decode")
     client = await router(prefill=[p], decode=[d1, d2], policy="round-robin")
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     assert sse_events(await resp.read())[-1] == b"[DONE]"
-    assert len(p.requests) == 1  # P is not asked again
-    assert d1.requests[0]["kv_transfer_params"] == d2.requests[0]["kv_transfer_params"]
+    assert len(p.requests) == 2  # prefilled again for D2
+    first, second = (d.requests[0]["kv_transfer_params"] for d in (d1, d2))
+    assert first["transfer_id"] != second["transfer_id"]
+    await wait_for(lambda: len(p.released) == 1)
+    assert p.released[0]["transfer_id"] == first["transfer_id"]
+    assert "503" in p.released[0]["reason"]
     assert idle(client)
+
+
+async def test_p_gets_the_clients_max_tokens_to_check_the_whole_request(stub, router):
+    p = await stub("prefill")
+    d = await stub("decode")
+    client = await router(prefill=[p], decode=[d])
+    resp = await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 77})
+    assert resp.status == 200
+    assert p.requests[0]["max_tokens"] == 1
+    assert p.requests[0]["kv_transfer_params"] == {"do_remote_decode": True, "max_tokens": 77}
+
+
+async def test_a_decode_refusal_releases_p_and_is_not_retried(stub, router):
+    p = await stub("prefill")
+    d1 = await stub("decode", fail_status=400)  # e.g. the params do not match it
+    d2 = await stub("decode")
+    client = await router(prefill=[p], decode=[d1, d2], policy="round-robin")
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status == 400
+    await wait_for(lambda: len(p.released) == 1)
+    assert p.released[0]["transfer_id"] == d1.requests[0]["kv_transfer_params"]["transfer_id"]
+    assert d2.requests == [] and idle(client)
+
+
+async def test_no_healthy_decode_worker_after_prefill_releases_p(stub, router):
+    p = await stub("prefill")
+    d = await stub("decode", fail_status=503)
+    client = await router(prefill=[p], decode=[d])
+    resp = await client.post("/v1/completions", json=COMPLETION)
+    assert resp.status == 503
+    # One try on the only D, then no other D to try: every prefilled transfer is released.
+    await wait_for(lambda: len(p.released) == len(p.requests) >= 1)
+    assert idle(client)
+
+
+async def test_a_client_that_leaves_before_decode_answers_releases_p(stub, router):
+    p = await stub("prefill")
+    d = await stub("decode", delay=5.0)  # D is slow to answer
+    client = await router(prefill=[p], decode=[d])
+    with contextlib.suppress(asyncio.TimeoutError):
+        await client.post("/v1/completions", json=COMPLETION, timeout=aiohttp.ClientTimeout(0.5))
+    await wait_for(lambda: len(p.released) == 1, timeout=5)
+    assert "client left" in p.released[0]["reason"]
+    await wait_for(lambda: idle(client))
 
 
 async def test_no_retry_after_the_first_byte(stub, router):
@@ -157,3 +210,65 @@ async def test_decode_dying_after_headers_but_before_a_byte_is_retried(stub, rou
         assert sse_events(await resp.read())[-1] == b"[DONE]"
     assert len(d1.requests) == 2 and len(d2.requests) == 2
     assert idle(client)
+
+
+async def test_a_frozen_prefill_worker_misses_its_deadline_and_the_next_one_answers(stub, router):
+    """The deadline is base + tokens in flight / min rate, not the 300 s --prefill-timeout."""
+    frozen = await stub("prefill", delay=30.0)
+    p2 = await stub("prefill")
+    d = await stub("decode")
+    client = await router(
+        prefill=[frozen, p2], decode=[d], policy="round-robin",
+        prefill_deadline_base=0.3, prefill_min_rate=1e6,
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    for _ in range(2):  # whichever P comes first
+        t0 = loop.time()
+        resp = await client.post("/v1/completions", json=COMPLETION)
+        assert resp.status == 200 and loop.time() - t0 < 3
+    assert len(frozen.requests) >= 1 and len(p2.requests) == 2
+    await wait_for(lambda: idle(client), timeout=5)
+
+
+async def test_the_prefill_deadline_grows_with_the_prompt(stub, router):
+    slow = await stub("prefill", delay=1.0)  # 1 s for a prompt of ~1,000 estimated tokens
+    d = await stub("decode")
+    long_prompt = {**COMPLETION, "prompt": "y" * 4000}
+    client = await router(
+        prefill=[slow], decode=[d], prefill_deadline_base=0.3, prefill_min_rate=500.0
+    )
+    resp = await client.post("/v1/completions", json=long_prompt)  # 0.3 + ~2 s: in time
+    assert resp.status == 200
+    resp = await client.post("/v1/completions", json=COMPLETION)  # 0.3 s: too short for 1 s
+    assert resp.status == 504
+    assert (await resp.json())["error"]["code"] == "prefill_timeout"
+
+
+async def test_ejecting_a_prefill_worker_fails_its_in_flight_requests_at_once(stub, router):
+    frozen = await stub("prefill", delay=30.0)
+    d = await stub("decode")
+    client = await router(prefill=[frozen], decode=[d], health_failures=2)
+    loop = asyncio.get_running_loop()
+    request = asyncio.ensure_future(client.post("/v1/completions", json=COMPLETION))
+    await wait_for(lambda: frozen.active == 1)
+    t0 = loop.time()
+    frozen.health_status = 503  # its health checks fail: ejected after two (0.05 s apart)
+    resp = await request
+    assert loop.time() - t0 < 2  # not the prefill deadline (10 s)
+    assert resp.status == 502
+    assert "ejected" in (await resp.json())["error"]["message"]
+    await wait_for(lambda: frozen.active == 0 and idle(client), timeout=5)
+
+
+async def test_ejecting_a_decode_worker_ends_its_streams_with_an_error(stub, router):
+    p = await stub("prefill")
+    d = await stub("decode", chunks=50, chunk_delay=0.1)
+    client = await router(prefill=[p], decode=[d], health_failures=2)
+    resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
+    assert resp.status == 200
+    await resp.content.readline()  # the stream is flowing
+    d.health_status = 503
+    events = sse_events(await asyncio.wait_for(resp.read(), 3))
+    error = orjson.loads(events[-1])["error"]
+    assert error["code"] == "stream_broken" and "ejected" in error["message"]
+    await wait_for(lambda: idle(client), timeout=5)

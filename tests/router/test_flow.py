@@ -23,7 +23,7 @@ async def test_pd_stream_relays_decode_sse(stub, router):
     assert raw == b"".join(d._events(False, False))  # relayed byte for byte
     (p_body,) = p.requests
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
-    assert p_body["kv_transfer_params"] == {"do_remote_decode": True}
+    assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "max_tokens": 8}
     (d_body,) = d.requests
     assert d_body["stream"] is True and d_body["max_tokens"] == 8 and d_body["user"] == "u1"
     assert d_body["kv_transfer_params"]["transfer_id"].startswith("cmpl-")  # P's, opaque

@@ -66,3 +66,14 @@ async def test_errors_of_the_block_pass_through(timeout):
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="3.11+ uses asyncio.timeout")
 def test_newer_pythons_use_asyncio_timeout():
     assert asyncio_timeout is asyncio.timeout
+
+
+@each
+async def test_rescheduling_to_now_expires_the_block_at_once(timeout):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        async with timeout(30) as cm:
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.02, lambda: cm.reschedule(loop.time()))
+            await asyncio.sleep(5)
+    assert time.monotonic() - t0 < 2

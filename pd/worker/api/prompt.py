@@ -41,4 +41,17 @@ def wants_remote_decode(role: str, req: Request) -> bool:
         )
     if req.stream:
         raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
+    asked = kvp.get("max_tokens")
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+        raise bad_request(
+            "kv_transfer_params.max_tokens must be a positive integer", param="kv_transfer_params"
+        )
     return True
+
+
+def decode_max_tokens(req: Request) -> int | None:
+    """The client's `max_tokens`, which the router passes to P in `kv_transfer_params` so that
+    P refuses, before prefilling, a request no decode worker could take."""
+    kvp = req.kv_transfer_params or {}
+    asked = kvp.get("max_tokens")
+    return asked if isinstance(asked, int) else None

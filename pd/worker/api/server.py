@@ -12,7 +12,7 @@ from aiohttp import web
 
 from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body, parse_request
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.api.prompt import prompt_ids, wants_remote_decode
+from pd.worker.api.prompt import decode_max_tokens, prompt_ids, wants_remote_decode
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 
@@ -56,6 +56,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    app.router.add_post("/kv/release", kv_release)
     app.cleanup_ctx.append(_engine_ctx)
     if worker.transfer is not None:
         app.cleanup_ctx.append(_transfer_ctx)
@@ -119,6 +120,23 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response({"dropped_pages": dropped, "kept_referenced_pages": kept})
 
 
+async def kv_release(request: web.Request) -> web.Response:
+    """Prefill role: release the pages pinned for a transfer no decode worker will pull (the
+    router calls it when D refused the params, no D was healthy, or the client left first)."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    if worker.prefill is None:
+        raise APIError(400, f"this {worker.config.role} worker pins no KV", code="not_prefill")
+    body = parse_json_body(await request.read())
+    tid, reason = body.get("transfer_id"), body.get("reason", "released by the router")
+    if not isinstance(tid, str) or not isinstance(reason, str):
+        raise APIError(
+            400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id"
+        )
+    released = worker.prefill.release(tid, reason[:200])
+    return json_response({"transfer_id": tid, "released": released})
+
+
 async def metrics(request: web.Request) -> web.Response:
     return web.Response(
         body=request.app[WORKER].metrics.render(), content_type="text/plain", charset="utf-8"
@@ -171,6 +189,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         remote_decode = wants_remote_decode(worker.config.role, req)
         ids = prompt_ids(worker.tokenizer, req)
+        if remote_decode:  # the whole request must fit the context, not only P's one token
+            worker.engine.capacity.max_tokens_for(len(ids), decode_max_tokens(req))
         handle = worker.engine.add_request(ids, req.options, remote_decode)
     worker.metrics.prompt_tokens.inc(len(ids))
     builder = ResponseBuilder(

@@ -60,6 +60,11 @@ class PrefillSide(TransferRole):
             self.pages.release(key)  # idempotent
             raise
 
+    def release(self, transfer_id: str, reason: str) -> bool:
+        """Give up a transfer no decode worker will pull; False when it is not held (done,
+        released before, or never ours)."""
+        return self.manager.abort_sender(transfer_id, reason)
+
     def _release(self, key: str, reason: str) -> None:
         self.pages.release(key)
         self.released[reason] = self.released.get(reason, 0) + 1
