@@ -266,9 +266,12 @@ async def test_ejecting_a_decode_worker_ends_its_streams_with_an_error(stub, rou
     client = await router(prefill=[p], decode=[d], health_failures=2)
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     assert resp.status == 200
-    await resp.content.readline()  # the stream is flowing
+    await resp.content.readline()  # the stream is flowing: one event's line, and the blank one
+    await resp.content.readline()
     d.health_status = 503
-    events = sse_events(await asyncio.wait_for(resp.read(), 3))
+    raw = await asyncio.wait_for(resp.read(), 3)
+    events = sse_events(raw)
+    assert events, raw
     error = orjson.loads(events[-1])["error"]
     assert error["code"] == "stream_broken" and "ejected" in error["message"]
     await wait_for(lambda: idle(client), timeout=5)
