@@ -467,13 +467,15 @@ class Proxy:
         except aiohttp.ClientError as e:
             # Bytes already reached the client: no retry; say so in the stream and end it.
             ex.status = "stream_error"
-            message = _broken(ex, e)
-            await resp.write(
-                b"data: "
-                + orjson.dumps(error_body(message, "upstream_error", "stream_broken"))
-                + b"\n\n"
+            tail = b"data: " + orjson.dumps(
+                error_body(_broken(ex, e), "upstream_error", "stream_broken")
             )
-        await resp.write_eof()
+            with contextlib.suppress(ConnectionResetError):  # the client may be gone too
+                await resp.write(tail + b"\n\n")
+                await resp.write_eof()
+            return resp
+        with contextlib.suppress(ConnectionResetError):  # it had the whole stream, then left
+            await resp.write_eof()
         return resp
 
     async def _collect(
@@ -524,9 +526,10 @@ class Proxy:
             return Failure.local(
                 502, f"every {pool.name} worker tried failed", f"{pool.name}_failed"
             )
-        f = Failure.local(503, f"no healthy {pool.name} worker", "no_healthy_worker")
-        f.retry_after = "1"
-        return f
+        body = error_body(
+            f"no healthy {pool.name} worker", "service_unavailable", "no_healthy_worker"
+        )
+        return Failure(503, orjson.dumps(body), retry_after="1")
 
 
 @contextlib.asynccontextmanager

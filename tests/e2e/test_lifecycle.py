@@ -86,9 +86,7 @@ async def one_pull_waiting_for_pages(http, p_url: str, d_url: str):
     first = asyncio.ensure_future(
         decode(http, d_url, HALF, await prefill(http, p_url, HALF, 300), 300)
     )
-    await until(
-        lambda: _running(http, d_url), 30, "the first request decoding on D"
-    )
+    await until(lambda: _running(http, d_url), 30, "the first request decoding on D")
     second = asyncio.ensure_future(
         decode(http, d_url, LONG, await prefill(http, p_url, LONG, 8), 8)
     )

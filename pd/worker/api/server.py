@@ -130,9 +130,7 @@ async def kv_release(request: web.Request) -> web.Response:
     body = parse_json_body(await request.read())
     tid, reason = body.get("transfer_id"), body.get("reason", "released by the router")
     if not isinstance(tid, str) or not isinstance(reason, str):
-        raise APIError(
-            400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id"
-        )
+        raise APIError(400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id")
     released = worker.prefill.release(tid, reason[:200])
     return json_response({"transfer_id": tid, "released": released})
 
