@@ -221,6 +221,7 @@ def build_report(
     duration_s: float,
     unexpected_exits: list[str],
     config: dict[str, Any] | None = None,
+    settle_s: float | None = None,
 ) -> dict[str, Any]:
     """The soak's JSON report, its verdict (`passed`) and the reasons it failed (`failures`)."""
     outcomes = count_outcomes(records, deadline_s)
@@ -253,6 +254,7 @@ def build_report(
         "kills": kill_dicts,
         "pages_leaked": leaked,
         "integrity": integrity,
+        "settle_s": _round(settle_s),  # from the load's end until both workers settled
         "workers": workers,
         "errors": error_samples(records, deadline_s),
         "config": config or {},
@@ -279,6 +281,7 @@ def format_summary(report: dict[str, Any]) -> str:
             f"restart: ready {s(k['restart_to_ready_s'])}, re-admitted "
             f"{s(k['restart_to_healthy_s'])}, first success {s(k['restart_to_first_success_s'])}"
         )
+    lines.append(f"  workers settled after the load: {s(report.get('settle_s'))}")
     for role, w in report["workers"].items():
         lines.append(
             f"  {role} {w['url']}: integrity {w['integrity']}, pages leaked {w['pages_leaked']}, "
@@ -637,8 +640,9 @@ async def _is_false(value: Any) -> bool:
 
 async def _settle(
     http: aiohttp.ClientSession, cluster: Cluster, timeout: float
-) -> dict[str, dict[str, Any]]:
-    """Poll both workers' /health until both settled or `timeout`; their end states."""
+) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Poll both workers' /health until both settled or `timeout`: their end states, and how
+    long settling took (None: not within `timeout`)."""
     last: dict[str, tuple[Mapping[str, Any] | None, str]] = {}
 
     async def read(role: str) -> bool:
@@ -656,8 +660,10 @@ async def _settle(
         results = [await read(role) for role in ROLES]
         return all(results)
 
-    await _poll(both, timeout=timeout, interval=0.25)
-    return {role: worker_end_state(cluster.services[role].url, *last[role]) for role in ROLES}
+    t = time.monotonic()
+    ok = await _poll(both, timeout=timeout, interval=0.25)
+    took = time.monotonic() - t if ok else None
+    return {role: worker_end_state(cluster.services[role].url, *last[role]) for role in ROLES}, took
 
 
 async def _sleep_until(t: float) -> None:
@@ -719,7 +725,7 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             await load.stop(grace_s=deadline_s + 2.0)
         exits = cluster.exited()
         # 5. settling, within one lease.
-        workers = await _settle(http, cluster, args.lease_ttl_s + SETTLE_SLACK_S)
+        workers, settle_s = await _settle(http, cluster, args.lease_ttl_s + SETTLE_SLACK_S)
     config = {
         k: getattr(args, k)
         for k in ("duration", "clients", "disconnect_frac", "threads", "prompt_tokens",
@@ -727,7 +733,9 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
                   "read_timeout", "dtype")
     }  # fmt: skip
     config["log_dir"] = cluster.log_dir
-    return build_report(load.records, deadline_s, kills, workers, duration_s, exits, config)
+    return build_report(
+        load.records, deadline_s, kills, workers, duration_s, exits, config, settle_s
+    )
 
 
 # ---------------------------------------------------------------------------------- CLI
