@@ -61,6 +61,11 @@ class WorkerConfig:
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
     advertise_url: str | None = _flag(None, "URL the router should use for this worker")
+    kv_advertise_host: str | None = _flag(
+        None,
+        "prefill: the address decode workers dial for the KV bootstrap channel (default: --host; "
+        "required when --host is a wildcard such as 0.0.0.0)",
+    )
     bootstrap_port: int = _flag(
         0, "prefill/decode: port of the KV bootstrap channel (0 picks a free one)"
     )
@@ -105,6 +110,13 @@ class WorkerConfig:
         check(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
         check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
         check(0 <= self.bootstrap_port < 65536, "--bootstrap-port must be in 0..65535")
+        check(
+            self.role != "prefill"
+            or self.kv_advertise_host is not None
+            or self.host not in ("0.0.0.0", "::", ""),
+            f"--host {self.host!r} listens everywhere: give --kv-advertise-host, the address "
+            "decode workers can dial for this worker's KV",
+        )
         check(self.lease_ttl_s > 0, "--lease-ttl-s must be > 0")
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")
         check(self.page_wait_timeout_s > 0, "--page-wait-timeout-s must be > 0")

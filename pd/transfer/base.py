@@ -60,6 +60,8 @@ class KVReceiver(ABC):
     # True when a read could not be cancelled and may still land in the destination slots:
     # their owner must not reuse them until `reclaim()` says the read has ended.
     dst_unsafe: bool = False
+    started_at: float | None = None  # monotonic: when the reads were posted
+    finished_at: float | None = None  # monotonic: when it succeeded or failed
 
     @abstractmethod
     def poll(self) -> KVPoll: ...

@@ -42,6 +42,18 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_pull = Histogram(
+            "pd_kv_transfer_seconds",
+            "decode: KV pulls from their start (pages reserved, reads posted) to success",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_pull_bytes = Counter(
+            "pd_kv_transfer_bytes", "decode: KV bytes pulled by successful pulls", registry=r
+        )
+        self.kv_pulls_failed = Counter(
+            "pd_kv_transfers_failed", "decode: pulls that failed, and why", ["reason"], registry=r
+        )
         self.e2e = Histogram(
             "pd_request_latency_seconds",
             "request latency, arrival to finish",

@@ -40,6 +40,7 @@ def make_transfer_manager(cfg: WorkerConfig) -> TransferManager:
             serve=cfg.role == "prefill",
             bootstrap_host=cfg.host,
             bootstrap_port=cfg.bootstrap_port,
+            advertise_host=cfg.kv_advertise_host,
             cluster_token=cfg.cluster_token,
             default_lease_ttl_s=cfg.lease_ttl_s,
             transfer_timeout_s=cfg.kv_transfer_timeout_s,
@@ -57,6 +58,8 @@ class TransferRole:
         self.manager = manager
         self.contract = KVContract.of(runner)
         self._buffers = [pool.buffer for pool in runner.kv_pools]
+        # Bytes of one page over every TP rank (what a pull of one page moves).
+        self.page_bytes = sum(b.element_size() * b[0].numel() for b in self._buffers)
         self._num_kv_heads = runner.config.num_kv_heads
 
     @property

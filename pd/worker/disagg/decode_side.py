@@ -118,24 +118,35 @@ class DecodeSide(TransferRole):
             state = await rx.wait()
         except APIError as e:  # no pages within the deadline
             rx.abort(e.message)
+            self._count_failure("pages_timeout")
             self.engine.fail(handle, e)
             return
         except BaseException as e:
             rx.abort(f"decode side error: {e!r}")
             self._settle(rx, key)
             if not isinstance(e, asyncio.CancelledError):
+                self._count_failure("error")
                 log.exception("KV pull of %s failed", handle.seq.request_id)
                 self.engine.fail(handle, APIError(500, f"KV pull failed: {e}", "internal_error"))
             raise
         if state is KVPoll.Success and not handle.finished:
+            metrics = self.engine.metrics
+            if metrics is not None and rx.started_at is not None and rx.finished_at is not None:
+                metrics.kv_pull.observe(rx.finished_at - rx.started_at)
+                metrics.kv_pull_bytes.inc(num_pages * self.page_bytes)
             self.engine.admit_pulled(handle, key)
             return
         self._settle(rx, key)
         self._end(handle, rx)
 
+    def _count_failure(self, reason: str) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.kv_pulls_failed.labels(reason).inc()
+
     def _end(self, handle: RequestHandle, rx: KVReceiver) -> None:
         """The pull failed (or the request ended meanwhile): fail it if it is still on."""
         if not handle.finished:
+            self._count_failure("transfer")
             self.engine.fail(
                 handle,
                 APIError(

@@ -19,6 +19,7 @@ from pd.protocol import APIError, GenerationOptions
 from pd.transfer import TransferConfig, create_manager
 from pd.worker.disagg import DecodeSide, PrefillSide
 from pd.worker.engine import Engine, RequestHandle, Scheduler
+from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelConfig, SampleOutput
 
 PAGE = 4
@@ -59,7 +60,7 @@ class Pair:
         d_sched = Scheduler(KVCacheManager(d_pages, PAGE), chunk_size=64, max_running=8)
         self.d = Engine(
             Runner(d_pages), d_sched, TOKENIZER, role="decode", max_model_len=64, max_waiting=8,
-            page_wait_timeout_s=page_wait_s,
+            page_wait_timeout_s=page_wait_s, metrics=WorkerMetrics(),
         )  # fmt: skip
         d_mgr = create_manager(
             TransferConfig(backend="fake", cluster_token=TOKEN, serve=False, **{**FAST, **d_cfg})
@@ -150,6 +151,12 @@ async def test_a_pull_that_succeeds_gives_every_page_back_on_both_sides(make_pai
     h = await pair.decode_request(max_tokens=3)
     tokens, error = await drain(h)
     assert error is None and tokens == [7, 7, 7]  # P's first token, then D's
+    metrics = pair.d.metrics
+    assert metrics is not None
+    samples = {s.name: s.value for s in metrics.kv_pull.collect()[0].samples}
+    assert samples["pd_kv_transfer_seconds_count"] == 1
+    page_bytes = 2 * 2 * 1 * PAGE * 8 * 4  # layers x K/V x heads x page x head dim x fp32
+    assert metrics.kv_pull_bytes._value.get() == 5 * page_bytes
     pair.d.abort(h)
     await until(lambda: pair.prefill.released.get("done") == 1, 2, "P told done")
     await pair.assert_settled()
@@ -230,6 +237,8 @@ async def test_a_progress_check_that_raises_fails_the_pull(make_pair):
     h = await pair.decode_request()
     _, error = await drain(h)
     assert error is not None and error.status == 502 and "transport bug" in error.message
+    assert pair.d.metrics is not None
+    assert pair.d.metrics.kv_pulls_failed.labels("transfer")._value.get() == 1
     pair.d.abort(h)
     await until(lambda: pair.prefill.released.get("abort") == 1, 2, "P told abort")
     await pair.assert_settled()

@@ -1,0 +1,21 @@
+"""`WorkerConfig` refuses what would fail later, with a message that says what to give."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd.config import WorkerConfig
+
+
+def test_a_prefill_worker_listening_everywhere_needs_a_kv_advertise_host():
+    with pytest.raises(ValueError, match="--kv-advertise-host"):
+        WorkerConfig(role="prefill", host="0.0.0.0")
+    cfg = WorkerConfig(role="prefill", host="0.0.0.0", kv_advertise_host="10.0.0.2")
+    assert cfg.kv_advertise_host == "10.0.0.2"
+    WorkerConfig(role="decode", host="0.0.0.0")  # D dials out: it advertises nothing
+
+
+@pytest.mark.parametrize("field, value", [("page_wait_timeout_s", 0.0), ("kv_quarantine_s", -1.0)])
+def test_lifecycle_bounds_must_be_sane(field, value):
+    with pytest.raises(ValueError, match=field.replace("_", "-")):
+        WorkerConfig(**{field: value})
