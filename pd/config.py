@@ -78,6 +78,12 @@ class WorkerConfig:
         30.0, "prefill: how long pinned KV waits for the decode side without a renewal"
     )
     kv_transfer_timeout_s: float = _flag(30.0, "decode: longest KV pull before it fails")
+    quantization: str = _flag(
+        "none",
+        "weights of the linear layers: none (the dtype), int8 (per channel) or int4 (groups of "
+        "--group-size; a GGUF's Q4_1 layers are packed as they are) on the CPU kernels",
+    )
+    group_size: int = _flag(32, "inputs per int4 group")
     page_wait_timeout_s: float = _flag(
         30.0, "decode: longest wait of a pulled request for free KV pages before it fails (503)"
     )
@@ -120,4 +126,9 @@ class WorkerConfig:
         check(self.lease_ttl_s > 0, "--lease-ttl-s must be > 0")
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")
         check(self.page_wait_timeout_s > 0, "--page-wait-timeout-s must be > 0")
+        check(
+            self.quantization in ("none", "int8", "int4"),
+            "--quantization must be one of none, int8, int4",
+        )
+        check(self.group_size >= 1, "--group-size must be >= 1")
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")

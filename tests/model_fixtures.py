@@ -13,14 +13,23 @@ from pd.worker.model.runner import ModelRunner
 
 
 @functools.cache
-def default_checkpoint() -> LoadedCheckpoint:
-    return load_checkpoint(default_model_path(), dtype=torch.float32, progress=False)
+def default_checkpoint(keep_q4_1: bool = False) -> LoadedCheckpoint:
+    """The default model, dequantized (or with its Q4_1 layers as they are: `keep_q4_1`)."""
+    return load_checkpoint(
+        default_model_path(), dtype=torch.float32, progress=False, keep_q4_1=keep_q4_1
+    )
 
 
 def make_runner(
-    tp: int = 1, dtype: torch.dtype = torch.float32, num_pages: int = 64, page_size: int = 16
+    tp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    num_pages: int = 64,
+    page_size: int = 16,
+    quantization: str = "none",
+    group_size: int = 32,
+    keep_q4_1: bool = False,
 ) -> ModelRunner:
-    ckpt = default_checkpoint()
+    ckpt = default_checkpoint(keep_q4_1)
     return ModelRunner(
         ckpt.config,
         ckpt.weights,
@@ -30,6 +39,8 @@ def make_runner(
         num_pages=num_pages,
         page_size=page_size,
         max_model_len=2048,
+        quantization=quantization,
+        group_size=group_size,
     )
 
 

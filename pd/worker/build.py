@@ -60,7 +60,9 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if ckpt is None:
-        ckpt = load_checkpoint(cfg.model or default_model_path(), dtype=torch.float32)
+        # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip).
+        keep = cfg.quantization == "int4" and cfg.group_size == 32
+        ckpt = load_checkpoint(cfg.model or default_model_path(), torch.float32, keep_q4_1=keep)
     mcfg = ckpt.config
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(
@@ -76,6 +78,8 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         page_size=cfg.page_size,
         max_model_len=max_model_len,
         seed=cfg.seed,
+        quantization=cfg.quantization,
+        group_size=cfg.group_size,
     )
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.quant import GroupQuant, Weight
 from pd.worker.text.tokenizer import Tokenizer
 
 # Architectures we load, and whether llama.cpp permuted their Q/K rows.
@@ -177,9 +178,21 @@ def llama3_scaling_from_factors(
     )
 
 
+def q4_1_groups(raw: np.ndarray, rows: int, cols: int) -> GroupQuant:
+    """A Q4_1 tensor's blocks as they are (no float round trip): per 32 weights an fp16 scale
+    `d`, an fp16 minimum `m` and 16 bytes of nibbles (weight j low, weight j + 16 high), for
+    `w = q * d + m`."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows * (cols // 32), 20)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    qs = blocks[:, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).reshape(rows, cols)
+    return GroupQuant(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
 def load_gguf(
-    path: str, dtype: torch.dtype, progress: bool | None
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    path: str, dtype: torch.dtype, progress: bool | None, keep_q4_1: bool = False
+) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", path):
         raise CheckpointError(f"{path}: split GGUF files are not supported; merge them first")
     reader = GGUFReader(path)
@@ -189,7 +202,7 @@ def load_gguf(
     tokenizer = tokenizer_from_gguf_metadata(meta)
     permuted = PERMUTED_QK[config.architecture]
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     bar = Progress(len(tensors), progress)
     for name, t in tensors.items():
         bar.step()
@@ -198,6 +211,14 @@ def load_gguf(
         target = hf_name(name)
         if target is None:
             raise CheckpointError(f"{path}: unsupported tensor {name!r} ({config.architecture})")
+        if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1 and "_proj." in target:
+            cols, rows = (int(n) for n in t.shape)  # GGUF's shape is [in, out]
+            g = q4_1_groups(t.data, rows, cols)
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+                g = GroupQuant(*(unpermute_qk(x, heads) for x in (g.q, g.scale, g.low)))
+            weights[target] = g
+            continue
         # dequantize gives numpy's (reversed GGUF) shape: [out, in] for a Linear, as in HF.
         # F32 tensors come back as a read-only view of the mapped file: copy those.
         array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)

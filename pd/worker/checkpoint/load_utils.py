@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.quant import Weight
 from pd.worker.text.tokenizer import Tokenizer
 
 
@@ -19,7 +21,7 @@ class CheckpointError(ValueError):
 class LoadedCheckpoint:
     config: ModelConfig
     # Hugging Face names and shapes (Linear weights [out, in]); no lm_head.weight when tied.
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]  # float tensors; GroupQuant for Q4_1 layers kept as they are
     tokenizer: Tokenizer
 
 
@@ -75,7 +77,7 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+def check_weights(weights: Mapping[str, Weight], config: ModelConfig, source: str) -> None:
     """Raise CheckpointError unless `weights` is exactly the set `config` needs, in its shapes."""
     expected = expected_weight_shapes(config)
     missing = sorted(expected.keys() - weights.keys())

@@ -44,16 +44,20 @@ def _kind(path: str) -> str:
 
 
 def load_checkpoint(
-    path: str, dtype: torch.dtype = torch.float32, progress: bool | None = None
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    progress: bool | None = None,
+    keep_q4_1: bool = False,
 ) -> LoadedCheckpoint:
     """Config, weights (Hugging Face names, cast to `dtype`) and tokenizer of the checkpoint at
-    `path`. GGUF tensors are dequantized. `progress`: a progress line on stderr (None: only when
+    `path`. GGUF tensors are dequantized, except Q4_1 linear layers when `keep_q4_1` (for int4
+    weights: they come as `GroupQuant`). `progress`: a progress line on stderr (None: only when
     stderr is a terminal)."""
     if _kind(path) == "gguf":
-        config, weights, tokenizer = load_gguf(path, dtype, progress)
-    else:
-        config, weights, tokenizer = load_hf(path, dtype, progress)
-    return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+        config, weights, tokenizer = load_gguf(path, dtype, progress, keep_q4_1)
+        return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
+    config, dense, tokenizer = load_hf(path, dtype, progress)
+    return LoadedCheckpoint(config=config, weights=dict(dense), tokenizer=tokenizer)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -4,13 +4,15 @@ One controller holds `tp` rank shards. A rank owns, for every layer, a column-pa
 fused QKV and gate/up projections (its share of the heads and of the MLP width), the matching
 row-parallel slice of the output and down projections, and its own KV buffer. Each rank's partial
 sums are reduced by a `Communicator` (a plain sum on one CPU device; NCCL across CUDA devices).
-Embeddings, norms and the LM head are replicated.
+Embeddings, norms and the LM head are replicated. Linear layers are dense or weight-only
+quantized (`quant.py`).
 
 Weights arrive in Hugging Face names (see `loader.py`); `shard_weights` maps them onto ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +22,9 @@ from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import PagedMetadata
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.communicator import Communicator
+from pd.worker.model import quant
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.quant import Linear, Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,13 +71,16 @@ def _scale_llama3(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
 
 @dataclass
 class LayerShard:
-    """One rank's slice of one decoder layer."""
+    """One rank's slice of one decoder layer: its linear layers (dense or quantized)."""
 
-    qkv_weight: torch.Tensor  # [(Hq_r + 2*Hkv_r) * D, hidden]
-    qkv_bias: torch.Tensor | None  # [(Hq_r + 2*Hkv_r) * D]
-    o_weight: torch.Tensor  # [hidden, Hq_r * D]
-    gate_up_weight: torch.Tensor  # [2 * I_r, hidden]
-    down_weight: torch.Tensor  # [hidden, I_r]
+    qkv: Linear  # [hidden] -> [(Hq_r + 2*Hkv_r) * D], with the q/k/v biases if any
+    o: Linear  # [Hq_r * D] -> [hidden] (partial: summed over ranks)
+    gate_up: Linear  # [hidden] -> [2 * I_r]
+    down: Linear  # [I_r] -> [hidden] (partial)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qkv.nbytes + self.o.nbytes + self.gate_up.nbytes + self.down.nbytes
 
 
 @dataclass
@@ -97,7 +104,7 @@ class LlamaModel:
         embed: torch.Tensor,  # [V, hidden], on ranks[0].device
         norms: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (input, post-attention)
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,  # [V, hidden] (the embedding itself when tied)
+        lm_head: Linear,  # [hidden] -> [V] (the embedding's weights when tied)
         comm: Communicator,
     ) -> None:
         self.config = config
@@ -147,14 +154,14 @@ class LlamaModel:
             partial = [self._mlp(rank.layers[i], xr) for rank, xr in zip(self.ranks, xs)]
             h = h + self.comm.reduce(partial)
         h = rms_norm(h[logits_indices], self.final_norm, cfg.rms_norm_eps)  # [S, hidden]
-        return F.linear(h, self.lm_head).float()  # [S, V]
+        return self.lm_head(h).float()  # [S, V]
 
     def _attention(
         self, i: int, rank: RankState, meta: PagedMetadata, x: torch.Tensor
     ) -> torch.Tensor:
         shard = rank.layers[i]
         d = self.config.head_dim
-        qkv = F.linear(x, shard.qkv_weight, shard.qkv_bias)  # [T, (Hq_r + 2 Hkv_r) * D]
+        qkv = shard.qkv(x)  # [T, (Hq_r + 2 Hkv_r) * D]
         q_size, kv_size = rank.num_heads * d, rank.num_kv_heads * d
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = rank.rotary.apply(q.view(-1, rank.num_heads, d), meta.positions)  # [T, Hq_r, D]
@@ -162,12 +169,12 @@ class LlamaModel:
         v = v.reshape(-1, rank.num_kv_heads, d)
         rank.kv.write(i, k, v, meta.write_page_ids, meta.write_offsets)
         out = rank.attn.forward(q, rank.kv.layer_cache(i), self.sm_scale)  # [T, Hq_r, D]
-        return F.linear(out.reshape(-1, q_size), shard.o_weight)  # [T, hidden] partial
+        return shard.o(out.reshape(-1, q_size))  # [T, hidden] partial
 
     @staticmethod
     def _mlp(shard: LayerShard, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, shard.gate_up_weight).chunk(2, dim=-1)  # [T, I_r] each
-        return F.linear(F.silu(gate) * up, shard.down_weight)  # [T, hidden] partial
+        gate, up = shard.gate_up(x).chunk(2, dim=-1)  # [T, I_r] each
+        return shard.down(F.silu(gate) * up)  # [T, hidden] partial
 
 
 def check_tp(config: ModelConfig, tp: int) -> None:
@@ -188,15 +195,18 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
 
 def shard_layer(
-    weights: dict[str, torch.Tensor],
+    weights: Mapping[str, Weight],
     config: ModelConfig,
     i: int,
     rank: int,
     tp: int,
     dtype: torch.dtype,
     device: torch.device,
+    quantization: str = "none",
+    group_size: int = 32,
 ) -> LayerShard:
-    """Cut rank `rank`'s slice of layer `i` out of Hugging Face weights."""
+    """Cut rank `rank`'s slice of layer `i` out of Hugging Face weights (float, or quantized in
+    groups as a GGUF file's Q4_1 are), as `quantization` asks."""
     p = f"model.layers.{i}."
     d = config.head_dim
     hq, hkv, inter = (
@@ -205,37 +215,43 @@ def shard_layer(
         config.intermediate_size // tp,
     )
 
-    def rows(name: str, n: int) -> torch.Tensor:
-        return weights[p + name][rank * n : (rank + 1) * n]
+    def out_rows(name: str, n: int) -> Weight:  # column-parallel: this rank's outputs
+        return quant.rows(weights[p + name], rank * n, (rank + 1) * n)
 
-    def cols(name: str, n: int) -> torch.Tensor:
-        return weights[p + name][:, rank * n : (rank + 1) * n]
+    def in_cols(name: str, n: int) -> Weight:  # row-parallel: this rank's inputs
+        return quant.cols(weights[p + name], rank * n, (rank + 1) * n, quantization, group_size)
 
-    qkv = torch.cat(
+    def bias_rows(name: str, n: int) -> torch.Tensor:
+        b = weights[p + name]
+        assert isinstance(b, torch.Tensor), f"{p + name} must be a float tensor"
+        return b[rank * n : (rank + 1) * n]
+
+    qkv = quant.cat_rows(
         [
-            rows("self_attn.q_proj.weight", hq * d),
-            rows("self_attn.k_proj.weight", hkv * d),
-            rows("self_attn.v_proj.weight", hkv * d),
+            out_rows("self_attn.q_proj.weight", hq * d),
+            out_rows("self_attn.k_proj.weight", hkv * d),
+            out_rows("self_attn.v_proj.weight", hkv * d),
         ]
     )
     bias = None
     if config.qkv_bias:
         bias = torch.cat(
             [
-                rows("self_attn.q_proj.bias", hq * d),
-                rows("self_attn.k_proj.bias", hkv * d),
-                rows("self_attn.v_proj.bias", hkv * d),
+                bias_rows("self_attn.q_proj.bias", hq * d),
+                bias_rows("self_attn.k_proj.bias", hkv * d),
+                bias_rows("self_attn.v_proj.bias", hkv * d),
             ]
         )
-    gate_up = torch.cat([rows("mlp.gate_proj.weight", inter), rows("mlp.up_proj.weight", inter)])
+    gate_up = quant.cat_rows(
+        [out_rows("mlp.gate_proj.weight", inter), out_rows("mlp.up_proj.weight", inter)]
+    )
 
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).contiguous()
+    def linear(w: Weight, b: torch.Tensor | None = None) -> Linear:
+        return quant.make_linear(w, b, quantization, group_size, dtype, device)
 
     return LayerShard(
-        qkv_weight=put(qkv),
-        qkv_bias=None if bias is None else put(bias),
-        o_weight=put(cols("self_attn.o_proj.weight", hq * d)),
-        gate_up_weight=put(gate_up),
-        down_weight=put(cols("mlp.down_proj.weight", inter)),
+        qkv=linear(qkv, bias),
+        o=linear(in_cols("self_attn.o_proj.weight", hq * d)),
+        gate_up=linear(gate_up),
+        down=linear(in_cols("mlp.down_proj.weight", inter)),
     )

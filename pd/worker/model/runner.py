@@ -9,7 +9,7 @@ prepares each step's inputs and paged metadata, runs the forward pass and sample
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -21,6 +21,13 @@ from pd.worker.model.attention import select_attention_backend
 from pd.worker.model.communicator import make_communicator
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
+from pd.worker.model.quant import (
+    QUANTIZATIONS,
+    GroupQuant,
+    Weight,
+    check_group_size,
+    make_linear,
+)
 from pd.worker.model.sampler import SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
@@ -57,7 +64,7 @@ class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         *,
         tp: int,
         dtype: torch.dtype,
@@ -66,8 +73,15 @@ class ModelRunner:
         page_size: int,
         max_model_len: int,
         seed: int = 0,
+        quantization: str = "none",
+        group_size: int = 32,
     ) -> None:
         check_tp(config, tp)
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if quantization == "int4":
+            check_group_size(config, tp, group_size)
+        self.quantization = quantization
         if device == "cuda" and torch.cuda.device_count() < tp:
             raise ValueError(
                 f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}"
@@ -83,7 +97,8 @@ class ModelRunner:
         ranks = []
         for r, dev in enumerate(devices):
             layers = [
-                shard_layer(weights, config, i, r, tp, dtype, dev) for i in range(config.num_layers)
+                shard_layer(weights, config, i, r, tp, dtype, dev, quantization, group_size)
+                for i in range(config.num_layers)
             ]
             ranks.append(
                 RankState(
@@ -104,20 +119,25 @@ class ModelRunner:
                     num_kv_heads=config.num_kv_heads // tp,
                 )
             )
-        embed = weights["model.embed_tokens.weight"].to(device=self.device, dtype=dtype)
-        lm_head = (
-            embed
-            if config.tie_word_embeddings
-            else weights["lm_head.weight"].to(device=self.device, dtype=dtype)
-        )
+        def dense(name: str) -> torch.Tensor:
+            w = weights[name]
+            w = w.dequantize() if isinstance(w, GroupQuant) else w
+            return w.to(device=self.device, dtype=dtype)
+
+        embed = dense("model.embed_tokens.weight")
+        head = embed if config.tie_word_embeddings else dense("lm_head.weight")
+        # The LM head is the largest matrix a step reads: int8 per channel whenever the
+        # layers are quantized (the embedding's lookup reads a row per token: it stays dense).
+        head_q = "none" if quantization == "none" else "int8"
+        lm_head = make_linear(head, None, head_q, group_size, dtype, self.device)
         norms = [
             (
-                weights[f"model.layers.{i}.input_layernorm.weight"].to(self.device, dtype),
-                weights[f"model.layers.{i}.post_attention_layernorm.weight"].to(self.device, dtype),
+                dense(f"model.layers.{i}.input_layernorm.weight"),
+                dense(f"model.layers.{i}.post_attention_layernorm.weight"),
             )
             for i in range(config.num_layers)
         ]
-        final_norm = weights["model.norm.weight"].to(self.device, dtype)
+        final_norm = dense("model.norm.weight")
         self.model = LlamaModel(
             config, ranks, embed, norms, final_norm, lm_head, make_communicator(devices)
         )

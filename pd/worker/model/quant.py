@@ -1,0 +1,211 @@
+"""Weight-only quantized linear layers (`--quantization none|int8|int4`) on torch's CPU kernels.
+
+- int8: per output channel, symmetric (`w = q * scale`, q in -127..127);
+  `torch.ops.aten._weight_int8pack_mm`.
+- int4: groups of `group_size` inputs per output channel, asymmetric (q in 0..15);
+  `torch.ops.aten._convert_weight_to_int4pack_for_cpu` packs, `_weight_int4pack_mm_for_cpu`
+  multiplies. The kernel's convention is `w = (q - 8) * scale + zero`.
+
+`GroupQuant` is a weight already quantized in groups (`w = q * scale + low`), as a GGUF file's
+Q4_1 blocks are (32 weights, a scale `d` and a minimum `m` each): it maps onto the int4 kernel
+exactly (`zero = low + 8 * scale`), so such weights are packed as they are, never rounded through
+bf16. Everything else is quantized at load from its float weights. Activations stay in the
+model's dtype (bf16 or fp32); only the weights are stored quantized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pd.worker.model.config import ModelConfig
+
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """A Linear weight [out, in] in groups of `group` inputs: `w = q * scale + low`."""
+
+    q: torch.Tensor  # uint8 [out, in], values 0..15
+    scale: torch.Tensor  # float32 [out, in / group]
+    low: torch.Tensor  # float32 [out, in / group]
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g = self.group
+        q = self.q.view(self.q.shape[0], -1, g).float()
+        w = q * self.scale.unsqueeze(-1) + self.low.unsqueeze(-1)
+        return w.view(self.q.shape).to(dtype)
+
+    def rows(self, start: int, end: int) -> GroupQuant:
+        return GroupQuant(self.q[start:end], self.scale[start:end], self.low[start:end])
+
+    def cols(self, start: int, end: int) -> GroupQuant:
+        g = self.group
+        if start % g or end % g:
+            raise ValueError(
+                f"inputs {start}:{end} do not fall on groups of {g}: pick a --group-size that "
+                "divides every layer's input width on each TP rank"
+            )
+        return GroupQuant(
+            self.q[:, start:end], self.scale[:, start // g : end // g], self.low[:, start // g : end // g]
+        )
+
+    @staticmethod
+    def cat_rows(parts: Sequence[GroupQuant]) -> GroupQuant:
+        return GroupQuant(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.low for p in parts]),
+        )
+
+
+Weight = torch.Tensor | GroupQuant  # what a checkpoint hands the model for a Linear
+
+
+class Linear(Protocol):
+    """`y = x @ w.T (+ bias)` for x [T, in] in the model's dtype."""
+
+    nbytes: int  # bytes of weights (and scales) one application reads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.nbytes = _nbytes(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(dtype)
+        self.bias = bias
+        self.nbytes = _nbytes(self.q, self.scale, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear:
+    def __init__(self, weight: GroupQuant, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.group = weight.group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.q.to(torch.int32).contiguous(), 1
+        )
+        zero = weight.low + 8 * weight.scale  # the kernel's (q - 8) * scale + zero
+        # [in / group, out, 2]: per group, per output channel, (scale, zero)
+        self.scales_zeros = torch.stack([weight.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        self.bias = bias
+        self.nbytes = _nbytes(self.packed, self.scales_zeros, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group, self.scales_zeros
+        )
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_groups(w: torch.Tensor, group: int) -> GroupQuant:
+    """Round a float weight [out, in] to 4 bits in groups of `group` inputs (min/max)."""
+    out, inp = w.shape
+    if inp % group:
+        raise ValueError(f"--group-size {group} does not divide a layer's input width {inp}")
+    wg = w.float().view(out, inp // group, group)
+    low, high = wg.amin(dim=-1), wg.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((wg - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp(0, 15)
+    return GroupQuant(q.to(torch.uint8).view(out, inp), scale, low)
+
+
+def check_group_size(config: ModelConfig, tp: int, group_size: int) -> None:
+    """Refuse a group size that does not divide every layer's input width on each TP rank."""
+    widths = {
+        "q/k/v and gate/up (hidden)": config.hidden_size,
+        "o_proj": config.num_heads * config.head_dim // tp,
+        "down_proj": config.intermediate_size // tp,
+    }
+    bad = {name: w for name, w in widths.items() if group_size < 1 or w % group_size}
+    if bad:
+        fits = [g for g in (32, 64, 128, 256) if all(w % g == 0 for w in widths.values())]
+        raise ValueError(
+            f"--group-size {group_size} does not divide the input width of "
+            + ", ".join(f"{name} ({w})" for name, w in bad.items())
+            + f" at --tp {tp}; group sizes that do: {', '.join(map(str, fits)) or 'none'}"
+        )
+
+
+def make_linear(
+    weight: Weight,
+    bias: torch.Tensor | None,
+    quantization: str,
+    group_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Linear:
+    """The layer for one rank's slice of a weight, as `--quantization` asks."""
+    if quantization != "none" and device.type != "cpu":
+        raise ValueError(
+            f"--quantization {quantization} runs on torch's CPU kernels; on {device.type} use "
+            "--quantization none"
+        )
+    b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
+    if quantization == "int4":
+        if not isinstance(weight, GroupQuant) or weight.group != group_size:
+            dense = weight.dequantize() if isinstance(weight, GroupQuant) else weight
+            weight = quantize_groups(dense, group_size)
+        return Int4Linear(weight, b, dtype)
+    dense = weight.dequantize() if isinstance(weight, GroupQuant) else weight
+    if quantization == "int8":
+        return Int8Linear(dense, b, dtype)
+    if quantization == "none":
+        return DenseLinear(dense.to(device=device, dtype=dtype).contiguous(), b)
+    raise ValueError(f"--quantization must be one of {QUANTIZATIONS}")
+
+
+def rows(w: Weight, start: int, end: int) -> Weight:
+    return w.rows(start, end) if isinstance(w, GroupQuant) else w[start:end]
+
+
+def cols(w: Weight, start: int, end: int, quantization: str, group_size: int) -> Weight:
+    """Inputs `start:end` of `w` (a TP rank's slice of a row-parallel layer). A group-quantized
+    weight is cut on its groups when it will be packed as it is, else dequantized first."""
+    if isinstance(w, GroupQuant):
+        if quantization == "int4" and w.group == group_size:
+            return w.cols(start, end)
+        w = w.dequantize()
+    if quantization == "int4" and (end - start) % group_size:
+        raise ValueError(
+            f"--group-size {group_size} does not divide {end - start}, a layer's input width "
+            "on each TP rank: pick a group size that does"
+        )
+    return w[:, start:end]
+
+
+def cat_rows(parts: Sequence[Weight]) -> Weight:
+    if all(isinstance(p, GroupQuant) for p in parts):
+        return GroupQuant.cat_rows([p for p in parts if isinstance(p, GroupQuant)])
+    return torch.cat([p.dequantize() if isinstance(p, GroupQuant) else p for p in parts])
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -1,0 +1,115 @@
+"""Weight-only quantized linear layers: the kernels against float references, the GGUF's Q4_1
+blocks packed as they are, the group-size checks, and the model's perplexity on a fixed text."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pd.worker.model.config import ModelConfig
+from pd.worker.model.quant import (
+    GroupQuant,
+    Int4Linear,
+    Int8Linear,
+    check_group_size,
+    cols,
+    quantize_groups,
+)
+
+TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text()
+
+
+def test_int8_matches_its_dequantized_weights():
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 128), torch.randn(5, 128)
+    layer = Int8Linear(w, None, torch.float32)
+    ref = x @ (layer.q.float() * layer.scale[:, None]).t()
+    assert torch.allclose(layer(x), ref, atol=1e-4)
+    assert (layer(x) - x @ w.t()).abs().max() < 0.05 * (x @ w.t()).abs().max()  # 8 bits
+
+
+def test_int4_matches_its_groups_exactly_and_the_float_weights_roughly():
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 256), torch.randn(3, 256)
+    groups = quantize_groups(w, 32)
+    bias = torch.randn(64)
+    layer = Int4Linear(groups, bias, torch.float32)
+    ref = x @ groups.dequantize().t() + bias
+    assert torch.allclose(layer(x), ref, atol=1e-4)
+    assert (groups.dequantize() - w).abs().max() <= groups.scale.max() / 2 + 1e-6  # rounding
+
+
+def test_the_gguf_q4_1_blocks_are_the_weights_gguf_dequantizes():
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    from pd.worker.checkpoint.default_model import default_model_path
+    from pd.worker.checkpoint.gguf_loader import q4_1_groups
+
+    reader = GGUFReader(default_model_path())
+    t = next(t for t in reader.tensors if t.tensor_type == GGMLQuantizationType.Q4_1)
+    inp, out = (int(n) for n in t.shape)
+    groups = q4_1_groups(t.data, out, inp)
+    ref = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    assert groups.group == 32 and tuple(groups.shape) == ref.shape
+    assert torch.equal(groups.dequantize(), torch.from_numpy(ref))  # no rounding on the way
+
+
+def test_a_rank_slice_must_fall_on_groups():
+    g = quantize_groups(torch.randn(8, 256), 64)
+    assert cols(g, 64, 192, "int4", 64).shape == (8, 128)
+    with pytest.raises(ValueError, match="groups of 64"):
+        g.cols(32, 160)
+    dense = cols(g, 32, 160, "int8", 64)  # not packed as it is: dequantized, then cut anywhere
+    assert isinstance(dense, torch.Tensor) and dense.shape == (8, 128)
+
+
+SMOLLM = ModelConfig("m", "llama", 49152, 576, 1536, 30, 9, 3, 64, 1e4, 1e-5, 8192, True)
+
+
+def test_a_group_size_that_does_not_divide_a_ranks_width_is_refused():
+    check_group_size(SMOLLM, 3, 64)  # o_proj 192, down 512, hidden 576: all divide
+    with pytest.raises(ValueError, match=r"o_proj \(192\).*--tp 3.*32, 64") as e:
+        check_group_size(SMOLLM, 3, 128)
+    assert "down_proj" not in str(e.value)
+
+
+def perplexity(runner, ids: list[int]) -> float:
+    from tests.model_fixtures import forward_chunk
+
+    pages = list(range(-(-len(ids) // runner.page_size)))
+    logits = forward_chunk(runner, pages, ids, 0)[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+@pytest.mark.slow  # loads the real model four times over
+def test_perplexity_of_quantized_weights_stays_near_the_unquantized_models():
+    from tests.model_fixtures import default_checkpoint, make_runner
+
+    ids = default_checkpoint().tokenizer.encode(TEXT)
+    pages = -(-len(ids) // 16) + 1
+
+    def ppl(**kw) -> float:
+        return perplexity(make_runner(num_pages=pages, **kw), ids)
+
+    base = ppl()
+    int8 = ppl(quantization="int8")
+    # Requantized from the float weights. (Groups of 128 do not divide this model's hidden width
+    # of 576 and are refused; 64 is the largest size that divides every layer at TP 1 and 3.)
+    int4_g64 = ppl(quantization="int4", group_size=64)
+    int4_q4_1 = ppl(quantization="int4", keep_q4_1=True)  # the GGUF's own blocks, packed
+    print(
+        f"perplexity over {len(ids)} tokens: none {base:.3f}, int8 {int8:.3f}, "
+        f"int4 g64 (requantized) {int4_g64:.3f}, int4 g32 (Q4_1 as is) {int4_q4_1:.3f}"
+    )
+    # Measured (fp32, 369 tokens): none 19.37, int8 19.24, int4 g64 28.70, int4 Q4_1 19.38.
+    assert int8 <= base * 1.02
+    # These weights are 4-bit already (Q4_1, groups of 32): rounding them again onto coarser
+    # groups compounds the error. The int4 path a GGUF takes packs its blocks as they are.
+    assert int4_g64 <= base * 1.6
+    assert int4_q4_1 <= base * 1.02  # the same layer weights; only the LM head is int8
