@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "engine": "decode tokens/s of a --role both worker at 1, 8 and 32 streams",
+    "engine": "decode tokens/s at 1, 8 and 32 streams per quantization, against the read bound",
     "transfer": "KV pull throughput: ours vs bare NIXL vs memcpy",
     "router": "router overhead vs direct, at concurrency 1 and 64",
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",

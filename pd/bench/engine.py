@@ -1,9 +1,19 @@
-"""`pd-bench engine`: decode throughput of one `--role both` worker at several concurrencies.
+"""`pd-bench engine`: decode throughput of one `--role both` worker, against the machine's bound.
 
-Starts a worker process on the default model (or `--url` of a running one), then for each
-concurrency N sends N streaming completions of `--max-tokens` tokens each (`ignore_eos`) at once
-and measures decode tokens/s: tokens after each stream's first, over the time from the first
-stream's first token to the last stream's last token.
+For each `--quantizations` entry (default `none,int4`), in one run:
+
+1. in this process: the model's linear layers (the same code the worker runs, built with that
+   quantization) are timed alone at each stream count (`linear_ms`: every layer's projections
+   and the LM head on a batch of that many rows, median of several), and the bytes a decode step
+   reads are counted: the weights (and scales), plus the KV of every stream at its mean context;
+2. a worker process is started with `--quantization` and `--threads`; for each concurrency N it
+   gets N streaming completions of `--max-tokens` tokens at once (`ignore_eos`, greedy) and
+   decode tokens/s is measured: tokens after each stream's first, over the time from the first
+   stream's first token to the last stream's last one; `step_ms` = N / that rate.
+
+The bound: the machine's read bandwidth (`torch.sum` over 1 GiB with `--threads` threads, best
+of 5) over the bytes of one step gives the steps per second a step that only streamed its
+weights and KV would reach: `bound_tok_s` = N x that, and `share_of_bound` = tok_s / bound_tok_s.
 """
 
 from __future__ import annotations
@@ -11,21 +21,88 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import time
 
 import aiohttp
 import orjson
+import torch
+
+PROMPT_TOKENS = 16  # about what each stream's prompt is ("Request i: write a long story ...")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="a running worker (default: start one)")
+    p.add_argument("--url", help="a running worker (default: start one per quantization)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
     p.add_argument("--dtype", default="auto", help="compute dtype of the started worker")
+    p.add_argument(
+        "--quantizations", default="none,int4", help="comma-separated --quantization values"
+    )
+    p.add_argument("--threads", type=int, default=0, help="worker threads (0: all cores)")
     p.add_argument("--worker-args", default="", help="extra flags for the started worker")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def read_gbps(threads: int, gib: float = 1.0) -> float:
+    """The machine's read bandwidth as torch sees it: a sum over `gib` GiB, best of 5."""
+    torch.set_num_threads(threads)
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def step_bytes_and_linear_ms(
+    quantization: str, dtype: torch.dtype, streams: list[int], context: int, threads: int
+) -> tuple[int, dict[int, float], int]:
+    """(weight bytes per step, {streams: linear-layers ms}, KV bytes per token of context)."""
+    from pd.worker.checkpoint.default_model import default_model_path
+    from pd.worker.checkpoint.loader import load_checkpoint
+    from pd.worker.model.runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    ckpt = load_checkpoint(
+        default_model_path(), torch.float32, progress=False, keep_q4_1=quantization == "int4"
+    )
+    runner = ModelRunner(
+        ckpt.config, ckpt.weights, tp=1, dtype=dtype, device="cpu", num_pages=4,
+        page_size=16, max_model_len=context + 16, quantization=quantization,
+    )  # fmt: skip
+    model = runner.model
+    layers = model.ranks[0].layers
+    cfg = ckpt.config
+    weight_bytes = sum(layer.nbytes for layer in layers) + model.lm_head.nbytes
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    linear_ms = {}
+    with torch.inference_mode():
+        for n in streams:
+            h = torch.randn(n, cfg.hidden_size, dtype=dtype)
+            o = torch.randn(n, cfg.num_heads * cfg.head_dim, dtype=dtype)
+            m = torch.randn(n, cfg.intermediate_size, dtype=dtype)
+
+            def step(h: torch.Tensor, o: torch.Tensor, m: torch.Tensor) -> None:
+                for layer in layers:
+                    layer.qkv(h)
+                    layer.o(o)
+                    layer.gate_up(h)
+                    layer.down(m)
+                model.lm_head(h)
+
+            step(h, o, m)
+            times = []
+            for _ in range(7):
+                t = time.perf_counter()
+                step(h, o, m)
+                times.append(time.perf_counter() - t)
+            linear_ms[n] = 1000 * statistics.median(times)
+    return weight_bytes, linear_ms, kv_per_token
 
 
 async def one_stream(http: aiohttp.ClientSession, url: str, max_tokens: int, i: int):
@@ -61,19 +138,12 @@ async def measure(url: str, n: int, max_tokens: int) -> dict:
     }
 
 
-def start_worker(args) -> tuple[subprocess.Popen, str]:
+def start_worker(args, quantization: str) -> tuple[subprocess.Popen, str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "pd.worker.main",
-        "--role",
-        "both",
-        "--port",
-        "0",
-        "--dtype",
-        args.dtype,
+        sys.executable, "-m", "pd.worker.main", "--role", "both", "--port", "0",
+        "--dtype", args.dtype, "--quantization", quantization, "--threads", str(args.threads),
         *args.worker_args.split(),
-    ]
+    ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -90,31 +160,58 @@ def start_worker(args) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the worker exited before it was ready")
 
 
-def run(args: argparse.Namespace) -> int:
+def measure_worker(args, quantization: str, levels: list[int]) -> list[dict]:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_worker(args)
+        proc, url = start_worker(args, quantization)
     try:
-        levels = [int(n) for n in args.concurrency.split(",")]
         asyncio.run(measure(url, 2, 8))  # warm-up
-        results = [asyncio.run(measure(url, n, args.max_tokens)) for n in levels]
+        return [asyncio.run(measure(url, n, args.max_tokens)) for n in levels]
     finally:
         if proc:
             proc.terminate()
             proc.wait(timeout=60)
-    base = results[0]["decode_tok_s"]
-    summary = {
-        "results": results,
-        "ratio_vs_first": {str(r["concurrency"]): r["decode_tok_s"] / base for r in results},
-    }
+
+
+def run(args: argparse.Namespace) -> int:
+    threads = args.threads or os.cpu_count() or 1
+    levels = [int(n) for n in args.concurrency.split(",")]
+    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    gbps = read_gbps(threads)
+    context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
+    runs = []
+    for q in args.quantizations.split(","):
+        weight_bytes, linear_ms, kv_per_token = step_bytes_and_linear_ms(
+            q, dtype, levels, context, threads
+        )
+        for r in measure_worker(args, q, levels):
+            n = r["concurrency"]
+            step_bytes = weight_bytes + n * context * kv_per_token
+            bound = n * gbps * 1e9 / step_bytes
+            runs.append(
+                {
+                    "quantization": q,
+                    "streams": n,
+                    "tok_s": round(r["decode_tok_s"], 1),
+                    "step_ms": round(1000 * n / r["decode_tok_s"], 2),
+                    "linear_ms": round(linear_ms[n], 2),
+                    "bound_tok_s": round(bound, 1),
+                    "share_of_bound": round(r["decode_tok_s"] / bound, 3),
+                    "step_mb": round(step_bytes / 1e6, 1),
+                    "itl_ms": round(r["mean_itl_ms"], 2),
+                }
+            )
+    summary = {"read_gbps": round(gbps, 2), "threads": threads, "runs": runs}
     if args.json:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
-    else:
-        for r in results:
-            print(
-                f"{r['concurrency']:>4} streams: {r['decode_tok_s']:8.1f} decode tok/s  "
-                f"ITL {r['mean_itl_ms']:6.1f} ms  TTFT {r['mean_ttft_s'] * 1000:7.1f} ms  "
-                f"x{r['decode_tok_s'] / base:.2f}"
-            )
+        return 0
+    print(f"read bandwidth {gbps:.1f} GB/s with {threads} threads")
+    print("quant  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share")
+    for r in runs:
+        print(
+            f"{r['quantization']:>5} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
+            f"{r['linear_ms']:>10.1f} {r['step_mb']:>8.1f} {r['bound_tok_s']:>12.1f} "
+            f"{r['share_of_bound']:>6.2f}"
+        )
     return 0

@@ -6,8 +6,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
-
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Weight
 from pd.worker.text.tokenizer import Tokenizer

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import PagedMetadata
+from pd.worker.model import quant
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.communicator import Communicator
-from pd.worker.model import quant
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Linear, Weight
 

@@ -60,7 +60,9 @@ class GroupQuant:
                 "divides every layer's input width on each TP rank"
             )
         return GroupQuant(
-            self.q[:, start:end], self.scale[:, start // g : end // g], self.low[:, start // g : end // g]
+            self.q[:, start:end],
+            self.scale[:, start // g : end // g],
+            self.low[:, start // g : end // g],
         )
 
     @staticmethod

@@ -119,6 +119,7 @@ class ModelRunner:
                     num_kv_heads=config.num_kv_heads // tp,
                 )
             )
+
         def dense(name: str) -> torch.Tensor:
             w = weights[name]
             w = w.dequantize() if isinstance(w, GroupQuant) else w
