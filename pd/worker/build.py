@@ -18,6 +18,7 @@ from pd.worker.disagg.contract import make_transfer_manager
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,18 +58,20 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     """Build a worker; `ckpt` lets tests share one loaded checkpoint between workers."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # Every torch op of this worker runs on one thread, loading included (see torch_thread.py).
+    torch_thread = TorchThread(cfg.threads or torch.get_num_threads())
     if ckpt is None:
         # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip).
         keep = cfg.quantization == "int4" and cfg.group_size == 32
-        ckpt = load_checkpoint(cfg.model or default_model_path(), torch.float32, keep_q4_1=keep)
+        path = cfg.model or default_model_path()
+        ckpt = torch_thread.run(load_checkpoint, path, torch.float32, keep_q4_1=keep)
     mcfg = ckpt.config
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(
         mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
     )
-    runner = ModelRunner(
+    runner = torch_thread.run(
+        ModelRunner,
         mcfg,
         ckpt.weights,
         tp=cfg.tp,
@@ -99,6 +102,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         hooks=prefill,
         metrics=metrics,
         page_wait_timeout_s=cfg.page_wait_timeout_s,
+        executor=torch_thread.executor,
     )
     metrics.read_load_from(engine.load)
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -59,6 +59,7 @@ class Engine:
         hooks: RoleHooks | None = None,
         metrics: WorkerMetrics | None = None,
         page_wait_timeout_s: float = 30.0,
+        executor: Executor | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -79,7 +80,10 @@ class Engine:
         )
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        # The thread forward passes run on: the worker's torch thread (see torch_thread.py), or
+        # one of the engine's own from start() to stop().
+        self._given_executor = executor
+        self._executor: Executor | None = None
         self._task: asyncio.Task | None = None
         self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
@@ -232,8 +236,8 @@ class Engine:
     def start(self) -> None:
         """Start the loop task on the running event loop (again after `stop`, e.g. in tests)."""
         self._wakeup = asyncio.Event()
-        # The forward thread uses as many torch threads as the process was given (--threads).
-        self._executor = ThreadPoolExecutor(
+        # Without a torch thread, the forward thread uses as many torch threads as the process.
+        self._executor = self._given_executor or ThreadPoolExecutor(
             1,
             thread_name_prefix="pd-forward",
             initializer=torch.set_num_threads,
@@ -250,9 +254,9 @@ class Engine:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._executor:
+        if self._executor is not None and self._executor is not self._given_executor:
             self._executor.shutdown(wait=True)
-            self._executor = None
+        self._executor = None
         self._wakeup = None  # new requests are refused (503) until start() again
         self._fail_all("the worker is stopping")
 
