@@ -46,10 +46,14 @@ class Rotary:
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; positions: [T]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of a step's positions [T] (looked up once per step)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [T, H, D]
+        cos, sin = angles
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -140,13 +144,15 @@ class LlamaModel:
                 rank.kv.page_size,
                 rank.kv.dtype,
             )
+        angles = [rank.rotary.angles(m.positions) for rank, m in zip(self.ranks, metas)]
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
             in_norm, post_norm = self.norms[i]
             x = rms_norm(h, in_norm, cfg.rms_norm_eps)
             xs = self.comm.broadcast(x)
             partial = [
-                self._attention(i, rank, m, xr) for rank, m, xr in zip(self.ranks, metas, xs)
+                self._attention(i, rank, m, a, xr)
+                for rank, m, a, xr in zip(self.ranks, metas, angles, xs)
             ]
             h = h + self.comm.reduce(partial)
             x = rms_norm(h, post_norm, cfg.rms_norm_eps)
@@ -157,16 +163,23 @@ class LlamaModel:
         return self.lm_head(h).float()  # [S, V]
 
     def _attention(
-        self, i: int, rank: RankState, meta: PagedMetadata, x: torch.Tensor
+        self,
+        i: int,
+        rank: RankState,
+        meta: PagedMetadata,
+        angles: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
     ) -> torch.Tensor:
         shard = rank.layers[i]
         d = self.config.head_dim
         qkv = shard.qkv(x)  # [T, (Hq_r + 2 Hkv_r) * D]
         q_size, kv_size = rank.num_heads * d, rank.num_kv_heads * d
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = rank.rotary.apply(q.view(-1, rank.num_heads, d), meta.positions)  # [T, Hq_r, D]
-        k = rank.rotary.apply(k.view(-1, rank.num_kv_heads, d), meta.positions)  # [T, Hkv_r, D]
-        v = v.reshape(-1, rank.num_kv_heads, d)
+        # q and k are rotated in one go: they lie side by side, head after head.
+        qk = Rotary.apply(
+            qkv[:, : q_size + kv_size].view(-1, rank.num_heads + rank.num_kv_heads, d), angles
+        )
+        q, k = qk.split([rank.num_heads, rank.num_kv_heads], dim=1)  # [T, Hq_r, D], [T, Hkv_r, D]
+        v = qkv[:, q_size + kv_size :].reshape(-1, rank.num_kv_heads, d)
         rank.kv.write(i, k, v, meta.write_page_ids, meta.write_offsets)
         out = rank.attn.forward(q, rank.kv.layer_cache(i), self.sm_scale)  # [T, Hq_r, D]
         return shard.o(out.reshape(-1, q_size))  # [T, hidden] partial
