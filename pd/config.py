@@ -84,6 +84,11 @@ class WorkerConfig:
         "--group-size; a GGUF's Q4_1 layers are packed as they are) on the CPU kernels",
     )
     group_size: int = _flag(32, "inputs per int4 group")
+    attention_backend: str = _flag(
+        "auto",
+        "auto (FlashInfer on CUDA for bf16/fp16, else torch), flashinfer (never falls back: "
+        "an error instead), or torch",
+    )
     page_wait_timeout_s: float = _flag(
         30.0, "decode: longest wait of a pulled request for free KV pages before it fails (503)"
     )
@@ -131,4 +136,8 @@ class WorkerConfig:
             "--quantization must be one of none, int8, int4",
         )
         check(self.group_size >= 1, "--group-size must be >= 1")
+        check(
+            self.attention_backend in ("auto", "flashinfer", "torch"),
+            "--attention-backend must be one of auto, flashinfer, torch",
+        )
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")

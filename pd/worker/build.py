@@ -40,6 +40,7 @@ class Worker:
     # A new one each start: the router forgets what it thought this worker had cached when it
     # sees another.
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    attention_backend: str = ""  # the runner's (FlashInferAttentionBackend, TorchAttentionBackend)
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -83,6 +84,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         seed=cfg.seed,
         quantization=cfg.quantization,
         group_size=cfg.group_size,
+        attention_backend=cfg.attention_backend,
     )
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"
@@ -129,4 +131,5 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         prefill=prefill,
         decode=decode,
         accepted_names=frozenset({name, "default"}),
+        attention_backend=runner.attention_backend,
     )

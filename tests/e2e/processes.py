@@ -14,10 +14,14 @@ import aiohttp
 CLUSTER_TOKEN = "test-cluster-token"
 
 
-def start_worker(*args: str, timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """Start `pd-worker --port 0 ...` on the CPU; return the process and its URL once ready."""
+def start_worker(
+    *args: str, timeout: float = 180.0, device: str | None = "cpu"
+) -> tuple[subprocess.Popen, str]:
+    """Start `pd-worker --port 0 ...` on `device` (None: as `args` say); return the process and
+    its URL once ready."""
+    on = ("--device", device) if device else ()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pd.worker.main", "--port", "0", "--device", "cpu", *args],
+        [sys.executable, "-m", "pd.worker.main", "--port", "0", *on, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

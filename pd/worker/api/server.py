@@ -104,6 +104,8 @@ async def health(request: web.Request) -> web.Response:
         "role": worker.config.role,
         "model": worker.model_name,
         "instance": worker.instance_id,
+        "attention_backend": worker.attention_backend,
+        "quantization": worker.config.quantization,
         "load": load,
         **load,
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages

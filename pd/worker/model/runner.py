@@ -75,6 +75,7 @@ class ModelRunner:
         seed: int = 0,
         quantization: str = "none",
         group_size: int = 32,
+        attention_backend: str = "auto",
     ) -> None:
         check_tp(config, tp)
         if quantization not in QUANTIZATIONS:
@@ -113,7 +114,7 @@ class ModelRunner:
                         dtype,
                         dev,
                     ),
-                    attn=select_attention_backend(dev, dtype),
+                    attn=select_attention_backend(dev, dtype, attention_backend),
                     rotary=Rotary(config, max_model_len, dev),
                     num_heads=config.num_heads // tp,
                     num_kv_heads=config.num_kv_heads // tp,
@@ -144,6 +145,7 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed)
         self.num_pages = num_pages
+        self.attention_backend = type(ranks[0].attn).__name__  # reported in /health
 
     @property
     def kv_pools(self) -> list[KVPool]:

@@ -248,3 +248,9 @@ def test_flashinfer_api_takes_our_arguments() -> None:
         assert "kv_layout" in inspect.signature(cls.__init__).parameters
         assert list(inspect.signature(cls.run).parameters)[1:3] == ["q", "paged_kv_cache"]
     assert "use_tensor_cores" in inspect.signature(decode.__init__).parameters
+
+
+def test_asking_for_flashinfer_where_it_cannot_run_is_an_error_not_a_fallback() -> None:
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        select_attention_backend("cpu", torch.bfloat16, "flashinfer")
+    assert isinstance(select_attention_backend("cpu", torch.bfloat16, "torch"), TorchAttentionBackend)

@@ -158,9 +158,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         return self._wrapper.run(q, kv_cache)  # [T, Hq, D]
 
 
-def select_attention_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
-    """FlashInfer on CUDA for bf16/fp16; the torch backend otherwise (CPU, or fp32 anywhere)."""
+ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
+
+
+def select_attention_backend(
+    device: torch.device | str, dtype: torch.dtype, want: str = "auto"
+) -> AttentionBackend:
+    """`auto`: FlashInfer on CUDA for bf16/fp16, the torch backend otherwise (CPU, or fp32
+    anywhere, or FlashInfer not installed, with a warning). `flashinfer` refuses to fall back:
+    a clear error instead. `torch`: the torch backend."""
     device = torch.device(device)
+    if want == "torch":
+        return TorchAttentionBackend()
+    if want == "flashinfer":
+        if device.type != "cuda" or dtype not in FLASHINFER_DTYPES:
+            raise ValueError(
+                f"--attention-backend flashinfer needs --device cuda and a bf16/fp16 --dtype "
+                f"(got {device.type}, {str(dtype).removeprefix('torch.')})"
+            )
+        try:
+            return FlashInferAttentionBackend(device)
+        except ImportError as e:
+            raise ValueError(f"--attention-backend flashinfer: flashinfer is unusable: {e}") from e
+    if want != "auto":
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}")
     if device.type == "cuda" and dtype in FLASHINFER_DTYPES:
         try:
             return FlashInferAttentionBackend(device)
