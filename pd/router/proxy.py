@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -109,11 +109,8 @@ class Proxy:
         self.headers = {"Content-Type": JSON}
         if cfg.worker_api_key:
             self.headers["Authorization"] = f"Bearer {cfg.worker_api_key}"
-        self.prefill_timeout = aiohttp.ClientTimeout(
-            total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout
-        )
-        # No sock_read: silence is timed by `asyncio_timeout` up to the first byte, then by the
-        # idle watch (see idle.py).
+        # No total and no sock_read: a prefill is timed by its deadline, a stream by
+        # `asyncio_timeout` up to the first byte, then by the idle watch (see idle.py).
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.read_timeout)
         self.release_timeout = aiohttp.ClientTimeout(total=max(1.0, cfg.connect_timeout))
@@ -271,7 +268,7 @@ class Proxy:
                         w.url + ex.path,
                         data=payload,
                         headers=ex.headers,
-                        timeout=self.prefill_timeout,
+                        timeout=self.stream_timeout,
                     ) as resp:
                         data = await resp.read()
                 if resp.status == 200:
@@ -532,17 +529,26 @@ class Proxy:
         return Failure(503, orjson.dumps(body), retry_after="1")
 
 
-@contextlib.asynccontextmanager
-async def _deadline(w: Worker, seconds: float) -> AsyncIterator[None]:
-    """`asyncio_timeout(seconds)`, which also expires at once when `w` is ejected."""
-    loop = asyncio.get_running_loop()
-    async with asyncio_timeout(seconds) as cm:
-        expire = lambda: cm.reschedule(loop.time())  # noqa: E731
-        w.cancels.add(expire)
-        try:
-            yield
-        finally:
-            w.cancels.discard(expire)
+class _deadline:  # noqa: N801 (used like a function: `async with _deadline(w, s):`)
+    """`asyncio_timeout(seconds)`, which also expires at once when `w` is ejected (a plain class:
+    it is on every request's path, twice)."""
+
+    __slots__ = ("w", "cm")
+
+    def __init__(self, w: Worker, seconds: float) -> None:
+        self.w = w
+        self.cm = asyncio_timeout(seconds)
+
+    def __call__(self) -> None:  # `w` was ejected
+        self.cm.reschedule(asyncio.get_running_loop().time())
+
+    async def __aenter__(self) -> None:
+        await self.cm.__aenter__()
+        self.w.cancels.add(self)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.w.cancels.discard(self)
+        await self.cm.__aexit__(*exc)
 
 
 def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:
