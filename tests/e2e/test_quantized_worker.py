@@ -1,0 +1,34 @@
+"""Workers with quantized weights answer right: int4 (the GGUF's Q4_1 blocks packed as they are)
+and int8, each a real `pd-worker --role both` process, greedy."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tests.e2e.processes import start_worker, stop
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+async def test_a_quantized_worker_gives_the_right_greedy_answer(quantization):
+    proc, url = start_worker(
+        "--role", "both", "--quantization", quantization, "--threads", "1", "--kv-pages", "64"
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/health") as resp:
+                health = await resp.json()
+            assert health["quantization"] == quantization
+            body = {
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                answer = await resp.json()
+                assert resp.status == 200, answer
+            assert "Paris" in answer["choices"][0]["message"]["content"]
+    finally:
+        stop(proc)
