@@ -99,18 +99,6 @@ class Sampler:
         ps = [params[i] for i in rows]
         idx = torch.tensor(rows, device=dev)
         temps = torch.tensor([p.temperature for p in ps], device=dev)
-        x = logits[idx].float() / temps[:, None]  # [R, V] fp32
-
-        ks = [max(0, p.top_k) for p in ps]
-        if any(ks):
-            _top_k(x, ks)
-        probs = torch.softmax(x, dim=-1)  # [R, V]; truncation below zeroes entries in place
-        if any(p.top_p < 1.0 for p in ps):
-            _top_p(probs, [p.top_p for p in ps])
-        if any(p.min_p > 0.0 for p in ps):
-            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
-            probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-
         u = [0.0] * len(ps)  # one uniform in [0, 1) per row
         unseeded = [j for j, p in enumerate(ps) if p.seed is None]
         if unseeded:
@@ -120,7 +108,25 @@ class Sampler:
         for j, p in enumerate(ps):
             if p.seed is not None:
                 u[j] = uniform_for_position(p.seed, len(output_ids[rows[j]]))
-        return _inverse_cdf(probs, torch.tensor(u, dtype=torch.float64, device=dev))
+        u_t = torch.tensor(u, dtype=torch.float64, device=dev)
+
+        ks = [max(0, p.top_k) for p in ps]
+        top_ps = [p.top_p for p in ps]
+        min_ps = [p.min_p for p in ps]
+        rows_logits = logits[idx]  # [R, V]
+        fast = _truncated_draw(rows_logits, temps, ks, top_ps, min_ps, u_t)
+        if fast is not None:
+            return fast
+        x = rows_logits.float() / temps[:, None]  # [R, V] fp32
+        if any(ks):
+            _top_k(x, ks)
+        probs = torch.softmax(x, dim=-1)  # [R, V]; truncation below zeroes entries in place
+        if any(p < 1.0 for p in top_ps):
+            _top_p(probs, top_ps)
+        if any(m > 0.0 for m in min_ps):
+            min_p = torch.tensor(min_ps, device=dev)[:, None]
+            probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return _inverse_cdf(probs, u_t)
 
 
 def _token_counts(ids: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:
@@ -162,6 +168,70 @@ def _apply_penalties(
     pres = torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None]
     x = x - freq * out_counts - pres * out_seen.float()
     logits[idx] = x
+
+
+def _truncated_draw(
+    logits: torch.Tensor,  # [R, V], before temperature
+    temps: torch.Tensor,  # [R]
+    ks: list[int],
+    top_ps: list[float],
+    min_ps: list[float],
+    u: torch.Tensor,  # [R] float64
+) -> list[int] | None:
+    """The fast path when every row is truncated by top-k or top-p: the same draw as the full
+    path (top-k -> softmax -> top-p -> min-p -> inverse CDF in token-id order), computed on each
+    row's top candidates instead of the whole vocabulary: no full-vocabulary sort, cumulative sum
+    or mask. Top-p rows try 64, then 256, then TOP_P_CANDIDATES candidates (a large `topk` costs
+    more than its small first tries). None (use the full path) when a row is not truncated, when
+    a top-k boundary is tied (the full path keeps ties), or when a top-p row's candidates do not
+    reach its mass."""
+    if not all(k > 0 or p < 1.0 for k, p in zip(ks, top_ps)):
+        return None
+    V = logits.shape[1]
+    if any(k >= V for k in ks):
+        return None
+    dev = logits.device
+    has_k = torch.tensor([k > 0 for k in ks], device=dev)
+    k_row = torch.tensor([k for k in ks], device=dev)
+    p = torch.tensor(top_ps, device=dev)[:, None]
+    on_p = p[:, 0] < 1.0
+    whole = (~has_k).nonzero()[:, 0]  # top-p rows without top-k: normalized over the vocabulary
+    lse_whole = None
+    if whole.numel():
+        lse_whole = torch.logsumexp(
+            logits[whole].float() / temps[whole, None], dim=-1, keepdim=True
+        )
+    k_max = max(ks) + 1  # one more than k: a tie at the k-th logit shows as an equal (k+1)-th
+    for c in (64, 256, TOP_P_CANDIDATES):
+        K = min(V, max(k_max, c if whole.numel() else 0))
+        raw, ids = logits.topk(K, dim=-1)  # [R, K], descending (a temperature keeps the order)
+        if bool(has_k.any()):
+            at = raw.gather(1, (k_row - 1).clamp_min(0)[:, None])  # the k-th
+            after = raw.gather(1, k_row.clamp_max(K - 1)[:, None])  # the (k+1)-th
+            if bool(((at == after)[:, 0] & has_k).any()):
+                return None  # a tie at some row's k-th logit: the full path keeps every tie
+        vals = raw.float() / temps[:, None]
+        in_set = (torch.arange(K, device=dev)[None, :] < k_row[:, None]) | ~has_k[:, None]
+        vals = vals.masked_fill(~in_set, float("-inf"))
+        lse = torch.logsumexp(vals, dim=-1, keepdim=True)  # [R, 1]: over the k of top-k rows
+        if lse_whole is not None:
+            lse[whole] = lse_whole
+        probs = torch.exp(vals - lse)  # [R, K], descending, 0 outside the set
+        if not bool(on_p.any()):
+            break
+        thr, settled = _top_p_threshold(probs, p)  # [R, 1], [R]
+        if not bool((on_p & ~has_k & ~settled).any()):
+            probs = torch.where(on_p[:, None] & (probs < thr), torch.zeros_like(probs), probs)
+            break
+        if K == V or c == TOP_P_CANDIDATES:
+            return None  # the candidates hold less than top_p of the mass: the full path
+    if any(m > 0.0 for m in min_ps):
+        min_p = torch.tensor(min_ps, device=dev)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+    order = ids.argsort(dim=-1)  # the inverse CDF runs in token-id order, as over the vocabulary
+    chosen = _inverse_cdf(probs.gather(1, order), u)
+    ids_in_order = ids.gather(1, order)
+    return [int(ids_in_order[r, j]) for r, j in enumerate(chosen)]
 
 
 def _top_k(x: torch.Tensor, ks: list[int]) -> None:

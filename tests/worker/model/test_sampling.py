@@ -331,3 +331,36 @@ def test_params_defaults_and_greedy():
         "/v1/completions", {"prompt": "x", "stop": ["a", "b"], "stop_token_ids": [2]}
     ).options
     assert listed.stop == ("a", "b") and listed.stop_token_ids == (2,)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=50),
+        dict(top_p=0.9),
+        dict(top_k=50, top_p=0.9),
+        dict(top_p=0.5, min_p=0.05),
+        dict(top_k=3, min_p=0.2),
+    ],
+)
+def test_the_truncated_fast_path_draws_what_the_full_path_draws(monkeypatch, kw):
+    """Seeded rows: the candidates-only path and the whole-vocabulary path pick the same tokens."""
+    from pd.worker.model import sampler as sampler_mod
+
+    torch.manual_seed(0)
+    V = 5000
+    ranks = torch.arange(1, V + 1).float()
+    logits = torch.stack([(-3.3 * torch.log(ranks))[torch.randperm(V)] for _ in range(16)])
+    params = [GenerationOptions(temperature=0.8, seed=11, **kw)] * 16
+    outputs = [[1] * i for i in range(16)]  # a different output position, so another u, per row
+    fast = Sampler(0).sample(logits, params, [[1]] * 16, outputs).token_ids
+    monkeypatch.setattr(sampler_mod, "_truncated_draw", lambda *a, **k: None)
+    full = Sampler(0).sample(logits, params, [[1]] * 16, outputs).token_ids
+    assert fast == full
+
+
+def test_a_tie_at_the_top_k_boundary_takes_the_full_path_which_keeps_every_tie():
+    logits = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0]])  # top_k=2 cuts inside the tie at 3.0
+    params = [GenerationOptions(temperature=1.0, top_k=2)]
+    seen = {Sampler(s).sample(logits, params, [[1]], [[]]).token_ids[0] for s in range(200)}
+    assert {1, 2, 3} <= seen and 4 not in seen  # every tied token, never the one below
