@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
     "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
     "routing": "routing policies and decode-local prefill on a multi-turn load (2 P + 1 D)",
+    "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
 }
