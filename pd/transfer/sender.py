@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from pd.transfer.bootstrap import Session
 
 log = logging.getLogger(__name__)
+# Aborts being sent to decode peers: asyncio keeps only weak references to tasks.
+_SENDING: set[asyncio.Future] = set()
 
 
 class Sender(KVSender):
@@ -74,9 +76,11 @@ class Sender(KVSender):
     def abort(self, reason: str = "aborted by prefill") -> None:
         if self._state.fail(reason):
             if self.session is not None:
-                asyncio.ensure_future(
+                task = asyncio.ensure_future(
                     self._host.server_send(self.session, Abort(self.transfer_id, reason))
                 )
+                _SENDING.add(task)
+                task.add_done_callback(_SENDING.discard)
             self._release("abort")
 
     # -- driven by the host on bootstrap messages ----------------------------------------
