@@ -108,20 +108,18 @@ class KVPool:
     def write(
         self,
         layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        kv: torch.Tensor,
         page_ids: torch.Tensor,
         offsets: torch.Tensor,
     ) -> None:
-        """Scatter new tokens' K/V into their slots.
+        """Scatter new tokens' K/V into their slots, in one op.
 
-        k, v: [T, Hkv, D]; page_ids, offsets: [T] long, on the pool's device.
+        kv: [T, 2, Hkv, D] (K then V); page_ids, offsets: [T] long, on the pool's device.
         Slots must be distinct (they are, by construction of the paged metadata).
         """
         cache = self.layer_cache(layer)  # [N, 2, Hkv, P, D]
-        # Two advanced indices split by a slice put the token dim first: [T, Hkv, D].
-        cache[:, 0][page_ids, :, offsets] = k.to(self.dtype)
-        cache[:, 1][page_ids, :, offsets] = v.to(self.dtype)
+        # Two advanced indices split by slices put the token dim first: [T, 2, Hkv, D].
+        cache[page_ids, :, :, offsets] = kv.to(self.dtype)
 
     def __repr__(self) -> str:
         return (

@@ -46,17 +46,22 @@ class Rotary:
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of a step's positions [T] (looked up once per step)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def angles(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of a step's positions [T] in the compute dtype (looked up
+        once per step; computed in float64, rounded once)."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
 
     @staticmethod
     def apply(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [T, H, D]
+        # x: [T, H, D], in the compute dtype, as Hugging Face's rotate-half does it
         cos, sin = angles
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _scale_llama3(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -144,7 +149,8 @@ class LlamaModel:
                 rank.kv.page_size,
                 rank.kv.dtype,
             )
-        angles = [rank.rotary.angles(m.positions) for rank, m in zip(self.ranks, metas)]
+        dtype = self.embed.dtype
+        angles = [rank.rotary.angles(m.positions, dtype) for rank, m in zip(self.ranks, metas)]
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
             in_norm, post_norm = self.norms[i]
@@ -180,7 +186,7 @@ class LlamaModel:
         )
         q, k = qk.split([rank.num_heads, rank.num_kv_heads], dim=1)  # [T, Hq_r, D], [T, Hkv_r, D]
         v = qkv[:, q_size + kv_size :].reshape(-1, rank.num_kv_heads, d)
-        rank.kv.write(i, k, v, meta.write_page_ids, meta.write_offsets)
+        rank.kv.write(i, torch.stack((k, v), dim=1), meta.write_page_ids, meta.write_offsets)
         out = rank.attn.forward(q, rank.kv.layer_cache(i), self.sm_scale)  # [T, Hq_r, D]
         return shard.o(out.reshape(-1, q_size))  # [T, hidden] partial
 
