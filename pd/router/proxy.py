@@ -192,6 +192,18 @@ class Proxy:
                 return failure.response()
         return (failure or self._no_worker(decode, tried)).response()
 
+    def _release_read_answer(self, p: Worker, data: bytes | None, reason: str) -> None:
+        """P's answer was read but is dropped (the phase ended on closing its connection):
+        release what it pinned, if anything."""
+        if data is None:
+            return
+        try:
+            answer = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(answer, dict):
+            self._release_prefill(p, answer.get(KV), reason)
+
     def _release_prefill(self, p: Worker, params: Any, reason: str) -> None:
         """Tell P to drop the pages it pinned for these params: no D will pull them."""
         tid = params.get("transfer_id") if isinstance(params, dict) else None
@@ -262,6 +274,7 @@ class Proxy:
                 self.cfg.prefill_timeout,
                 self.cfg.prefill_deadline_base + w.inflight_tokens / self.cfg.prefill_min_rate,
             )
+            data: bytes | None = None  # P's answer, once read
             try:
                 async with _deadline(w, deadline):
                     async with self._client.post(
@@ -287,9 +300,14 @@ class Proxy:
                 if resp.status not in RETRYABLE:
                     return failure.response()
             except TimeoutError:
+                self._release_read_answer(w, data, "the prefill's deadline ran out")
                 failure = self._timed_out(w, f"did not answer within {deadline:.1f}s")
             except aiohttp.ClientError as e:
+                self._release_read_answer(w, data, "the prefill's connection broke")
                 failure = self._on_error(w, e)
+            except asyncio.CancelledError:  # the client left, maybe with P's answer read
+                self._release_read_answer(w, data, "the client left before the decode worker")
+                raise
             finally:
                 w.release(cost)
         return (failure or self._no_worker(pool, tried)).response()
