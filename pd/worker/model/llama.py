@@ -46,22 +46,18 @@ class Rotary:
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def angles(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] of a step's positions [T] in the compute dtype (looked up
-        once per step; computed in float64, rounded once)."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] (fp32) of a step's positions [T] (looked up once per step)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
     def apply(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [T, H, D], in the compute dtype, as Hugging Face's rotate-half does it
+        # x: [T, H, D]. Rotated in fp32: in bf16 (cos and sin rounded to 8 bits) the int4
+        # model's greedy answers changed (e.g. "What is the capital of France?" lost "Paris").
         cos, sin = angles
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
 
 
 def _scale_llama3(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -149,8 +145,7 @@ class LlamaModel:
                 rank.kv.page_size,
                 rank.kv.dtype,
             )
-        dtype = self.embed.dtype
-        angles = [rank.rotary.angles(m.positions, dtype) for rank, m in zip(self.ranks, metas)]
+        angles = [rank.rotary.angles(m.positions) for rank, m in zip(self.ranks, metas)]
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
             in_norm, post_norm = self.norms[i]
