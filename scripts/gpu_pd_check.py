@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,9 +53,9 @@ async def main() -> int:
         procs.append(p)
         d, d_url = start_worker("--role", "decode", *CUDA, *COMMON, device=None)
         procs.append(d)
-        import subprocess
-
-        router_port = "18080"
+        with socket.socket() as sock:  # a free port for the router
+            sock.bind(("127.0.0.1", 0))
+            router_port = str(sock.getsockname()[1])
         router = subprocess.Popen(
             [sys.executable, "-m", "pd.router.main", "--port", router_port,
              "--prefill", p_url, "--decode", d_url, "--local-prefill-max-tokens", "0"],

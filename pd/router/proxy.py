@@ -276,7 +276,7 @@ class Proxy:
             )
             data: bytes | None = None  # P's answer, once read
             try:
-                async with _deadline(w, deadline):
+                async with _Deadline(w, deadline):
                     async with self._client.post(
                         w.url + ex.path,
                         data=payload,
@@ -343,7 +343,7 @@ class Proxy:
         resp = None
         handed_over = False
         try:
-            async with _deadline(w, self.cfg.read_timeout):  # up to the first byte
+            async with _Deadline(w, self.cfg.read_timeout):  # up to the first byte
                 resp = await self._client.post(
                     w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
                 )
@@ -547,7 +547,7 @@ class Proxy:
         return Failure(503, orjson.dumps(body), retry_after="1")
 
 
-class _deadline:  # noqa: N801 (used like a function: `async with _deadline(w, s):`)
+class _Deadline:
     """`asyncio_timeout(seconds)`, which also expires at once when `w` is ejected (a plain class:
     it is on every request's path, twice)."""
 

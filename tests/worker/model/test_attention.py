@@ -253,4 +253,6 @@ def test_flashinfer_api_takes_our_arguments() -> None:
 def test_asking_for_flashinfer_where_it_cannot_run_is_an_error_not_a_fallback() -> None:
     with pytest.raises(ValueError, match="needs --device cuda"):
         select_attention_backend("cpu", torch.bfloat16, "flashinfer")
-    assert isinstance(select_attention_backend("cpu", torch.bfloat16, "torch"), TorchAttentionBackend)
+    assert isinstance(
+        select_attention_backend("cpu", torch.bfloat16, "torch"), TorchAttentionBackend
+    )

@@ -12,7 +12,6 @@ import torch
 
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import (
-    GroupQuant,
     Int4Linear,
     Int8Linear,
     check_group_size,
