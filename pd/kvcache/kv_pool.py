@@ -105,21 +105,27 @@ class KVPool:
         """The strided view [num_pages, 2, Hkv, page_size, head_dim] of one layer."""
         return self.buffer[:, layer]  # [N, 2, Hkv, P, D]
 
-    def write(
-        self,
-        layer: int,
-        kv: torch.Tensor,
-        page_ids: torch.Tensor,
-        offsets: torch.Tensor,
-    ) -> None:
-        """Scatter new tokens' K/V into their slots, in one op.
+    def rows_of(self, page_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Where a step's new tokens go, computed once per step: [L, T, 2, Hkv] indices into
+        the buffer seen as rows of head_dim items (layer l, token t, K/V, head), for `write`.
 
-        kv: [T, 2, Hkv, D] (K then V); page_ids, offsets: [T] long, on the pool's device.
-        Slots must be distinct (they are, by construction of the paged metadata).
+        page_ids, offsets: [T] long (each token's page and slot), on the pool's device.
         """
-        cache = self.layer_cache(layer)  # [N, 2, Hkv, P, D]
-        # Two advanced indices split by slices put the token dim first: [T, 2, Hkv, D].
-        cache[page_ids, :, :, offsets] = kv.to(self.dtype)
+        n, layers, two, hkv, p, _ = self.buffer.shape
+        strides = torch.tensor(self.buffer.stride()[:5], device=self.device) // self.head_dim
+        token = page_ids * strides[0] + offsets * strides[4]  # [T]
+        within = (
+            torch.arange(layers, device=self.device)[:, None, None] * strides[1]
+            + torch.arange(two, device=self.device)[None, :, None] * strides[2]
+            + torch.arange(hkv, device=self.device)[None, None, :] * strides[3]
+        )  # [L, 2, Hkv]
+        return token[None, :, None, None] + within[:, None]  # [L, T, 2, Hkv]
+
+    def write(self, layer: int, kv: torch.Tensor, rows: torch.Tensor) -> None:
+        """Scatter new tokens' K/V [T, 2, Hkv, D] (K then V) into their slots, in one op;
+        `rows` is `rows_of(...)` of the step (slots are distinct by construction)."""
+        flat = self.buffer.view(-1, self.head_dim)
+        flat.index_put_((rows[layer],), kv if kv.dtype == self.dtype else kv.to(self.dtype))
 
     def __repr__(self) -> str:
         return (

@@ -45,7 +45,7 @@ def test_write_then_read_back() -> None:
     T = meta.num_tokens
     k = torch.randn(T, H, D)  # [T, H, D]
     v = torch.randn(T, H, D)  # [T, H, D]
-    pool.write(2, torch.stack((k, v), dim=1), meta.write_page_ids, meta.write_offsets)
+    pool.write(2, torch.stack((k, v), dim=1), pool.rows_of(meta.write_page_ids, meta.write_offsets))
     cache = pool.layer_cache(2)
     # seq 0: positions 2, 3 land in page 4 slots 2, 3; position 4 in page 1 slot 0.
     torch.testing.assert_close(cache[4, 0, :, 2], k[0])

@@ -12,7 +12,7 @@ Weights arrive in Hugging Face names (see `loader.py`); `shard_weights` maps the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -22,20 +22,29 @@ from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import PagedMetadata
 from pd.worker.model import quant
 from pd.worker.model.attention import AttentionBackend
+from pd.worker.model.attention.torch_backend import DecodeInputs, paged_decode_attention
 from pd.worker.model.communicator import Communicator
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Linear, Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [T, hidden]; the variance is computed in fp32 whatever the compute dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
+    # x: [T, hidden]. torch's fused kernel computes the variance in fp32 whatever the dtype.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rotary:
-    """Rotary position embedding in the Hugging Face (rotate-half) layout, cached per device."""
+    """Rotary position embedding, applied to q and k rows laid out in interleaved pairs.
+
+    Hugging Face's rotate-half layout pairs dim i of a head with dim i + D/2; `shard_layer`
+    reorders the rows of the Q and K projections so that pairs are adjacent (dims 2i, 2i+1, the
+    layout of the original Llama and of GGUF files). Attention only takes dot products of q
+    with k, which a permutation of both leaves unchanged, and v is not permuted: the model's
+    outputs are the same, and a pair is one complex number, so rotating is one complex multiply
+    instead of ten elementwise ops. K is cached in this layout (every worker writes and reads
+    it the same way). Rotated in fp32: in bf16 (cos and sin rounded to 8 bits) the int4 model's
+    greedy answers changed (e.g. "What is the capital of France?" lost "Paris").
+    """
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
         dim = config.head_dim
@@ -43,21 +52,34 @@ class Rotary:
         inv_freq = _scale_llama3(inv_freq, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [P, dim/2]
-        self.cos = freqs.cos().float().to(device)
-        self.sin = freqs.sin().float().to(device)
+        angles = torch.polar(torch.ones_like(freqs), freqs).to(torch.complex64)
+        self.cos_sin = torch.view_as_real(angles).to(device)  # [P, dim/2, 2] fp32
 
-    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] (fp32) of a step's positions [T] (looked up once per step)."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """(cos, sin) [T, 1, D/2, 2] (fp32) of a step's positions [T], looked up once per step:
+        e^(i * position * freq) as a complex number's real and imaginary parts."""
+        return self.cos_sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        # x: [T, H, D]. Rotated in fp32: in bf16 (cos and sin rounded to 8 bits) the int4
-        # model's greedy answers changed (e.g. "What is the capital of France?" lost "Paris").
-        cos, sin = angles
-        x1, x2 = x.float().chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+    def apply_(x: torch.Tensor, angles: torch.Tensor) -> None:
+        """Rotate x [T, H, D] (a view into the layer's qkv output) in place."""
+        t, h, d = x.shape
+        if torch.compiler.is_compiling():  # inductor generates no code for complex ops
+            cos, sin = angles.unbind(-1)  # [T, 1, D/2]
+            even, odd = x.float().reshape(t, h, d // 2, 2).unbind(-1)
+            rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+            x.copy_(rotated.view(t, h, d))
+            return
+        pairs = torch.view_as_complex(x.float().reshape(t, h, d // 2, 2))
+        x.copy_(torch.view_as_real(pairs * torch.view_as_complex(angles)).view(t, h, d))
+
+
+def interleave_pairs(num_heads: int, head_dim: int) -> torch.Tensor:
+    """The row order [num_heads * head_dim] that turns a Q or K projection from rotate-half
+    (dims i, i + D/2 paired) into interleaved pairs (dims 2i, 2i + 1), for `Rotary`."""
+    half = head_dim // 2
+    within = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return (torch.arange(num_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 def _scale_llama3(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -120,6 +142,8 @@ class LlamaModel:
         self.lm_head = lm_head
         self.comm = comm
         self.sm_scale = config.head_dim**-0.5
+        # `layers` compiled (torch.compile) for decode steps, when asked: see `compile_decode`.
+        self.compiled_decode: Callable[..., torch.Tensor] | None = None
 
     @property
     def tp(self) -> int:
@@ -146,14 +170,33 @@ class LlamaModel:
                 rank.kv.dtype,
             )
         angles = [rank.rotary.angles(m.positions) for rank, m in zip(self.ranks, metas)]
+        kv_rows = [
+            rank.kv.rows_of(m.write_page_ids, m.write_offsets) for rank, m in zip(self.ranks, metas)
+        ]
+        if self.compiled_decode is not None and meta.is_decode_only:
+            decode = [rank.attn.decode_inputs() for rank in self.ranks]
+            return self.compiled_decode(input_ids, angles, kv_rows, decode, logits_indices)
+        return self.layers(input_ids, angles, kv_rows, None, logits_indices)
+
+    def layers(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        angles: list[torch.Tensor],  # per rank: the step's rotary angles
+        kv_rows: list[torch.Tensor],  # per rank: where the step's K/V go (`KVPool.rows_of`)
+        decode: list[DecodeInputs] | None,  # per rank, a pure decode step's attention inputs
+        logits_indices: torch.Tensor,  # [S]
+    ) -> torch.Tensor:  # [S, V] fp32
+        """Every layer and the LM head, after the step's metadata is planned: the part that
+        `--compile` compiles for decode steps (no Python reads the metadata's lists here)."""
+        cfg = self.config
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
             in_norm, post_norm = self.norms[i]
             x = rms_norm(h, in_norm, cfg.rms_norm_eps)
             xs = self.comm.broadcast(x)
             partial = [
-                self._attention(i, rank, m, a, xr)
-                for rank, m, a, xr in zip(self.ranks, metas, angles, xs)
+                self._attention(i, rank, a, rows, None if decode is None else decode[r], xr)
+                for r, (rank, a, rows, xr) in enumerate(zip(self.ranks, angles, kv_rows, xs))
             ]
             h = h + self.comm.reduce(partial)
             x = rms_norm(h, post_norm, cfg.rms_norm_eps)
@@ -167,23 +210,25 @@ class LlamaModel:
         self,
         i: int,
         rank: RankState,
-        meta: PagedMetadata,
-        angles: tuple[torch.Tensor, torch.Tensor],
+        angles: torch.Tensor,
+        kv_rows: torch.Tensor,
+        decode: DecodeInputs | None,
         x: torch.Tensor,
     ) -> torch.Tensor:
         shard = rank.layers[i]
-        d = self.config.head_dim
-        qkv = shard.qkv(x)  # [T, (Hq_r + 2 Hkv_r) * D]
-        q_size, kv_size = rank.num_heads * d, rank.num_kv_heads * d
-        # q and k are rotated in one go: they lie side by side, head after head.
-        qk = Rotary.apply(
-            qkv[:, : q_size + kv_size].view(-1, rank.num_heads + rank.num_kv_heads, d), angles
-        )
-        q, k = qk.split([rank.num_heads, rank.num_kv_heads], dim=1)  # [T, Hq_r, D], [T, Hkv_r, D]
-        v = qkv[:, q_size + kv_size :].reshape(-1, rank.num_kv_heads, d)
-        rank.kv.write(i, torch.stack((k, v), dim=1), meta.write_page_ids, meta.write_offsets)
-        out = rank.attn.forward(q, rank.kv.layer_cache(i), self.sm_scale)  # [T, Hq_r, D]
-        return shard.o(out.reshape(-1, q_size))  # [T, hidden] partial
+        d, hq, hkv = self.config.head_dim, rank.num_heads, rank.num_kv_heads
+        qkv = shard.qkv(x)  # [T, (Hq_r + 2 Hkv_r) * D]: q, k, v side by side
+        t = qkv.shape[0]
+        # q and k lie side by side, head after head: rotated in one go, in place.
+        Rotary.apply_(qkv[:, : (hq + hkv) * d].view(t, hq + hkv, d), angles)
+        rank.kv.write(i, qkv[:, hq * d :].view(t, 2, hkv, d), kv_rows)  # k and v, one op
+        q = qkv[:, : hq * d].view(t, hq, d)
+        cache = rank.kv.layer_cache(i)
+        if decode is None:
+            out = rank.attn.forward(q, cache, self.sm_scale)  # [T, Hq_r, D]
+        else:
+            out = paged_decode_attention(q, cache, decode, self.sm_scale)
+        return shard.o(out.reshape(t, hq * d))  # [T, hidden] partial
 
     @staticmethod
     def _mlp(shard: LayerShard, x: torch.Tensor) -> torch.Tensor:
@@ -240,10 +285,11 @@ def shard_layer(
         assert isinstance(b, torch.Tensor), f"{p + name} must be a float tensor"
         return b[rank * n : (rank + 1) * n]
 
+    q_order, k_order = interleave_pairs(hq, d), interleave_pairs(hkv, d)  # see `Rotary`
     qkv = quant.cat_rows(
         [
-            out_rows("self_attn.q_proj.weight", hq * d),
-            out_rows("self_attn.k_proj.weight", hkv * d),
+            quant.take_rows(out_rows("self_attn.q_proj.weight", hq * d), q_order),
+            quant.take_rows(out_rows("self_attn.k_proj.weight", hkv * d), k_order),
             out_rows("self_attn.v_proj.weight", hkv * d),
         ]
     )
@@ -251,8 +297,8 @@ def shard_layer(
     if config.qkv_bias:
         bias = torch.cat(
             [
-                bias_rows("self_attn.q_proj.bias", hq * d),
-                bias_rows("self_attn.k_proj.bias", hkv * d),
+                bias_rows("self_attn.q_proj.bias", hq * d)[q_order],
+                bias_rows("self_attn.k_proj.bias", hkv * d)[k_order],
                 bias_rows("self_attn.v_proj.bias", hkv * d),
             ]
         )

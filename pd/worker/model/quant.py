@@ -52,6 +52,9 @@ class GroupQuant:
     def rows(self, start: int, end: int) -> GroupQuant:
         return GroupQuant(self.q[start:end], self.scale[start:end], self.low[start:end])
 
+    def take_rows(self, order: torch.Tensor) -> GroupQuant:
+        return GroupQuant(self.q[order], self.scale[order], self.low[order])
+
     def cols(self, start: int, end: int) -> GroupQuant:
         g = self.group
         if start % g or end % g:
@@ -186,6 +189,11 @@ def make_linear(
 
 def rows(w: Weight, start: int, end: int) -> Weight:
     return w.rows(start, end) if isinstance(w, GroupQuant) else w[start:end]
+
+
+def take_rows(w: Weight, order: torch.Tensor) -> Weight:
+    """Rows `order` of `w` (a reordering: exact for either kind)."""
+    return w.take_rows(order) if isinstance(w, GroupQuant) else w[order]
 
 
 def cols(w: Weight, start: int, end: int, quantization: str, group_size: int) -> Weight:

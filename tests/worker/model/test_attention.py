@@ -85,7 +85,11 @@ class Harness:
         k = torch.cat([s.k[sl] for s, sl in zip(self.seqs, new)]).to(self.device)  # [T, Hkv, D]
         v = torch.cat([s.v[sl] for s, sl in zip(self.seqs, new)]).to(self.device)  # [T, Hkv, D]
         q = torch.cat([s.q[sl] for s, sl in zip(self.seqs, new)]).to(self.device)  # [T, Hq, D]
-        self.pool.write(LAYER, torch.stack((k, v), dim=1), meta.write_page_ids, meta.write_offsets)
+        self.pool.write(
+            LAYER,
+            torch.stack((k, v), dim=1),
+            self.pool.rows_of(meta.write_page_ids, meta.write_offsets),
+        )
         out = self.run(backend, meta, q)
         ref = torch.cat(
             [
@@ -106,7 +110,11 @@ class Harness:
         meta = build_paged_metadata(specs, self.page_size, self.device)
         k = torch.cat([s.k[:c] for s, c in rows]).to(self.device)
         v = torch.cat([s.v[:c] for s, c in rows]).to(self.device)
-        self.pool.write(LAYER, torch.stack((k, v), dim=1), meta.write_page_ids, meta.write_offsets)
+        self.pool.write(
+            LAYER,
+            torch.stack((k, v), dim=1),
+            self.pool.rows_of(meta.write_page_ids, meta.write_offsets),
+        )
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:

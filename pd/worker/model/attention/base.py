@@ -37,6 +37,11 @@ class AttentionBackend(ABC):
         Run after this layer's new K/V has been written into kv_cache.
         """
 
+    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A planned pure decode step's attention as tensors (page table, mask), for a compiled
+        decode step; only the torch backend has them."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled decode step")
+
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads != 0:

@@ -22,6 +22,21 @@ import torch.nn.functional as F
 from pd.kvcache.paged_metadata import PagedMetadata
 from pd.worker.model.attention.base import AttentionBackend, check_plan_args
 
+DecodeInputs = tuple[torch.Tensor, torch.Tensor]  # a pure decode step's (page table, mask)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, Hq, D], one new token per seq
+    kv_cache: torch.Tensor,  # [N, 2, Hkv, P, D] one layer's strided view
+    inputs: DecodeInputs,  # ([B * max_pages] long page ids, [1, B, 1, max_pages * P] mask)
+    sm_scale: float,
+) -> torch.Tensor:  # [B, Hq, D]
+    """Decode attention from tensors alone (shapes give the sizes): what a compiled decode
+    step runs, where `TorchAttentionBackend.forward` reads its Python plan."""
+    page_table, mask = inputs
+    kv = torch.index_select(kv_cache.permute(1, 2, 0, 3, 4), 2, page_table)  # [2, Hkv, G, P, D]
+    return _decode_math(q, kv, mask.shape[-1] // kv_cache.shape[3], mask, sm_scale)
+
 
 @dataclass(frozen=True)
 class _DecodeGroup:
@@ -235,14 +250,31 @@ class TorchAttentionBackend(AttentionBackend):
         dec: _DecodeGroup,
         sm_scale: float,
     ) -> torch.Tensor:
-        bd, hq, d = q.shape
-        _, hkv, _, page_size, _ = kv.shape
-        group = hq // hkv
-        # Rows 0:Bd*max_pages are the padded page table; merging (max_pages, P) is a view.
-        kv_dec = kv[:, :, : bd * dec.max_pages].reshape(2, hkv, bd, dec.max_pages * page_size, d)
-        # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
-        q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
-        o = F.scaled_dot_product_attention(
-            q_g, kv_dec[0], kv_dec[1], attn_mask=dec.mask, scale=sm_scale
-        )  # [Hkv, Bd, G, D]
-        return o.permute(1, 0, 2, 3).reshape(bd, hq, d)
+        return _decode_math(q, kv, dec.max_pages, dec.mask, sm_scale)
+
+    def decode_inputs(self) -> DecodeInputs:
+        """The planned pure decode step's page table and mask, for `paged_decode_attention`."""
+        plan = self._plan
+        assert plan is not None and plan.decode is not None and not plan.prefills
+        assert plan.decode.token_idx is None
+        return plan.gather_idx, plan.decode.mask
+
+
+def _decode_math(
+    q: torch.Tensor,  # [Bd, Hq, D]
+    kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages, the decode group's first
+    max_pages: int,  # rows 0:Bd*max_pages of the gathered pages are the padded page table
+    mask: torch.Tensor,  # [1, Bd, 1, max_pages * P] additive
+    sm_scale: float,
+) -> torch.Tensor:
+    bd, hq, d = q.shape
+    _, hkv, _, page_size, _ = kv.shape
+    group = hq // hkv
+    # Merging (max_pages, P) is a view.
+    kv_dec = kv[:, :, : bd * max_pages].reshape(2, hkv, bd, max_pages * page_size, d)
+    # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
+    q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
+    o = F.scaled_dot_product_attention(
+        q_g, kv_dec[0], kv_dec[1], attn_mask=mask, scale=sm_scale
+    )  # [Hkv, Bd, G, D]
+    return o.permute(1, 0, 2, 3).reshape(bd, hq, d)
