@@ -97,6 +97,12 @@ class WorkerConfig:
         "decode: longest hold of the pages of a read the transport could not cancel, when it "
         "never confirms the read ended",
     )
+    overlap: bool = _flag(
+        True,
+        "overlap scheduling: produce the text of a step's tokens while the next step computes "
+        "(--no-overlap: one after the other)",
+        boolean=True,
+    )
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
 

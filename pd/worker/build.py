@@ -105,6 +105,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         metrics=metrics,
         page_wait_timeout_s=cfg.page_wait_timeout_s,
         executor=torch_thread.executor,
+        overlap=cfg.overlap,
     )
     metrics.read_load_from(engine.load)
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))

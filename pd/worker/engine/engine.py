@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Protocol
 
@@ -25,7 +26,7 @@ from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.hooks import HeldPages, RoleHooks
 from pd.worker.engine.page_wait import PageWaitQueue
-from pd.worker.engine.postprocess import OutputProcessor, first_logprobs
+from pd.worker.engine.postprocess import OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.metrics import WorkerMetrics
@@ -60,6 +61,7 @@ class Engine:
         metrics: WorkerMetrics | None = None,
         page_wait_timeout_s: float = 30.0,
         executor: Executor | None = None,
+        overlap: bool = True,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -77,7 +79,11 @@ class Engine:
             max_model_len=max_model_len,
             hooks=hooks,
             metrics=metrics,
+            release=self._release,
         )
+        # Overlap scheduling: the text of step N's tokens is produced while step N + 1 computes.
+        self.overlap = overlap
+        self._pending_text: list[PendingText] = []  # step N's, until step N + 1 is submitted
         self._ids = itertools.count()
         self._wakeup: asyncio.Event | None = None
         # The thread forward passes run on: the worker's torch thread (see torch_thread.py), or
@@ -265,6 +271,7 @@ class Engine:
         assert wakeup is not None
         while True:
             if not self.scheduler.has_work:
+                self._emit_pending_text()
                 wakeup.clear()
                 await wakeup.wait()
                 continue
@@ -274,26 +281,46 @@ class Engine:
                 raise
             except Exception as e:  # a failed step fails its requests, not the worker
                 log.exception("engine step failed")
+                self._pending_text.clear()
                 self._fail_all(f"internal error in the engine step: {e}")
 
     async def step(self) -> None:
+        """Schedule, execute and postprocess one step. With overlap, the text of the previous
+        step's tokens is produced while this one computes (see postprocess.py); its tokens are
+        in the requests already, so this step computes them without waiting for that."""
         batch = self.scheduler.schedule()
         if self.metrics and batch.preempted:
             self.metrics.preemptions.inc(len(batch.preempted))
         if not batch.seqs:  # every page is held outside the batch; cannot last while requests run
+            self._emit_pending_text()
             await asyncio.sleep(NOTHING_FITS_WAIT_S)
             return
-        out = await self.execute(batch)
-        self.postprocess.process(batch, out)
+        out = await self.execute(batch, while_running=self._emit_pending_text)
+        self._pending_text = self.postprocess.accept_tokens(batch, out)
+        if not self.overlap:
+            self._emit_pending_text()
         self.page_wait.grant()  # finished requests freed pages; the batch may have shrunk
 
-    async def execute(self, batch: ScheduledBatch) -> SampleOutput:
-        """Run the batch in the forward thread; then its tokens are in the KV cache, and the
-        requests that ended meanwhile are freed."""
+    def _emit_pending_text(self) -> None:
+        pending, self._pending_text = self._pending_text, []
+        if pending:
+            self.postprocess.emit_text(pending)
+            self.page_wait.grant()
+
+    async def execute(
+        self, batch: ScheduledBatch, while_running: Callable[[], None] | None = None
+    ) -> SampleOutput:
+        """Run the batch in the forward thread (and `while_running` on the event loop meanwhile);
+        then its tokens are in the KV cache, and the requests that ended meanwhile are freed."""
         self._step_seqs = frozenset(batch.seqs)
         try:
             loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(self._executor, self.runner.execute, batch)
+            future = loop.run_in_executor(self._executor, self.runner.execute, batch)
+            try:
+                if while_running is not None:
+                    while_running()
+            finally:  # never leave the step running unawaited: its pages are in use
+                out = await future
         finally:
             self._step_seqs = frozenset()
             for seq, reason in self._deferred:

@@ -4,24 +4,38 @@ For each sampled token: append it, record latency metrics, detokenize, check the
 (stop token ids, EOS, stop strings, max_tokens, the context), and queue the request's `Delta`.
 A finished request leaves the scheduler (its pages are freed) or, when it asked for remote
 decode, is handed to the prefill role's `hand_off` (its pages stay pinned for D).
+
+It runs in two phases, so that the engine can overlap the second with the next forward pass
+(overlap scheduling):
+
+1. `accept_tokens`, before the next step is scheduled: every sampled token is appended (the next
+   step computes it). A request that ends on the token itself (a stop token, EOS, max_tokens,
+   the context) is finished here, wholly, so no later step computes for it.
+2. `emit_text`: detokenize and check stop strings for the others, and queue their deltas. With
+   overlap on, this runs while the next step computes, and a request a stop string ends here
+   is in that step: the engine frees its pages when the step ends, and the extra token the step
+   sampled for it is dropped (the request is finished by then).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pd.protocol import APIError
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.hooks import RoleHooks
-from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle
+from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle, Sequence
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
 from pd.worker.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+# A sampled token appended to its request whose text `emit_text` has still to produce.
+PendingText = tuple[RequestHandle, int, list[LogprobEntry]]
 
 
 class OutputProcessor:
@@ -34,8 +48,12 @@ class OutputProcessor:
         max_model_len: int,
         hooks: RoleHooks | None,
         metrics: WorkerMetrics | None,
+        release: Callable[[Sequence, str], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # Ends a request and frees its pages: the engine's, which waits for a step in flight
+        # that computes the request (overlap); by default the scheduler's, at once.
+        self.release = release or scheduler.finish
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.handles = handles
         self.max_model_len = max_model_len
@@ -43,8 +61,14 @@ class OutputProcessor:
         self.metrics = metrics
 
     def process(self, batch: ScheduledBatch, out: SampleOutput) -> None:
-        """Accept the step's sampled tokens (rows of `out`, in `batch.sampled` order)."""
+        """Both phases at once (no overlap)."""
+        self.emit_text(self.accept_tokens(batch, out))
+
+    def accept_tokens(self, batch: ScheduledBatch, out: SampleOutput) -> list[PendingText]:
+        """Phase 1: append the step's sampled tokens (rows of `out`, in `batch.sampled` order)
+        and finish the requests that end on their token; returns the rest for `emit_text`."""
         now = time.monotonic()
+        pending = []
         for row, seq in enumerate(batch.sampled):
             handle = self.handles.get(seq.request_id)
             if handle is None or seq.is_finished:  # aborted while the step ran
@@ -55,16 +79,44 @@ class OutputProcessor:
                 lp = out.logprobs[row]
                 assert lp is not None  # the sampler fills it for rows that ask
                 logprobs.append((token, lp, out.top_logprobs[row]))
-            self.accept(handle, token, logprobs, now)
+            self._append(handle, token, now)
+            if self._ends_on_token(handle, token):
+                self._emit(handle, token, logprobs)
+            else:
+                pending.append((handle, token, logprobs))
+        return pending
+
+    def emit_text(self, pending: list[PendingText]) -> None:
+        """Phase 2: the text of tokens `accept_tokens` left, stop strings, and the deltas."""
+        for handle, token, logprobs in pending:
+            if self.handles.get(handle.seq.request_id) is handle:  # not aborted meanwhile
+                self._emit(handle, token, logprobs)
 
     def accept(
         self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry], now: float
     ) -> None:
         """Append a sampled token, check the stop conditions, and queue the request's delta."""
-        seq, params = handle.seq, handle.seq.params
+        self._append(handle, token, now)
+        self._emit(handle, token, logprobs)
+
+    def _append(self, handle: RequestHandle, token: int, now: float) -> None:
         if self.metrics:
             self._observe(handle, now)
-        seq.output_ids.append(token)
+        handle.seq.output_ids.append(token)
+
+    def _ends_on_token(self, handle: RequestHandle, token: int) -> bool:
+        """Whether the request ends with the token just appended, whatever its text."""
+        seq, params = handle.seq, handle.seq.params
+        return (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+            or len(seq.output_ids) >= seq.max_tokens
+            or seq.num_tokens >= self.max_model_len
+        )
+
+    def _emit(self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry]) -> None:
+        """Detokenize the appended token, check the stop conditions, and queue the delta."""
+        seq, params = handle.seq, handle.seq.params
         finish = None
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
@@ -113,7 +165,7 @@ class OutputProcessor:
                     "server_busy",
                     "kv_hand_off_failed",
                 )
-        self.scheduler.finish(seq, "error" if error else reason)  # no-op once handed off
+        self.release(seq, "error" if error else reason)  # no-op once handed off
         if self.metrics:
             self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
         self.handles.pop(seq.request_id, None)
