@@ -19,6 +19,7 @@ from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.protocol import GenerationOptions
 from pd.worker.model.attention import select_attention_backend
 from pd.worker.model.communicator import make_communicator
+from pd.worker.model.compiled_decode import compile_decode
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
 from pd.worker.model.quant import (
@@ -76,6 +77,7 @@ class ModelRunner:
         quantization: str = "none",
         group_size: int = 32,
         attention_backend: str = "auto",
+        compile: bool = False,
     ) -> None:
         check_tp(config, tp)
         if quantization not in QUANTIZATIONS:
@@ -146,6 +148,9 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.num_pages = num_pages
         self.attention_backend = type(ranks[0].attn).__name__  # reported in /health
+        self.compiled = compile
+        if compile:
+            compile_decode(self.model, page_size, num_pages)
 
     @property
     def kv_pools(self) -> list[KVPool]:

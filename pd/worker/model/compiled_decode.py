@@ -1,0 +1,59 @@
+"""`--compile`: decode steps run through `torch.compile` (inductor) on CPU.
+
+What is compiled is `LlamaModel.layers` (every layer and the LM head) for pure decode steps; the
+step's planning stays eager, and prefill or mixed steps run eager. Attention comes in as tensors
+(`TorchAttentionBackend.decode_inputs`: the padded page table and the mask), so the compiled
+code reads no Python list, and its shapes follow the batch and the longest context. Dynamo
+compiles a graph for the first shape it sees, and one with those sizes symbolic when they change
+(plus the specializations of size 1 it keeps), so `compile_decode` runs a few decode steps of
+each kind at start-up, on scratch pages it zeroes afterwards: no request pays a compile.
+
+Measured on the 2-core CPU (docs/BENCHMARKS.md): the warm-up takes longer than 60 s, which is
+why this is off by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.worker.model.attention.torch_backend import TorchAttentionBackend
+from pd.worker.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+# (decode batch, pages per sequence) of the warm-up steps: a static graph for (1, 1), then the
+# sizes that change become symbolic (one graph for a single sequence, one for batches).
+WARMUP_SHAPES = ((1, 1), (1, 2), (2, 2), (3, 3))
+
+
+def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
+    """Compile `model`'s decode steps and warm them up; returns the seconds it took."""
+    if any(r.device.type != "cpu" for r in model.ranks) or not all(
+        isinstance(r.attn, TorchAttentionBackend) for r in model.ranks
+    ):
+        raise ValueError(
+            "--compile runs on CPU with the torch attention backend (CUDA graphs for decode "
+            "are not built yet)"
+        )
+    need = max(b * p for b, p in WARMUP_SHAPES)
+    if num_pages < need:
+        raise ValueError(f"--compile warms up on {need} KV pages; the pool has {num_pages}")
+    start = time.monotonic()
+    model.compiled_decode = torch.compile(model.layers, fullgraph=True)
+    for batch, pages in WARMUP_SHAPES:
+        seqs = [
+            (list(range(s * pages, (s + 1) * pages)), pages * page_size - 1, 1)
+            for s in range(batch)
+        ]
+        meta = build_paged_metadata(seqs, page_size, model.ranks[0].device)
+        ids = torch.ones(batch, dtype=torch.long)
+        model.forward(ids, meta, torch.arange(batch))
+    for rank in model.ranks:
+        rank.kv.buffer[:need].zero_()  # the warm-up's K/V: pages are zeros until written
+    took = time.monotonic() - start
+    log.info("compiled the decode step in %.1f s", took)
+    return took
