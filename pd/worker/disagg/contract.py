@@ -11,8 +11,10 @@ from pd.transfer import TransferConfig, TransferManager, create_manager, kv_pool
 from pd.worker.model.runner import ModelRunner
 
 KV_POOL = "kv"
-# Page-major buffer [pages, layers, K/V, kv heads, page size, head dim]: see pd/kvcache/kv_pool.py.
-KV_LAYOUT = "page-major-HND"
+# Page-major buffer [pages, layers, K/V, kv heads, page size, head dim]: see pd/kvcache/kv_pool.py;
+# K's head dims in rotary pairs side by side (`Rotary` in pd/worker/model/llama.py). Workers whose
+# K lies otherwise (rotate-half, before 2026-12) refuse these pages, and these workers theirs.
+KV_LAYOUT = "page-major-HND-rope-pairs"
 
 
 @dataclass(frozen=True)

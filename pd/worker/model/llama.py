@@ -174,7 +174,8 @@ class LlamaModel:
             rank.kv.rows_of(m.write_page_ids, m.write_offsets) for rank, m in zip(self.ranks, metas)
         ]
         if self.compiled_decode is not None and meta.is_decode_only:
-            decode = [rank.attn.decode_inputs() for rank in self.ranks]
+            # At least 2 pages: a size of 1 would be a graph of its own (dynamo specializes it).
+            decode = [rank.attn.decode_inputs(min_pages=2) for rank in self.ranks]
             return self.compiled_decode(input_ids, angles, kv_rows, decode, logits_indices)
         return self.layers(input_ids, angles, kv_rows, None, logits_indices)
 

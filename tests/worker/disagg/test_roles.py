@@ -13,6 +13,7 @@ from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import APIError, GenerationOptions
 from pd.transfer import TransferParams
 from pd.worker.disagg import KV_POOL, DecodeSide, PrefillSide
+from pd.worker.disagg.contract import KV_LAYOUT
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.model import ModelConfig, SampleOutput
 
@@ -103,7 +104,7 @@ def _params(**changes):
     params = dict(
         remote_engine_id="p", remote_host="127.0.0.1", remote_port=1, transfer_id="t",
         prompt_token_ids=[1, 2, 3, 4, 5], first_token_id=7, page_ids={KV_POOL: [0, 1]},
-        num_tokens=5, page_size=PAGE, tp_size=1, kv_layout="page-major-HND", dtype="float32",
+        num_tokens=5, page_size=PAGE, tp_size=1, kv_layout=KV_LAYOUT, dtype="float32",
         model_fingerprint=None, lease_ttl_s=30.0, pd_version=1,
     )  # fmt: skip
     params.update(changes)

@@ -37,7 +37,7 @@ class AttentionBackend(ABC):
         Run after this layer's new K/V has been written into kv_cache.
         """
 
-    def decode_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_inputs(self, min_pages: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned pure decode step's attention as tensors (page table, mask), for a compiled
         decode step; only the torch backend has them."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled decode step")

@@ -252,12 +252,21 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         return _decode_math(q, kv, dec.max_pages, dec.mask, sm_scale)
 
-    def decode_inputs(self) -> DecodeInputs:
-        """The planned pure decode step's page table and mask, for `paged_decode_attention`."""
+    def decode_inputs(self, min_pages: int = 1) -> DecodeInputs:
+        """The planned pure decode step's page table and mask, for `paged_decode_attention`,
+        padded to at least `min_pages` pages per sequence (masked off)."""
         plan = self._plan
         assert plan is not None and plan.decode is not None and not plan.prefills
-        assert plan.decode.token_idx is None
-        return plan.gather_idx, plan.decode.mask
+        dec = plan.decode
+        assert dec.token_idx is None
+        pages, mask = plan.gather_idx, dec.mask
+        if dec.max_pages < min_pages:
+            extra = min_pages - dec.max_pages
+            table = pages.view(dec.num_seqs, dec.max_pages)
+            pages = torch.cat([table, table[:, -1:].expand(-1, extra)], dim=1).reshape(-1)
+            off = mask.new_full((*mask.shape[:3], extra * plan.page_size), float("-inf"))
+            mask = torch.cat([mask, off], dim=3)
+        return pages, mask
 
 
 def _decode_math(
