@@ -97,12 +97,6 @@ class WorkerConfig:
         "decode: longest hold of the pages of a read the transport could not cancel, when it "
         "never confirms the read ended",
     )
-    compile: bool = _flag(
-        False,
-        "compile decode steps with torch.compile (inductor, CPU); warming it up takes a minute or "
-        "more at start-up",
-        boolean=True,
-    )
     overlap: bool = _flag(
         True,
         "overlap scheduling: produce the text of a step's tokens while the next step computes "

@@ -106,7 +106,6 @@ async def health(request: web.Request) -> web.Response:
         "instance": worker.instance_id,
         "attention_backend": worker.attention_backend,
         "quantization": worker.config.quantization,
-        "compiled_decode": worker.config.compile,
         "load": load,
         **load,
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages

@@ -188,7 +188,7 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S]
     ) -> torch.Tensor:  # [S, V] fp32
         """Every layer and the LM head, after the step's metadata is planned: the part that
-        `--compile` compiles for decode steps (no Python reads the metadata's lists here)."""
+        `compiled_decode.py` compiles for decode steps (no Python reads the metadata's lists here)."""
         cfg = self.config
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
