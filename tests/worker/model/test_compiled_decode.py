@@ -1,4 +1,4 @@
-"""`--compile`: the compiled decode step gives the eager step's logits (fp32), for one sequence and
+"""The compiled decode step (`ModelRunner(compile=True)`): the compiled step gives the eager step's logits (fp32), for one sequence and
 for batches, across page boundaries, after the warm-up that compiles every graph it needs."""
 
 from __future__ import annotations
