@@ -12,7 +12,9 @@ each kind at start-up, on scratch pages it zeroes afterwards: no request pays a 
 Measured on the 2-core CPU (docs/BENCHMARKS.md): in-process a bf16 decode step of one stream
 takes 26.4 ms against 29.6 eager; the warm-up takes 24-73 s on a warm inductor cache and 152-161
 s on a cold one. A worker built with it served its first request in 11 s and `pd-bench engine`
-against it made no progress in 400 s, for reasons not found yet: hence no `--compile` flag.
+against it made no progress in 400 s (inside the worker process each step takes ~1.1 s in the
+C++ wrapper's call, against 55 ms for a batch of 5 with the same engine driven in-process): hence
+no `--compile` flag until that is understood.
 """
 
 from __future__ import annotations
