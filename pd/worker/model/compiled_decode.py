@@ -12,9 +12,11 @@ each kind at start-up, on scratch pages it zeroes afterwards: no request pays a 
 Measured on the 2-core CPU (docs/BENCHMARKS.md): in-process a bf16 decode step of one stream
 takes 26.4 ms against 29.6 eager; the warm-up takes 24-73 s on a warm inductor cache and 152-161
 s on a cold one. A worker built with it served its first request in 11 s and `pd-bench engine`
-against it made no progress in 400 s (inside the worker process each step takes ~1.1 s in the
-C++ wrapper's call, against 55 ms for a batch of 5 with the same engine driven in-process): hence
-no `--compile` flag until that is understood.
+against it made no progress in 400 s: each step took ~1.1 s in the C++ wrapper's call with the
+worker's default KV pool (10,285 pages, 3.8 GB), ~55 ms with `--kv-pages 256`. The K/V write
+mutates the pool, a graph input, and the functionalized graph copies the whole pool back every
+step. Hence no `--compile` flag until the write is an opaque in-place op (a custom op with
+`mutates_args`, which inductor re-inplaces).
 """
 
 from __future__ import annotations
