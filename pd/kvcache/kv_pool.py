@@ -69,6 +69,15 @@ class KVPool:
             dtype=dtype,
             device=self.device,
         )  # [N, L, 2, Hkv, P, D]
+        # For `rows_of`: the buffer as rows of head_dim items, a page spans `_page_rows` rows;
+        # within a page, the row of slot 0 of each (layer, K/V, head).
+        rows = [s // head_dim for s in self.buffer.stride()[:4]]
+        self._page_rows = rows[0]
+        self._within_page = (
+            torch.arange(num_layers, device=self.device)[:, None, None] * rows[1]
+            + torch.arange(2, device=self.device)[None, :, None] * rows[2]
+            + torch.arange(num_kv_heads, device=self.device)[None, None, :] * rows[3]
+        )  # [L, 2, Hkv]
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -111,15 +120,8 @@ class KVPool:
 
         page_ids, offsets: [T] long (each token's page and slot), on the pool's device.
         """
-        n, layers, two, hkv, p, _ = self.buffer.shape
-        strides = torch.tensor(self.buffer.stride()[:5], device=self.device) // self.head_dim
-        token = page_ids * strides[0] + offsets * strides[4]  # [T]
-        within = (
-            torch.arange(layers, device=self.device)[:, None, None] * strides[1]
-            + torch.arange(two, device=self.device)[None, :, None] * strides[2]
-            + torch.arange(hkv, device=self.device)[None, None, :] * strides[3]
-        )  # [L, 2, Hkv]
-        return token[None, :, None, None] + within[:, None]  # [L, T, 2, Hkv]
+        token = page_ids * self._page_rows + offsets  # [T]: row of (layer 0, K, head 0)
+        return token[None, :, None, None] + self._within_page[:, None]  # [L, T, 2, Hkv]
 
     def write(self, layer: int, kv: torch.Tensor, rows: torch.Tensor) -> None:
         """Scatter new tokens' K/V [T, 2, Hkv, D] (K then V) into their slots, in one op;
