@@ -8,7 +8,8 @@
 #      flashinfer refuses to fall back), and
 #   3. a prefill and a decode worker on the one GPU, NIXL moving the KV in VRAM, the router in
 #      front: greedy text equal to a co-located CUDA worker's (scripts/gpu_pd_check.py)
-#   4. CUDA graphs against eager: not built yet (reported as such)
+#   4. CUDA graphs against eager: captured decode graphs' logits and K/V, and a runner with
+#      --cuda-graph-max-batch decoding greedily as one without (tests/worker/model/test_decode_graphs.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:?usage: scripts/gpu_check.sh WHEELS_DIR (flashinfer-python, nixl-cu12, and the project dependencies)}"
@@ -37,7 +38,8 @@ check "FlashInfer vs torch attention (bf16, CUDA)" \
     "$PY" -m pytest -q tests/worker/model/test_attention.py -k "flashinfer or cuda" -rs
 check "PD on one GPU: FlashInfer asserted, NIXL in VRAM, greedy == co-located" \
     "$PY" scripts/gpu_pd_check.py
-REPORT+=("[todo] CUDA graphs vs eager: CUDA graphs are not built yet (issue 12, item 3)")
+check "CUDA graphs vs eager (decode buckets, bf16)" \
+    "$PY" -m pytest -q tests/worker/model/test_decode_graphs.py -rs -k "cuda"
 
 echo
 echo "== gpu_check report"

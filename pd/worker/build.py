@@ -85,6 +85,8 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         quantization=cfg.quantization,
         group_size=cfg.group_size,
         attention_backend=cfg.attention_backend,
+        compile=cfg.compile,
+        cuda_graph_max_batch=cfg.cuda_graph_max_batch,
     )
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"

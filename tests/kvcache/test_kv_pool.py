@@ -56,3 +56,26 @@ def test_write_then_read_back() -> None:
     torch.testing.assert_close(pool.buffer[1, 2, 1, :, 0], v[2])
     assert pool.buffer[:, :2].abs().sum() == 0  # other layers untouched
     assert pool.buffer.abs().gt(0).sum() == 2 * T * H * D
+
+
+def test_compiled_write_is_one_in_place_op() -> None:
+    """Under torch.compile the write is the opaque `pd::kv_write_` (declared to mutate the
+    pool), not an `index_put_` the graph would functionalize into a copy of the whole pool,
+    and it writes what the eager write writes."""
+    meta = build_paged_metadata([([4, 1], 2, 3), ([5], 0, 2)], P)
+    rows = make_pool().rows_of(meta.write_page_ids, meta.write_offsets)
+    kv = torch.randn(meta.num_tokens, 2, H, D)
+    eager, compiled = make_pool(), make_pool()
+    eager.write(1, kv, rows)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda x, r: compiled.write(1, x, r), backend=backend, fullgraph=True)
+    step(kv, rows)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any("kv_write_" in t for t in targets), targets
+    assert not any("index_put" in t for t in targets), targets
+    assert torch.equal(compiled.buffer, eager.buffer)

@@ -19,3 +19,14 @@ def test_a_prefill_worker_listening_everywhere_needs_a_kv_advertise_host():
 def test_lifecycle_bounds_must_be_sane(field, value):
     with pytest.raises(ValueError, match=field.replace("_", "-")):
         WorkerConfig(**{field: value})
+
+
+def test_decode_speed_flags():
+    from pd.worker.main import parse_args
+
+    cfg = parse_args(["--compile", "--cuda-graph-max-batch", "8", "--no-overlap"])
+    assert (cfg.compile, cfg.cuda_graph_max_batch, cfg.overlap) == (True, 8, False)
+    default = parse_args([])
+    assert (default.compile, default.cuda_graph_max_batch, default.overlap) == (False, 0, True)
+    with pytest.raises(ValueError, match="--cuda-graph-max-batch"):
+        WorkerConfig(cuda_graph_max_batch=-1)

@@ -106,6 +106,8 @@ async def health(request: web.Request) -> web.Response:
         "instance": worker.instance_id,
         "attention_backend": worker.attention_backend,
         "quantization": worker.config.quantization,
+        "compiled_decode": worker.config.compile,
+        "cuda_graph_max_batch": worker.config.cuda_graph_max_batch,
         "load": load,
         **load,
         "integrity": worker.engine.integrity(),  # "ok", or what is wrong with the pages

@@ -1,5 +1,5 @@
 """A compiled decode step: decode steps run through `torch.compile` (inductor) on CPU
-(`ModelRunner(compile=True)`; not a worker flag yet, see below).
+(`--compile`, off by default: the warm-up takes minutes).
 
 What is compiled is `LlamaModel.layers` (every layer and the LM head) for pure decode steps; the
 step's planning stays eager, and prefill or mixed steps run eager. Attention comes in as tensors
@@ -9,14 +9,13 @@ compiles a graph for the first shape it sees, and one with those sizes symbolic 
 (plus the specializations of size 1 it keeps), so `compile_decode` runs a few decode steps of
 each kind at start-up, on scratch pages it zeroes afterwards: no request pays a compile.
 
-Measured on the 2-core CPU (docs/BENCHMARKS.md): in-process a bf16 decode step of one stream
-takes 26.4 ms against 29.6 eager; the warm-up takes 24-73 s on a warm inductor cache and 152-161
-s on a cold one. A worker built with it served its first request in 11 s and `pd-bench engine`
-against it made no progress in 400 s: each step took ~1.1 s in the C++ wrapper's call with the
-worker's default KV pool (10,285 pages, 3.8 GB), ~55 ms with `--kv-pages 256`. The K/V write
-mutates the pool, a graph input, and the functionalized graph copies the whole pool back every
-step. Hence no `--compile` flag until the write is an opaque in-place op (a custom op with
-`mutates_args`, which inductor re-inplaces).
+The K/V write is the custom op `pd::kv_write_` (kv_pool.py), which declares that it mutates
+the pool: written inline, the pool (a graph input) was functionalized and copied back whole on
+every step, ~1.1 s a step with the default 3.8 GB pool.
+
+Measured on the 2-core CPU (docs/BENCHMARKS.md, `pd-bench engine`): a bf16 worker decodes one
+stream in 28.5 ms a step against 30.2 eager, 8 streams 1.09x, 32 streams 1.01x; the warm-up
+takes 1-2 min on a warm inductor cache, ~2.5 min on a cold one.
 """
 
 from __future__ import annotations

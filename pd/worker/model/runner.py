@@ -15,12 +15,13 @@ from typing import Protocol
 import torch
 
 from pd.kvcache.kv_pool import KVPool
-from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.kvcache.paged_metadata import SeqSpec, build_paged_metadata
 from pd.protocol import GenerationOptions
 from pd.worker.model.attention import select_attention_backend
 from pd.worker.model.communicator import make_communicator
 from pd.worker.model.compiled_decode import compile_decode
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.decode_graphs import DecodeGraphs
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
 from pd.worker.model.quant import (
     QUANTIZATIONS,
@@ -78,6 +79,7 @@ class ModelRunner:
         group_size: int = 32,
         attention_backend: str = "auto",
         compile: bool = False,
+        cuda_graph_max_batch: int = 0,
     ) -> None:
         check_tp(config, tp)
         if quantization not in QUANTIZATIONS:
@@ -97,6 +99,11 @@ class ModelRunner:
             torch.device("cuda", r) if device == "cuda" else torch.device("cpu") for r in range(tp)
         ]
         self.device = devices[0]
+        if cuda_graph_max_batch and (device != "cuda" or tp != 1):
+            raise ValueError("--cuda-graph-max-batch needs --device cuda and --tp 1")
+        # A CUDA-graph step pads its batch with sequences on a page of their own, one past the
+        # pages the allocator hands out (`num_pages`).
+        pool_pages = num_pages + (1 if cuda_graph_max_batch else 0)
         ranks = []
         for r, dev in enumerate(devices):
             layers = [
@@ -108,7 +115,7 @@ class ModelRunner:
                     device=dev,
                     layers=layers,
                     kv=KVPool(
-                        num_pages,
+                        pool_pages,
                         config.num_layers,
                         config.num_kv_heads // tp,
                         page_size,
@@ -151,10 +158,24 @@ class ModelRunner:
         self.compiled = compile
         if compile:
             compile_decode(self.model, page_size, num_pages)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch:
+            self.graphs = DecodeGraphs(
+                self.model, cuda_graph_max_batch, max_model_len, scratch_page=num_pages
+            )
 
     @property
     def kv_pools(self) -> list[KVPool]:
         return [r.kv for r in self.model.ranks]
+
+    def _fits_graph(self, batch: StepBatch) -> bool:
+        """A pure decode step, every sequence sampled, within the largest graph."""
+        assert self.graphs is not None
+        return (
+            all(n == 1 for n in batch.num_new)
+            and all(batch.sample)
+            and self.graphs.bucket(len(batch.seqs)) is not None
+        )
 
     def execute(self, batch: StepBatch) -> SampleOutput:
         """Run one step; returns a token for every seq with `sample` set, in batch order."""
@@ -166,14 +187,20 @@ class ModelRunner:
             input_ids.extend(seq.token_slice(cached, cached + n))
             if sample:
                 logits_rows.append(len(input_ids) - 1)
-        meta = build_paged_metadata(
-            [(s.page_ids, c, n) for s, c, n in zip(batch.seqs, batch.num_cached, batch.num_new)],
-            self.page_size,
-            self.device,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model.forward(ids, meta, rows)  # [S, V]
+        specs: list[SeqSpec] = [
+            (s.page_ids, c, n) for s, c, n in zip(batch.seqs, batch.num_cached, batch.num_new)
+        ]
+        graphs = self.graphs
+        if graphs is not None and self._fits_graph(batch):
+            specs, input_ids = graphs.padded(specs, input_ids)
+            meta = build_paged_metadata(specs, self.page_size, self.device)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            logits = graphs.run(ids, meta)[: len(batch.seqs)]  # [S, V]
+        else:
+            meta = build_paged_metadata(specs, self.page_size, self.device)
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+            logits = self.model.forward(ids, meta, rows)  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         if not sampled:
             # NOTE: the engine takes our return as "the KV writes are done" and may free or hand

@@ -42,6 +42,26 @@ class AttentionBackend(ABC):
         decode step; only the torch backend has them."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled decode step")
 
+    @abstractmethod
+    def plan_graph(
+        self,
+        meta: PagedMetadata,
+        max_pages: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Plan a pure decode step of a captured graph (`decode_graphs.py`): `meta` is padded
+        to the graph's batch size, and no sequence holds more than `max_pages` pages.
+
+        Whatever the graph reads is written into buffers kept per batch size, at the same
+        addresses from one plan to the next. Returns the attention inputs the graph passes to
+        `paged_decode_attention` (page table, mask), or None when `forward` reads the backend's
+        own buffers (FlashInfer's CUDA-graph wrappers)."""
+
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads != 0:

@@ -77,6 +77,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._workspace, kv_layout="HND"
         )
         self._decode: dict[bool, Any] = {}  # by use_tensor_cores
+        self._graph_decode: dict[int, Any] = {}  # by batch size: CUDA-graph decode wrappers
         self._args: _PlanArgs | None = None
         self._wrapper: Any = None  # the wrapper planned for the current batch
         self._planned_scale: float | None = None
@@ -145,6 +146,55 @@ class FlashInferAttentionBackend(AttentionBackend):
                 q_data_type=a.dtype,
                 kv_data_type=a.dtype,
             )
+        self._wrapper = wrapper
+        self._planned_scale = sm_scale
+
+    def plan_graph(
+        self,
+        meta: PagedMetadata,
+        max_pages: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: float,
+    ) -> None:
+        """Plan this batch size's CUDA-graph decode wrapper (`use_cuda_graph=True`: its indptr,
+        indices and last-page-length buffers are ours, fixed in size, and `plan` copies into
+        them); the next `forward` runs it, inside the graph's capture or replay."""
+        self.plan(meta, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        batch = meta.batch_size
+        wrapper = self._graph_decode.get(batch)
+        if wrapper is None:
+
+            def ints(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+            wrapper = self._graph_decode[batch] = (
+                self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace,
+                    kv_layout="HND",
+                    use_cuda_graph=True,
+                    use_tensor_cores=num_qo_heads // num_kv_heads >= 4,
+                    paged_kv_indptr_buffer=ints(batch + 1),
+                    paged_kv_indices_buffer=ints(batch * max_pages),
+                    paged_kv_last_page_len_buffer=ints(batch),
+                )
+            )
+        wrapper.plan(
+            meta.kv_indptr_host,
+            meta.kv_indices,
+            meta.kv_last_page_len_host,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            pos_encoding_mode="NONE",
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            sm_scale=sm_scale,
+        )
         self._wrapper = wrapper
         self._planned_scale = sm_scale
 

@@ -84,6 +84,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         self._plan: _Plan | None = None
         self._scratch: torch.Tensor | None = None  # flat; reused by every layer's gather
+        self._graph_inputs: dict[int, DecodeInputs] = {}  # by batch size, for `plan_graph`
 
     def plan(
         self,
@@ -267,6 +268,32 @@ class TorchAttentionBackend(AttentionBackend):
             off = mask.new_full((*mask.shape[:3], extra * plan.page_size), float("-inf"))
             mask = torch.cat([mask, off], dim=3)
         return pages, mask
+
+    def plan_graph(
+        self,
+        meta: PagedMetadata,
+        max_pages: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype: torch.dtype,
+        sm_scale: float,
+    ) -> DecodeInputs:
+        """The page table and mask of a padded decode step, every row padded to `max_pages`
+        pages, copied into this batch size's buffers (the graph reads those; `sm_scale` is
+        passed to `paged_decode_attention` by the model)."""
+        self.plan(meta, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+        pages, mask = self.decode_inputs(min_pages=max_pages)
+        if pages.numel() != meta.batch_size * max_pages:
+            raise ValueError(f"a sequence of this step holds more than {max_pages} pages")
+        buffers = self._graph_inputs.get(meta.batch_size)
+        if buffers is None or buffers[1].dtype != mask.dtype:
+            buffers = self._graph_inputs[meta.batch_size] = (pages.clone(), mask.clone())
+        else:
+            buffers[0].copy_(pages)
+            buffers[1].copy_(mask)
+        return buffers
 
 
 def _decode_math(

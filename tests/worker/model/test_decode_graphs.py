@@ -1,0 +1,168 @@
+"""Decode steps from CUDA graphs (`decode_graphs.py`).
+
+On any machine: the buckets, and a graph step without the capture (`capture=False`: the same
+buffers, padding and plans, run eagerly) giving eager's logits and writing eager's K/V, the
+padded rows touching nothing but the scratch page. On CUDA: captured graphs replayed against
+eager, through the runner's `execute` as a worker runs them (scripts/gpu_check.sh runs these).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.protocol import GenerationOptions
+from pd.worker.model.decode_graphs import DecodeGraphs, graph_buckets
+from pd.worker.model.runner import ModelRunner
+from tests.model_fixtures import default_checkpoint
+
+PAGE = 16
+MAX_LEN = 256  # 16 pages: what the torch backend pads every graph row to
+CUDA = torch.cuda.is_available()
+
+
+def test_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(8) == [1, 2, 4, 8]
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    with pytest.raises(ValueError, match="cuda-graph-max-batch"):
+        graph_buckets(0)
+
+
+def make(device: str, dtype: torch.dtype, num_layers: int | None, pages: int, **kw) -> ModelRunner:
+    ckpt = default_checkpoint()
+    config = (
+        ckpt.config
+        if num_layers is None
+        else dataclasses.replace(ckpt.config, num_layers=num_layers)
+    )
+    return ModelRunner(
+        config, ckpt.weights, tp=1, dtype=dtype, device=device, num_pages=pages,
+        page_size=PAGE, max_model_len=MAX_LEN, **kw,
+    )  # fmt: skip
+
+
+def prefill(runner: ModelRunner, prompts, pages) -> None:
+    for p, ids in zip(pages, prompts):
+        meta = build_paged_metadata([(p, 0, len(ids))], PAGE, runner.device)
+        ids_t = torch.tensor(ids, device=runner.device)
+        runner.model.forward(ids_t, meta, torch.tensor([len(ids) - 1], device=runner.device))
+
+
+def graph_vs_eager(runner: ModelRunner, graphs: DecodeGraphs, atol: float) -> None:
+    """Three sequences of different lengths (bucket 4: one padded row) decode 20 steps through
+    the graph and through eager from the same K/V: the same logits and K/V in their pages (to
+    rounding: a batch of 4 rows multiplies in another order than one of 3)."""
+    prompts = [list(range(1, 20)), list(range(40, 70)), [5, 6, 7]]
+    pages = [list(range(0, 4)), list(range(4, 8)), list(range(8, 12))]
+    prefill(runner, prompts, pages)
+    pool = runner.model.ranks[0].kv
+    scratch = graphs.pad_spec[0][0]
+    start = pool.buffer.clone()
+
+    def run(use_graph: bool) -> list[torch.Tensor]:
+        pool.buffer.copy_(start)
+        out = []
+        for i in range(20):  # contexts cross page boundaries
+            specs = [(p, len(ids) + i, 1) for p, ids in zip(pages, prompts)]
+            tokens = [(7 * i + s) % 500 + 1 for s in range(3)]
+            if use_graph:
+                padded, ids = graphs.padded(specs, tokens)
+                assert len(padded) == 4
+                meta = build_paged_metadata(padded, PAGE, runner.device)
+                ids_t = torch.tensor(ids, device=runner.device)
+                out.append(graphs.run(ids_t, meta)[:3].clone())
+            else:
+                meta = build_paged_metadata(specs, PAGE, runner.device)
+                ids_t = torch.tensor(tokens, device=runner.device)
+                rows = torch.arange(3, device=runner.device)
+                out.append(runner.model.forward(ids_t, meta, rows))
+        return out
+
+    eager = run(False)
+    eager_kv = pool.buffer.clone()
+    graph = run(True)
+    for e, g in zip(eager, graph):
+        torch.testing.assert_close(g, e, atol=atol, rtol=1e-3)
+    used = [p for seq in pages for p in seq]
+    torch.testing.assert_close(pool.buffer[used], eager_kv[used], atol=atol, rtol=1e-3)
+    # The padded row wrote the scratch page and nothing else.
+    others = [p for p in range(pool.num_pages) if p not in used and p != scratch]
+    assert others and torch.equal(pool.buffer[others], start[others])
+    assert not torch.equal(pool.buffer[scratch], start[scratch])
+
+
+def test_graph_step_without_capture_equals_eager():
+    runner = make("cpu", torch.float32, num_layers=3, pages=16)
+    graphs = DecodeGraphs(runner.model, 8, MAX_LEN, scratch_page=15, capture=False)
+    graph_vs_eager(runner, graphs, atol=1e-4)
+    assert graphs.bucket(9) is None  # above the largest bucket: eager
+
+
+def test_graphs_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="needs --device cuda and --tp 1"):
+        make("cpu", torch.float32, num_layers=1, pages=4, cuda_graph_max_batch=8)
+    runner = make("cpu", torch.float32, num_layers=1, pages=4)
+    with pytest.raises(ValueError, match="need --device cuda"):
+        DecodeGraphs(runner.model, 8, MAX_LEN, scratch_page=3, capture=True)
+    with pytest.raises(ValueError, match="not a page of the pool"):
+        DecodeGraphs(runner.model, 8, MAX_LEN, scratch_page=4, capture=False)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (none visible to torch)")
+def test_captured_graphs_equal_eager_on_cuda():
+    runner = make("cuda", torch.bfloat16, num_layers=4, pages=16)
+    graphs = DecodeGraphs(runner.model, 8, MAX_LEN, scratch_page=15)
+    assert graphs.capture and graphs.capture_s > 0
+    graph_vs_eager(runner, graphs, atol=2e-2)
+
+
+@dataclasses.dataclass
+class _Seq:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    page_ids: list[int]
+    params: GenerationOptions
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+
+@dataclasses.dataclass
+class _Batch:
+    seqs: list[_Seq]
+    num_cached: list[int]
+    num_new: list[int]
+    sample: list[bool]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (none visible to torch)")
+def test_runner_with_graphs_decodes_as_eager_on_cuda():
+    """`--cuda-graph-max-batch 4`: five sequences decode greedily through `execute` (a batch of
+    5 runs eager, of 3 from graph 4 after two finish) with the tokens of a runner without."""
+    greedy = GenerationOptions(temperature=0.0)
+
+    def decode(runner: ModelRunner) -> list[list[int]]:
+        prompts = [list(range(1 + s, 12 + 3 * s)) for s in range(5)]
+        seqs = [_Seq(p, [], list(range(3 * s, 3 * s + 3)), greedy) for s, p in enumerate(prompts)]
+        runner.execute(_Batch(seqs, [0] * 5, [len(p) for p in prompts], [True] * 5))  # prefill
+        for s in seqs:
+            s.output_ids.append(0)
+        for step in range(24):
+            live = seqs if step < 8 else seqs[:3]
+            batch = _Batch(live, [len(s.prompt_ids) + len(s.output_ids) - 1 for s in live],
+                           [1] * len(live), [True] * len(live))  # fmt: skip
+            out = runner.execute(batch)
+            for s, t in zip(live, out.token_ids):
+                s.output_ids.append(int(t))
+        return [s.output_ids for s in seqs]
+
+    eager = decode(make("cuda", torch.bfloat16, num_layers=None, pages=16))
+    graphed = decode(
+        make("cuda", torch.bfloat16, num_layers=None, pages=16, cuda_graph_max_batch=4)
+    )
+    assert graphed == eager
