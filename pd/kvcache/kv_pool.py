@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-
 # `KVPool.write` as one opaque op that mutates the pool in place, for compiled steps. Written
 # inline, the `index_put_` into the pool (an input of the compiled graph) is functionalized: the
 # graph computes a new pool and copies all of it back, every step (3.8 GB of the default pool,
