@@ -2,7 +2,8 @@
 
 On any machine: the buckets, and a graph step without the capture (`capture=False`: the same
 buffers, padding and plans, run eagerly) giving eager's logits and writing eager's K/V, the
-padded rows touching nothing but the scratch page. On CUDA: captured graphs replayed against
+padded rows touching nothing but the scratch page; and the runner's `execute` choosing the
+graph for the steps that fit it, with eager's tokens. On CUDA: captured graphs replayed against
 eager, through the runner's `execute` as a worker runs them (scripts/gpu_check.sh runs these).
 """
 
@@ -87,9 +88,9 @@ def graph_vs_eager(runner: ModelRunner, graphs: DecodeGraphs, atol: float) -> No
     eager_kv = pool.buffer.clone()
     graph = run(True)
     for e, g in zip(eager, graph):
-        torch.testing.assert_close(g, e, atol=atol, rtol=1e-3)
+        torch.testing.assert_close(g, e, atol=atol, rtol=atol / 10)
     used = [p for seq in pages for p in seq]
-    torch.testing.assert_close(pool.buffer[used], eager_kv[used], atol=atol, rtol=1e-3)
+    torch.testing.assert_close(pool.buffer[used], eager_kv[used], atol=atol, rtol=atol / 10)
     # The padded row wrote the scratch page and nothing else.
     others = [p for p in range(pool.num_pages) if p not in used and p != scratch]
     assert others and torch.equal(pool.buffer[others], start[others])
@@ -118,7 +119,10 @@ def test_captured_graphs_equal_eager_on_cuda():
     runner = make("cuda", torch.bfloat16, num_layers=4, pages=16)
     graphs = DecodeGraphs(runner.model, 8, MAX_LEN, scratch_page=15)
     assert graphs.capture and graphs.capture_s > 0
-    graph_vs_eager(runner, graphs, atol=2e-2)
+    # bf16: a padded batch of 4 multiplies in another order than eager's 3 rows, and
+    # FlashInfer's CUDA-graph plan may split the KV otherwise: rounding, not a wrong page or
+    # position (those move logits by whole units).
+    graph_vs_eager(runner, graphs, atol=0.3)
 
 
 @dataclasses.dataclass
@@ -140,29 +144,60 @@ class _Batch:
     sample: list[bool]
 
 
+def decode_through_execute(runner: ModelRunner) -> list[list[tuple[int, float]]]:
+    """Five sequences decode greedily through `execute`: 8 steps of all 5, then 16 of the
+    first 3; per sequence, each step's (token, gap between the two best logprobs)."""
+    greedy = GenerationOptions(temperature=0.0, logprobs=True, top_logprobs=2)
+    prompts = [list(range(1 + s, 12 + 3 * s)) for s in range(5)]
+    seqs = [_Seq(p, [], list(range(3 * s, 3 * s + 3)), greedy) for s, p in enumerate(prompts)]
+    steps: list[list[tuple[int, float]]] = [[] for _ in seqs]
+
+    def record(live: list[_Seq], out) -> None:
+        for s, t, top in zip(live, out.token_ids, out.top_logprobs):
+            s.output_ids.append(int(t))
+            steps[seqs.index(s)].append((int(t), top[0][1] - top[1][1]))
+
+    record(seqs, runner.execute(_Batch(seqs, [0] * 5, [len(p) for p in prompts], [True] * 5)))
+    for step in range(24):
+        live = seqs if step < 8 else seqs[:3]
+        cached = [len(s.prompt_ids) + len(s.output_ids) - 1 for s in live]
+        record(live, runner.execute(_Batch(live, cached, [1] * len(live), [True] * len(live))))
+    return steps
+
+
+def test_runner_steps_through_graphs_as_eager():
+    """`execute` with graphs of up to 4 (no capture): a batch of 5 runs eager, one of 3 the
+    graph of 4 with a padded row; the same tokens as a runner without graphs (fp32)."""
+    eager = decode_through_execute(make("cpu", torch.float32, num_layers=3, pages=17))
+    runner = make("cpu", torch.float32, num_layers=3, pages=17)
+    runner.graphs = DecodeGraphs(runner.model, 4, MAX_LEN, scratch_page=16, capture=False)
+    runs: list[int] = []
+    graph_run = runner.graphs.run
+
+    def counting(input_ids: torch.Tensor, meta) -> torch.Tensor:
+        runs.append(meta.batch_size)
+        return graph_run(input_ids, meta)
+
+    runner.graphs.run = counting  # type: ignore[method-assign]
+
+    def tokens(steps: list[list[tuple[int, float]]]) -> list[list[int]]:
+        return [[t for t, _ in seq] for seq in steps]
+
+    assert tokens(decode_through_execute(runner)) == tokens(eager)
+    assert runs == [4] * 16  # the 16 steps of 3 sequences, and only those
+
+
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (none visible to torch)")
 def test_runner_with_graphs_decodes_as_eager_on_cuda():
-    """`--cuda-graph-max-batch 4`: five sequences decode greedily through `execute` (a batch of
-    5 runs eager, of 3 from graph 4 after two finish) with the tokens of a runner without."""
-    greedy = GenerationOptions(temperature=0.0)
-
-    def decode(runner: ModelRunner) -> list[list[int]]:
-        prompts = [list(range(1 + s, 12 + 3 * s)) for s in range(5)]
-        seqs = [_Seq(p, [], list(range(3 * s, 3 * s + 3)), greedy) for s, p in enumerate(prompts)]
-        runner.execute(_Batch(seqs, [0] * 5, [len(p) for p in prompts], [True] * 5))  # prefill
-        for s in seqs:
-            s.output_ids.append(0)
-        for step in range(24):
-            live = seqs if step < 8 else seqs[:3]
-            batch = _Batch(live, [len(s.prompt_ids) + len(s.output_ids) - 1 for s in live],
-                           [1] * len(live), [True] * len(live))  # fmt: skip
-            out = runner.execute(batch)
-            for s, t in zip(live, out.token_ids):
-                s.output_ids.append(int(t))
-        return [s.output_ids for s in seqs]
-
-    eager = decode(make("cuda", torch.bfloat16, num_layers=None, pages=16))
-    graphed = decode(
+    """`--cuda-graph-max-batch 4` on CUDA, bf16: the tokens of a runner without graphs. Two
+    exact computations can still part at a near-tie in bf16: a sequence may differ from the
+    first position where eager's two best tokens are within 0.1 nats."""
+    eager = decode_through_execute(make("cuda", torch.bfloat16, num_layers=None, pages=16))
+    graphed = decode_through_execute(
         make("cuda", torch.bfloat16, num_layers=None, pages=16, cuda_graph_max_batch=4)
     )
-    assert graphed == eager
+    for e, g in zip(eager, graphed):
+        for (te, gap), (tg, _) in zip(e, g):
+            if te != tg:
+                assert gap < 0.1, f"graph and eager part at a clear choice: {e} vs {g}"
+                break
