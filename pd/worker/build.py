@@ -86,7 +86,8 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         group_size=cfg.group_size,
         attention_backend=cfg.attention_backend,
         compile=cfg.compile,
-        cuda_graph_max_batch=cfg.cuda_graph_max_batch,
+        # No batch grows past --max-running-requests: larger buckets would never replay.
+        cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
     )
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"

@@ -75,7 +75,9 @@ class DecodeGraphs:
         self._write_offsets = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self._logits_rows = torch.arange(max_batch, dtype=torch.long, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # a bucket's logits, written by its replay
+        # Every bucket's logits land in rows [:b] of one buffer (one per bucket would keep
+        # buckets x [b, V] fp32 alive in the graphs' pool).
+        self._logits = torch.empty(max_batch, model.config.vocab_size, device=dev)
         self._decode: dict[int, DecodeInputs | None] = {}  # what the graph reads, per bucket
         self.capture_s = self._capture_all() if self.capture else 0.0
 
@@ -103,7 +105,7 @@ class DecodeGraphs:
         if not self.capture:
             return self._step(b, decode)
         self._graphs[b].replay()
-        return self._outputs[b]
+        return self._logits[:b]
 
     def _prepare(self, input_ids: torch.Tensor, meta: PagedMetadata) -> DecodeInputs | None:
         """Copy a step's inputs into the buffers and plan its attention."""
@@ -125,9 +127,8 @@ class DecodeGraphs:
         )
         # The graph keeps reading the tensors it was captured with: a plan must hand back the
         # same ones every time.
-        assert b not in self._decode or _same(self._decode[b], decode), (
-            "plan_graph moved its buffers"
-        )
+        if b in self._decode and not _same(self._decode[b], decode):
+            raise RuntimeError(f"{type(rank.attn).__name__}.plan_graph moved its buffers")
         self._decode[b] = decode
         return decode
 
@@ -136,13 +137,14 @@ class DecodeGraphs:
         rank = self.model.ranks[0]
         angles = [rank.rotary.angles(self._positions[:b])]
         rows = [rank.kv.rows_of(self._write_pages[:b], self._write_offsets[:b])]
-        return self.model.layers(
+        logits = self.model.layers(
             self._input_ids[:b],
             angles,
             rows,
             None if decode is None else [decode],
             self._logits_rows[:b],
         )
+        return self._logits[:b].copy_(logits)
 
     def _capture_all(self) -> float:
         """Capture every bucket, largest first, sharing one memory pool."""
@@ -156,7 +158,7 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self._device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[b] = self._step(b, decode)
+                    self._step(b, decode)
                 pool = graph.pool()
                 self._graphs[b] = graph
         torch.cuda.synchronize(self._device)

@@ -18,6 +18,7 @@ from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import SeqSpec, build_paged_metadata
 from pd.protocol import GenerationOptions
 from pd.worker.model.attention import select_attention_backend
+from pd.worker.model.attention.flashinfer_backend import FlashInferAttentionBackend
 from pd.worker.model.communicator import make_communicator
 from pd.worker.model.compiled_decode import compile_decode
 from pd.worker.model.config import ModelConfig
@@ -160,6 +161,12 @@ class ModelRunner:
             compile_decode(self.model, page_size, num_pages)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch:
+            if not isinstance(ranks[0].attn, FlashInferAttentionBackend):
+                raise ValueError(
+                    "--cuda-graph-max-batch needs the FlashInfer attention backend (bf16 or fp16, "
+                    "flashinfer installed): the torch backend would pad every row of a graph to "
+                    "the whole context"
+                )
             self.graphs = DecodeGraphs(
                 self.model, cuda_graph_max_batch, max_model_len, scratch_page=num_pages
             )

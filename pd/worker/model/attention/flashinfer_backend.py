@@ -182,6 +182,9 @@ class FlashInferAttentionBackend(AttentionBackend):
                     paged_kv_last_page_len_buffer=ints(batch),
                 )
             )
+        # NOTE: plan writes the wrapper's pinned host workspace and copies it to the device
+        # asynchronously; the next plan of this bucket overwrites it. Safe because a step ends
+        # in a sync (the sampler's .tolist(), or the runner's synchronize when nothing samples).
         wrapper.plan(
             meta.kv_indptr_host,
             meta.kv_indices,

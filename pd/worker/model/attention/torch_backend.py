@@ -282,7 +282,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> DecodeInputs:
         """The page table and mask of a padded decode step, every row padded to `max_pages`
         pages, copied into this batch size's buffers (the graph reads those; `sm_scale` is
-        passed to `paged_decode_attention` by the model)."""
+        passed to `paged_decode_attention` by the model). What the CPU tests run without a
+        capture; a worker refuses CUDA graphs on this backend (every row padded to the whole
+        context would gather far more than eager)."""
         self.plan(meta, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
         pages, mask = self.decode_inputs(min_pages=max_pages)
         if pages.numel() != meta.batch_size * max_pages:
