@@ -62,8 +62,8 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
         isinstance(r.attn, TorchAttentionBackend) for r in model.ranks
     ):
         raise ValueError(
-            "the compiled decode step runs on CPU with the torch attention backend (CUDA graphs for decode "
-            "are not built yet)"
+            "--compile runs on CPU with the torch attention backend (on CUDA, decode steps replay "
+            "CUDA graphs: --cuda-graph-max-batch)"
         )
     need = max(b * p for b, p in WARMUP_SHAPES)
     if num_pages < need:
