@@ -12,13 +12,14 @@ import pytest
 from pd.config import WorkerConfig
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker, build_worker
+from pd.worker.checkpoint.load_utils import LoadedCheckpoint
 from tests.model_fixtures import default_checkpoint
 
 
-def make_worker(**overrides) -> Worker:
+def make_worker(ckpt: LoadedCheckpoint | None = None, **overrides) -> Worker:
     fields = dict(dtype="float32", device="cpu", kv_pages=256, max_model_len=2048, port=0)
     fields.update(overrides)
-    return build_worker(WorkerConfig(**fields), default_checkpoint())
+    return build_worker(WorkerConfig(**fields), ckpt or default_checkpoint())
 
 
 @pytest.fixture(scope="session")
