@@ -115,16 +115,10 @@ class DecodeGraphs:
         self._write_pages[:b].copy_(meta.write_page_ids)
         self._write_offsets[:b].copy_(meta.write_offsets)
         rank, cfg = self.model.ranks[0], self.model.config
-        decode = rank.attn.plan_graph(
-            meta,
-            self.max_pages,
-            rank.num_heads,
-            rank.num_kv_heads,
-            cfg.head_dim,
-            self.page_size,
-            rank.kv.dtype,
-            self.model.sm_scale,
+        rank.attn.plan(
+            meta, rank.num_heads, rank.num_kv_heads, cfg.head_dim, self.page_size, rank.kv.dtype
         )
+        decode = rank.attn.plan_graph(self.max_pages, self.model.sm_scale)
         # The graph keeps reading the tensors it was captured with: a plan must hand back the
         # same ones every time.
         if b in self._decode and not _same(self._decode[b], decode):

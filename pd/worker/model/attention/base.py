@@ -44,23 +44,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan_graph(
-        self,
-        meta: PagedMetadata,
-        max_pages: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        dtype: torch.dtype,
-        sm_scale: float,
+        self, max_pages: int, sm_scale: float
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Plan a pure decode step of a captured graph (`decode_graphs.py`): `meta` is padded
-        to the graph's batch size, and no sequence holds more than `max_pages` pages.
-
-        Whatever the graph reads is written into buffers kept per batch size, at the same
-        addresses from one plan to the next. Returns the attention inputs the graph passes to
-        `paged_decode_attention` (page table, mask), or None when `forward` reads the backend's
-        own buffers (FlashInfer's CUDA-graph wrappers)."""
+        """After `plan` of a pure decode step padded to a captured graph's batch size
+        (`decode_graphs.py`), no sequence holding more than `max_pages` pages: put what the
+        graph reads into buffers kept per batch size, at the same addresses from one step to
+        the next. Returns the attention inputs the graph passes to `paged_decode_attention`
+        (page table, mask), or None when `forward` reads the backend's own buffers
+        (FlashInfer's CUDA-graph wrappers)."""
 
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:

@@ -109,6 +109,25 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         return self._decode[use_tensor_cores]
 
+    def _plan_decode(self, wrapper: Any, sm_scale: float) -> None:
+        """Plan a decode wrapper for the step `plan` was given."""
+        a = self._args
+        assert a is not None, "plan() must run before forward()"
+        m = a.meta
+        wrapper.plan(
+            m.kv_indptr_host,
+            m.kv_indices,
+            m.kv_last_page_len_host,
+            a.num_qo_heads,
+            a.num_kv_heads,
+            a.head_dim,
+            a.page_size,
+            pos_encoding_mode="NONE",
+            q_data_type=a.dtype,
+            kv_data_type=a.dtype,
+            sm_scale=sm_scale,
+        )
+
     def _plan_wrapper(self, sm_scale: float) -> None:
         a = self._args
         assert a is not None, "plan() must run before forward()"
@@ -117,19 +136,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if m.is_decode_only:
             # FlashInfer recommends tensor cores for decode from a GQA group of 4 up.
             wrapper = self._decode_wrapper(a.num_qo_heads // a.num_kv_heads >= 4)
-            wrapper.plan(
-                m.kv_indptr_host,
-                m.kv_indices,
-                m.kv_last_page_len_host,
-                a.num_qo_heads,
-                a.num_kv_heads,
-                a.head_dim,
-                a.page_size,
-                pos_encoding_mode="NONE",
-                q_data_type=a.dtype,
-                kv_data_type=a.dtype,
-                sm_scale=sm_scale,
-            )
+            self._plan_decode(wrapper, sm_scale)
         else:
             wrapper = self._prefill
             wrapper.plan(
@@ -149,22 +156,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wrapper = wrapper
         self._planned_scale = sm_scale
 
-    def plan_graph(
-        self,
-        meta: PagedMetadata,
-        max_pages: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        dtype: torch.dtype,
-        sm_scale: float,
-    ) -> None:
+    def plan_graph(self, max_pages: int, sm_scale: float) -> None:
         """Plan this batch size's CUDA-graph decode wrapper (`use_cuda_graph=True`: its indptr,
         indices and last-page-length buffers are ours, fixed in size, and `plan` copies into
-        them); the next `forward` runs it, inside the graph's capture or replay."""
-        self.plan(meta, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        batch = meta.batch_size
+        them) for the step `plan` was given; the next `forward` runs it, inside the graph's
+        capture or replay."""
+        a = self._args
+        assert a is not None, "plan() must run before plan_graph()"
+        batch = a.meta.batch_size
         wrapper = self._graph_decode.get(batch)
         if wrapper is None:
 
@@ -176,7 +175,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                     self._workspace,
                     kv_layout="HND",
                     use_cuda_graph=True,
-                    use_tensor_cores=num_qo_heads // num_kv_heads >= 4,
+                    use_tensor_cores=a.num_qo_heads // a.num_kv_heads >= 4,
                     paged_kv_indptr_buffer=ints(batch + 1),
                     paged_kv_indices_buffer=ints(batch * max_pages),
                     paged_kv_last_page_len_buffer=ints(batch),
@@ -185,19 +184,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # NOTE: plan writes the wrapper's pinned host workspace and copies it to the device
         # asynchronously; the next plan of this bucket overwrites it. Safe because a step ends
         # in a sync (the sampler's .tolist(), or the runner's synchronize when nothing samples).
-        wrapper.plan(
-            meta.kv_indptr_host,
-            meta.kv_indices,
-            meta.kv_last_page_len_host,
-            num_qo_heads,
-            num_kv_heads,
-            head_dim,
-            page_size,
-            pos_encoding_mode="NONE",
-            q_data_type=dtype,
-            kv_data_type=dtype,
-            sm_scale=sm_scale,
-        )
+        self._plan_decode(wrapper, sm_scale)
         self._wrapper = wrapper
         self._planned_scale = sm_scale
 

@@ -269,29 +269,21 @@ class TorchAttentionBackend(AttentionBackend):
             mask = torch.cat([mask, off], dim=3)
         return pages, mask
 
-    def plan_graph(
-        self,
-        meta: PagedMetadata,
-        max_pages: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int,
-        dtype: torch.dtype,
-        sm_scale: float,
-    ) -> DecodeInputs:
-        """The page table and mask of a padded decode step, every row padded to `max_pages`
-        pages, copied into this batch size's buffers (the graph reads those; `sm_scale` is
-        passed to `paged_decode_attention` by the model). What the CPU tests run without a
-        capture; a worker refuses CUDA graphs on this backend (every row padded to the whole
-        context would gather far more than eager)."""
-        self.plan(meta, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    def plan_graph(self, max_pages: int, sm_scale: float) -> DecodeInputs:
+        """The planned step's page table and mask, every row padded to `max_pages` pages,
+        copied into this batch size's buffers (the graph reads those; `sm_scale` is passed to
+        `paged_decode_attention` by the model). What the CPU tests run without a capture; a
+        worker refuses CUDA graphs on this backend (every row padded to the whole context would
+        gather far more than eager)."""
+        plan = self._plan
+        assert plan is not None and plan.decode is not None
+        batch = plan.decode.num_seqs
         pages, mask = self.decode_inputs(min_pages=max_pages)
-        if pages.numel() != meta.batch_size * max_pages:
+        if pages.numel() != batch * max_pages:
             raise ValueError(f"a sequence of this step holds more than {max_pages} pages")
-        buffers = self._graph_inputs.get(meta.batch_size)
+        buffers = self._graph_inputs.get(batch)
         if buffers is None or buffers[1].dtype != mask.dtype:
-            buffers = self._graph_inputs[meta.batch_size] = (pages.clone(), mask.clone())
+            buffers = self._graph_inputs[batch] = (pages.clone(), mask.clone())
         else:
             buffers[0].copy_(pages)
             buffers[1].copy_(mask)
