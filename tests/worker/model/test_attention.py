@@ -256,6 +256,10 @@ def test_flashinfer_api_takes_our_arguments() -> None:
         assert "kv_layout" in inspect.signature(cls.__init__).parameters
         assert list(inspect.signature(cls.run).parameters)[1:3] == ["q", "paged_kv_cache"]
     assert "use_tensor_cores" in inspect.signature(decode.__init__).parameters
+    graph_args = ("use_cuda_graph", "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                  "paged_kv_last_page_len_buffer")  # fmt: skip
+    for name in graph_args:  # FlashInferAttentionBackend.plan_graph's wrappers
+        assert name in inspect.signature(decode.__init__).parameters, name
 
 
 def test_asking_for_flashinfer_where_it_cannot_run_is_an_error_not_a_fallback() -> None:

@@ -203,3 +203,51 @@ def test_runner_with_graphs_decodes_as_eager_on_cuda():
             if te != tg:
                 assert gap < 0.5, f"graph and eager part at a clear choice: {e} vs {g}"
                 break
+
+
+class _StandInDecodeWrapper:
+    """Records what `FlashInferAttentionBackend` gives FlashInfer's decode wrapper."""
+
+    def __init__(self, workspace, kv_layout, **kw):
+        self.kw, self.plans = kw, []
+
+    def plan(self, *args, **kw):
+        self.plans.append((args, kw))
+
+
+def test_flashinfer_graph_plan_plumbing(monkeypatch):
+    """Without CUDA or FlashInfer: the backend's `plan_graph` makes one CUDA-graph wrapper per
+    batch size, with fixed int32 buffers of the sizes FlashInfer checks (indptr b + 1, indices
+    b * max_pages, last-page lengths b), reuses it for the next step of that size, and plans
+    it with the step's host indptrs and device page ids."""
+    import types
+
+    from pd.worker.model.attention import flashinfer_backend as fb
+
+    fake = types.SimpleNamespace(
+        BatchPrefillWithPagedKVCacheWrapper=lambda *a, **k: None,
+        BatchDecodeWithPagedKVCacheWrapper=_StandInDecodeWrapper,
+    )
+    monkeypatch.setitem(__import__("sys").modules, "flashinfer", fake)
+    monkeypatch.setattr(fb, "_normalize_cuda", torch.device)
+    monkeypatch.setattr(fb, "_workspace", lambda device: torch.zeros(8, dtype=torch.uint8))
+    backend = fb.FlashInferAttentionBackend("cpu")
+    wrappers = []
+    for step in range(2):
+        meta = build_paged_metadata([([3, 4], 20 + step, 1), ([7], 2, 1), ([9], 0, 1)], PAGE)
+        backend.plan(meta, 9, 3, 64, PAGE, torch.bfloat16)
+        assert backend.plan_graph(16, 0.125) is None
+        wrappers.append(backend._wrapper)
+    w = wrappers[0]
+    assert wrappers[1] is w and len(w.plans) == 2
+    assert w.kw["use_cuda_graph"] is True and w.kw["use_tensor_cores"] is False  # GQA group 3
+    sizes = [w.kw[k].numel() for k in ("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                       "paged_kv_last_page_len_buffer")]  # fmt: skip
+    assert sizes == [4, 3 * 16, 3]
+    assert all(w.kw[k].dtype == torch.int32 for k in w.kw if k.endswith("_buffer"))
+    args, kw = w.plans[1]
+    assert args[0].tolist() == [0, 2, 3, 4] and args[1].tolist() == [3, 4, 7, 9]
+    assert args[2].tolist() == [6, 3, 1] and kw["sm_scale"] == 0.125  # 22, 3 and 1 tokens
+    backend.plan(build_paged_metadata([([1], 0, 1)], PAGE), 9, 3, 64, PAGE, torch.bfloat16)
+    backend.plan_graph(16, 0.125)
+    assert backend._wrapper is not w  # another batch size, another wrapper
