@@ -24,6 +24,7 @@ import inspect
 import logging
 import re
 import time
+import types
 from typing import Any
 
 import torch
@@ -49,11 +50,27 @@ def _guard_on_inputs(entries: list[Any]) -> list[bool]:
     """Which of dynamo's guards a compiled step checks on each call: those on its arguments
     (their shapes, dtypes and the sizes marked dynamic) and on global state (grad mode, the
     symbolic shapes); not those on the model (`self`: ~300 weights, the pool, the config) or on
-    the modules it calls, which do not change once the worker runs. Checking those cost ~0.5 ms
-    a step."""
+    the modules it calls, which do not change once the worker runs (and each model compiles
+    its own copy of the code: `_own_code`). Checking those cost ~0.5 ms a step."""
     return [
         e.name == "" or re.split(r"[\[.]", e.name, maxsplit=1)[0] in _STEP_ARGS for e in entries
     ]
+
+
+def _own_code(method: Any) -> Any:
+    """`method` bound to a copy of its function with a code object of its own. Dynamo keeps a
+    function's compiled graphs on its code object, and the guards `_guard_on_inputs` keeps say
+    nothing of the model: without a copy, a second model in the process (another pool size,
+    other layers) would run the first one's graph."""
+    func = method.__func__
+    copy = types.FunctionType(
+        func.__code__.replace(),
+        func.__globals__,
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    return types.MethodType(copy, method.__self__)
 
 
 def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
@@ -72,7 +89,7 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
         )
     start = time.monotonic()
     compiled = torch.compile(
-        model.layers, fullgraph=True, options={"guard_filter_fn": _guard_on_inputs}
+        _own_code(model.layers), fullgraph=True, options={"guard_filter_fn": _guard_on_inputs}
     )
 
     def marked(

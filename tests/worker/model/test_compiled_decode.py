@@ -74,3 +74,27 @@ def test_compile_refuses_what_it_cannot_compile():
     with pytest.raises(ValueError, match="torch attention backend"):
         compile_decode(runner.model, PAGE, runner.num_pages)
     assert runner.model.compiled_decode is None
+
+
+def test_two_compiled_models_in_one_process_keep_their_own_graphs():
+    """The compiled step's guards say nothing of the model, so each model compiles its own copy
+    of the code: two models of other depths and pool sizes in one process each give their
+    eager logits (with one shared code object the second ran the first's graph and failed on
+    the pool's size)."""
+    ckpt = default_checkpoint()
+    runners = []
+    for layers, pages in ((2, 24), (3, 40)):
+        config = dataclasses.replace(ckpt.config, num_layers=layers)
+        runner = ModelRunner(
+            config, ckpt.weights, tp=1, dtype=torch.float32, device="cpu", num_pages=pages,
+            page_size=PAGE, max_model_len=512,
+        )  # fmt: skip
+        compile_decode(runner.model, PAGE, runner.num_pages)
+        runners.append(runner)
+    for runner in runners:
+        forward_chunk(runner, [0, 1], list(range(1, 20)), 0, all_logits=False)
+        compiled = decode_step(runner, [([0, 1], 19)], [7])
+        graph, runner.model.compiled_decode = runner.model.compiled_decode, None
+        eager = decode_step(runner, [([0, 1], 19)], [7])  # rewrites the same K/V slot
+        runner.model.compiled_decode = graph
+        torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=1e-4)
