@@ -13,9 +13,11 @@ The K/V write is the custom op `pd::kv_write_` (kv_pool.py), which declares that
 the pool: written inline, the pool (a graph input) was functionalized and copied back whole on
 every step, ~1.1 s a step with the default 3.8 GB pool.
 
-Measured on the 2-core CPU (docs/BENCHMARKS.md, `pd-bench engine`): a bf16 worker decodes one
-stream in 28.5 ms a step against 30.2 eager, 8 streams 1.09x, 32 streams 1.01x; the warm-up
-takes 1-2 min on a warm inductor cache, ~2.5 min on a cold one.
+Measured on the 2-core CPU (docs/BENCHMARKS.md, `pd-bench engine`, two rounds against eager):
+a bf16 worker decodes one stream in 25.3-25.7 ms a step against 30.6-30.8 (1.17-1.21x its
+linear layers), 8 streams 1.16-1.25x the tokens/s, 32 streams 1.06-1.08x; int4 one stream 8.6-8.9
+ms against 11.7-12.1. The warm-up takes ~2 min on a cold inductor cache and ~10 s on a warm one,
+so `--compile` is off by default.
 """
 
 from __future__ import annotations
