@@ -7,7 +7,8 @@
 #   2. a worker on cuda whose attention is asserted to be FlashInfer (--attention-backend
 #      flashinfer refuses to fall back), and
 #   3. a prefill and a decode worker on the one GPU, NIXL moving the KV in VRAM, the router in
-#      front: greedy text equal to a co-located CUDA worker's (scripts/gpu_pd_check.py)
+#      front: greedy text equal to a co-located CUDA worker's, as is a co-located worker's
+#      with --cuda-graph-max-batch 8 (scripts/gpu_pd_check.py)
 #   4. CUDA graphs against eager: captured decode graphs' logits and K/V, and a runner with
 #      --cuda-graph-max-batch decoding greedily as one without (tests/worker/model/test_decode_graphs.py)
 set -uo pipefail

@@ -1,7 +1,8 @@
 """The PD stack on one CUDA device, for scripts/gpu_check.sh: a co-located worker, a prefill and a
 decode worker (bf16, FlashInfer asserted: `--attention-backend flashinfer` never falls back) with
 NIXL moving the KV between them in VRAM, and pd-router in front. Greedy answers through the
-router must equal the co-located worker's. Prints one line per check and exits non-zero on any
+router must equal the co-located worker's, and so must those of a co-located worker replaying
+its decode steps from CUDA graphs (`--cuda-graph-max-batch 8`). Prints one line per check and exits non-zero on any
 failure; stops every process it started.
 """
 
@@ -53,6 +54,10 @@ async def main() -> int:
         procs.append(p)
         d, d_url = start_worker("--role", "decode", *CUDA, *COMMON, device=None)
         procs.append(d)
+        g, g_url = start_worker(
+            "--role", "both", *CUDA, *COMMON, "--cuda-graph-max-batch", "8", device=None
+        )
+        procs.append(g)
         with socket.socket() as sock:  # a free port for the router
             sock.bind(("127.0.0.1", 0))
             router_port = str(sock.getsockname()[1])
@@ -63,7 +68,7 @@ async def main() -> int:
         procs.append(router)
         url = f"http://127.0.0.1:{router_port}"
         async with aiohttp.ClientSession() as http:
-            for w in (both_url, p_url, d_url):
+            for w in (both_url, p_url, d_url, g_url):
                 h = await health(http, w)
                 ok = h.get("attention_backend") == "FlashInferAttentionBackend"
                 failed += not ok
@@ -83,7 +88,20 @@ async def main() -> int:
                 ok = ref == got
                 failed += not ok
                 print(f"[{'ok' if ok else 'FAIL'}] PD greedy == co-located for {prompt!r}: {got!r}")
-            for w in (p_url, d_url):
+                graphed = await ask(http, g_url, prompt)
+                ok = ref == graphed
+                failed += not ok
+                print(
+                    f"[{'ok' if ok else 'FAIL'}] CUDA-graph worker greedy == co-located for "
+                    f"{prompt!r}: {graphed!r}"
+                )
+            h = await health(http, g_url)
+            ok = h.get("cuda_graph_max_batch") == 8
+            failed += not ok
+            print(
+                f"[{'ok' if ok else 'FAIL'}] graph worker reports cuda_graph_max_batch: {h.get('cuda_graph_max_batch')}"
+            )
+            for w in (p_url, d_url, g_url):
                 h = await health(http, w)
                 load = h["load"]
                 ok = h["integrity"] == "ok" and load["kv_pages_free"] == load["kv_pages_total"]
