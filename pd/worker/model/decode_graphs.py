@@ -60,7 +60,6 @@ class DecodeGraphs:
             raise ValueError(f"scratch page {scratch_page} is not a page of the pool")
         self.model = model
         self.buckets = graph_buckets(max_batch)
-        self.max_batch = max_batch
         self.page_size = rank.kv.page_size
         self.max_pages = -(-max_model_len // self.page_size)  # pages of the longest sequence
         self.pad_spec: SeqSpec = ([scratch_page], 0, 1)
