@@ -104,11 +104,18 @@ def _int(body: dict, name: str, default: int | None, lo: int, hi: int | None = N
     return value
 
 
+# Token ids are int32 everywhere past the edge (torch, the router's index): larger ones are a 400
+# here, before any vocabulary check.
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
 def _token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
     ):
-        raise bad_request(f"'{name}' must be a list of non-negative token ids", param=name)
+        raise bad_request(
+            f"'{name}' must be a list of token ids (integers in 0..{MAX_TOKEN_ID})", param=name
+        )
     return value
 
 
@@ -116,6 +123,7 @@ def _token_ids(value: Any, name: str) -> list[int]:
 
 
 MAX_TOP_LOGPROBS = 5
+MAX_CACHE_SALT_CHARS = 256
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -228,6 +236,9 @@ class _RequestBase:
     user: str | None  # also a room key for sticky routing
     session_id: str | None
     kv_transfer_params: dict[str, Any] | None  # set by the router only; opaque here
+    # vLLM's `cache_salt`: requests with different salts share no cached KV (enters the first
+    # page's hash on the workers and the router's prefix index). None: the shared cache.
+    cache_salt: str | None
     raw: dict[str, Any] = field(repr=False)  # the body as received
 
     @property
@@ -242,6 +253,12 @@ def _parse_common(body: dict) -> dict[str, Any]:
     if not isinstance(include_usage, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     kvp = _opt(body, "kv_transfer_params", dict)
+    salt = _opt(body, "cache_salt", str)
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            param="cache_salt",
+        )
     return dict(
         model=_opt(body, "model", str),
         stream=stream,
@@ -249,6 +266,7 @@ def _parse_common(body: dict) -> dict[str, Any]:
         user=_opt(body, "user", str),
         session_id=_opt(body, "session_id", str),
         kv_transfer_params=kvp,
+        cache_salt=salt,
         raw=body,
     )
 
