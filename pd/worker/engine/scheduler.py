@@ -187,9 +187,10 @@ class Scheduler:
     def reserve(self, key: str, num_pages: int) -> list[int] | None:
         """Decode: pages for a request's pulled KV, if no preempted request waits, they fit beside
         the running batch's growth (one free or evictable page per running request stays in
-        reserve) and the batch is under `max_running`."""
+        reserve) and the batch is under `max_running`. New requests waiting for admission do not
+        hold a pull back: its client already has P's first token."""
         assert key not in self.cache.held
-        if self.waiting:  # preempted requests get their pages back first
+        if any(s.num_preemptions for s in self.waiting):  # they get their pages back first
             return None
         if len(self.running) + len(self.cache.held) >= self.max_running:
             return None

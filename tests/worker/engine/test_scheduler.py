@@ -185,3 +185,17 @@ def test_decode_reservation_leaves_room_for_running_growth_and_max_running():
     s.release("x")
     s.finish(a, "stop")
     s.check_integrity()
+
+
+def test_a_pull_is_not_starved_by_new_local_requests_only_by_preempted_ones():
+    # D has streamed P's first token by the time it reserves: a new local request waiting for
+    # admission must not hold the pull back (a page-wait timeout mid-stream cannot be retried).
+    s = make(num_pages=1000, max_running=8)
+    s.add(seq("new", 8))
+    assert s.reserve("pull", 3) is not None
+    s.release("pull")
+    victim = seq("preempted", 8)
+    victim.num_preemptions = 1
+    s.waiting.appendleft(victim)
+    assert s.reserve("pull", 3) is None  # a preempted request gets its pages back first
+    s.check_integrity()
