@@ -440,6 +440,9 @@ class KVTransferParams:
 
     @classmethod
     def from_dict(cls, d: Any) -> KVTransferParams:
+        """Parse params as D receives them: every field type- and range-checked like a client's
+        input (they come in a request body), a 400 on anything else. Whether they fit this worker
+        (vocabulary, context, model) is the decode side's check."""
         if not isinstance(d, dict):
             raise bad_request("'kv_transfer_params' must be an object", "kv_transfer_params")
         if d.get("pd_version") != PD_VERSION:
@@ -455,4 +458,83 @@ class KVTransferParams:
             raise bad_request(
                 f"kv_transfer_params lacks {', '.join(sorted(missing))}", "kv_transfer_params"
             )
-        return cls(**{k: d[k] for k in names if k in d})
+        values = {k: d[k] for k in names if k in d}
+        for name, value in values.items():
+            check, wants = _KV_FIELDS[name]
+            if not check(value):
+                raise bad_request(
+                    f"kv_transfer_params.{name} is not {wants}: {_clip(value)}",
+                    "kv_transfer_params",
+                )
+        return cls(**values)
+
+
+def _is_int(v: Any, lo: int = 0, hi: int = MAX_TOKEN_ID) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 256
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(_is_int(t) for t in v)
+
+
+def _is_logprob(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_first_logprobs(v: Any) -> bool:  # [logprob, [[token id, logprob], ...]]
+    if v is None:
+        return True
+    if not (isinstance(v, list) and len(v) == 2 and _is_logprob(v[0])):
+        return False
+    top = v[1]
+    return top is None or (
+        isinstance(top, list)
+        and len(top) <= MAX_TOP_LOGPROBS
+        and all(
+            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_logprob(e[1])
+            for e in top
+        )
+    )
+
+
+# Per field of KVTransferParams: its check, and what it must be (for the 400's message).
+_KV_FIELDS: dict[str, tuple[Any, str]] = {
+    "remote_engine_id": (_is_str, "a string of 1..256 characters"),
+    "remote_host": (_is_str, "a host name or address"),
+    "remote_port": (lambda v: _is_int(v, 1, 65535), "a port (1..65535)"),
+    "transfer_id": (_is_str, "a string of 1..256 characters"),
+    "prompt_token_ids": (
+        lambda v: _is_ids(v) and len(v) > 0,
+        f"a non-empty list of token ids (0..{MAX_TOKEN_ID})",
+    ),
+    "first_token_id": (_is_int, f"a token id (0..{MAX_TOKEN_ID})"),
+    "page_ids": (
+        lambda v: isinstance(v, dict)
+        and all(isinstance(k, str) and _is_ids(p) for k, p in v.items()),
+        "an object of page id lists",
+    ),
+    "num_tokens": (lambda v: _is_int(v, 1), "a positive integer"),
+    "page_size": (lambda v: _is_int(v, 1, 1 << 16), "a positive integer"),
+    "tp_size": (lambda v: _is_int(v, 1, 1 << 10), "a positive integer"),
+    "kv_layout": (_is_str, "a string"),
+    "dtype": (_is_str, "a string"),
+    "model_fingerprint": (_is_str, "a string"),
+    "lease_ttl_s": (lambda v: _is_logprob(v) and v > 0, "a positive number"),
+    "first_token_logprobs": (_is_first_logprobs, "null or [logprob, [[id, logprob], ...]]"),
+    "cached_tokens": (_is_int, "a non-negative integer"),
+    "do_remote_prefill": (lambda v: isinstance(v, bool), "a boolean"),
+    "pd_version": (lambda v: v == PD_VERSION, f"{PD_VERSION}"),
+}
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    """A short, cheap description of a bad value (it may be megabytes of a client's JSON)."""
+    if isinstance(value, (list, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + "..."
+    return repr(value)

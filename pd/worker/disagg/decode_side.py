@@ -47,6 +47,8 @@ class DecodeSide(TransferRole):
         self.engine = engine
         self.quarantine_s = quarantine_s
         self.quarantined = 0  # pulls whose pages went into quarantine (for tests and logs)
+        # Token ids this worker can embed: the tokenizer's, within the model's (padded) rows.
+        self.vocab_size = min(engine.tokenizer.vocab_size, runner.config.vocab_size)
         self._tasks: set[asyncio.Task] = set()
 
     def validate(self, raw: dict[str, Any]) -> KVTransferParams:
@@ -67,6 +69,20 @@ class DecodeSide(TransferRole):
             kvp.num_tokens
         ):
             raise bad_request("kv_transfer_params are inconsistent", param="kv_transfer_params")
+        # Ids past the vocabulary would fail the forward pass of every request in the batch (on
+        # CUDA a device-side assert): refused at the door, as a client's own prompt ids are.
+        if kvp.num_tokens >= self.engine.max_model_len:
+            raise bad_request(
+                f"kv_transfer_params carry {kvp.num_tokens} prompt tokens but this decode "
+                f"worker's context length is {self.engine.max_model_len}",
+                param="kv_transfer_params",
+            )
+        vocab = self.vocab_size
+        if max(kvp.prompt_token_ids) >= vocab or kvp.first_token_id >= vocab:
+            raise bad_request(
+                f"kv_transfer_params carry a token id out of the vocabulary (size {vocab})",
+                param="kv_transfer_params",
+            )
         return kvp
 
     async def admit(self, kvp: KVTransferParams, options: GenerationOptions) -> RequestHandle:

@@ -61,7 +61,7 @@ def make(hooks_for, num_pages: int = 16):
     scheduler = Scheduler(KVCacheManager(num_pages, PAGE), chunk_size=64, max_running=8)
     hooks = hooks_for(scheduler)
     engine = Engine(
-        Runner(), scheduler, SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x"),
+        Runner(), scheduler, SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x", vocab_size=60),
         role="prefill", max_model_len=64, max_waiting=8, hooks=hooks,
     )  # fmt: skip
     return engine, hooks
@@ -129,3 +129,40 @@ def test_decode_refuses_params_that_do_not_match_it(changes, needle):
     with pytest.raises(APIError, match=needle) as e:
         decode.validate({**good, **changes})
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"prompt_token_ids": [1, 2, 3, 4, 60]}, "out of the vocabulary"),  # vocab: 60
+        ({"first_token_id": 64}, "out of the vocabulary"),
+        ({"prompt_token_ids": [1, 2, 3, 4, -1]}, "prompt_token_ids is not"),
+        ({"prompt_token_ids": [1, 2, 3, 4, 2**40]}, "prompt_token_ids is not"),
+        ({"prompt_token_ids": [1, 2, 3, 4, "5"]}, "prompt_token_ids is not"),
+        ({"prompt_token_ids": "12345"}, "prompt_token_ids is not"),
+        ({"first_token_id": True}, "first_token_id is not"),
+        ({"page_ids": [0, 1]}, "page_ids is not"),
+        ({"page_ids": {KV_POOL: [0, None]}}, "page_ids is not"),
+        ({"num_tokens": "5"}, "num_tokens is not"),
+        ({"page_size": 0}, "page_size is not"),
+        ({"remote_port": 70000}, "remote_port is not"),
+        ({"lease_ttl_s": float("nan")}, "lease_ttl_s is not"),
+        ({"first_token_logprobs": [0.5]}, "first_token_logprobs is not"),
+        ({"first_token_logprobs": [-0.5, [[1, "x"]]]}, "first_token_logprobs is not"),
+        ({"cached_tokens": -3}, "cached_tokens is not"),
+        ({"transfer_id": 5}, "transfer_id is not"),
+        ({"num_tokens": 64, "prompt_token_ids": [1] * 64, "page_ids": {KV_POOL: list(range(16))}},
+         "context length"),
+    ],
+)  # fmt: skip
+async def test_decode_refuses_malformed_params_with_a_400_and_touches_nothing(changes, needle):
+    engine, _ = make(lambda s: None)
+    engine.start()
+    manager = Manager()
+    decode = DecodeSide(manager, Runner(), engine)
+    good = _params(model_fingerprint=decode.contract.model_fingerprint)
+    with pytest.raises(APIError, match=needle) as e:
+        decode.validate({**good, **changes})
+    assert e.value.status == 400 and e.value.param == "kv_transfer_params"
+    assert not engine.handles and engine.integrity() == "ok"
+    await engine.stop()
