@@ -88,6 +88,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         compile=cfg.compile,
         # No batch grows past --max-running-requests: larger buckets would never replay.
         cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
+        checkpoint_digest=ckpt.digest,
     )
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from pd.worker.checkpoint.digest import gguf_digest
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
 from pd.worker.model.config import ModelConfig
@@ -192,7 +193,8 @@ def q4_1_groups(raw: np.ndarray, rows: int, cols: int) -> GroupQuant:
 
 def load_gguf(
     path: str, dtype: torch.dtype, progress: bool | None, keep_q4_1: bool = False
-) -> tuple[ModelConfig, dict[str, Weight], Tokenizer]:
+) -> tuple[ModelConfig, dict[str, Weight], Tokenizer, str]:
+    """Config, weights, tokenizer and the digest of the file as stored (see digest.py)."""
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", path):
         raise CheckpointError(f"{path}: split GGUF files are not supported; merge them first")
     reader = GGUFReader(path)
@@ -201,6 +203,7 @@ def load_gguf(
     config = config_from_metadata(path, meta, tensors)
     tokenizer = tokenizer_from_gguf_metadata(meta)
     permuted = PERMUTED_QK[config.architecture]
+    digest = gguf_digest(reader)  # from the stored bytes, before any dequantization or cast
 
     weights: dict[str, Weight] = {}
     bar = Progress(len(tensors), progress)
@@ -230,7 +233,7 @@ def load_gguf(
         weights[target] = w.to(dtype)
     bar.close()
     check_weights(weights, config, path)
-    return config, weights, tokenizer
+    return config, weights, tokenizer, digest
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:

@@ -13,6 +13,7 @@ import tokenizers
 import torch
 from safetensors import safe_open
 
+from pd.worker.checkpoint.digest import safetensors_digest
 from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
 from pd.worker.model.config import ModelConfig
 from pd.worker.text.tokenizer import Tokenizer
@@ -133,13 +134,15 @@ def load_hf_tokenizer(path: str | Path) -> Tokenizer:
 
 def load_hf(
     path: str, dtype: torch.dtype, progress: bool | None
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, str]:
+    """Config, weights, tokenizer and the digest of the shards as stored (see digest.py)."""
     root = Path(path)
     config = config_from_hf(root, _read_json(root / "config.json"))
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files (other formats are not supported)")
     tokenizer = load_hf_tokenizer(root)
+    digest = safetensors_digest(files)  # from the stored bytes, before any cast
 
     total = 0
     for f in files:
@@ -160,4 +163,4 @@ def load_hf(
                 weights[name] = sf.get_tensor(name).to(dtype)
     bar.close()
     check_weights(weights, config, str(root))
-    return config, weights, tokenizer
+    return config, weights, tokenizer, digest

@@ -21,6 +21,9 @@ class LoadedCheckpoint:
     # Hugging Face names and shapes (Linear weights [out, in]); no lm_head.weight when tied.
     weights: dict[str, Weight]  # float tensors; GroupQuant for Q4_1 layers kept as they are
     tokenizer: Tokenizer
+    # The checkpoint as stored, sampled (digest.py): what a P/D pair must share. "" when the
+    # weights did not come from a file (tests).
+    digest: str = ""
 
 
 class Progress:

@@ -4,6 +4,7 @@ ckpt = load_checkpoint(default_model_path())
 ckpt.config      # ModelConfig
 ckpt.weights     # {"model.layers.0.self_attn.q_proj.weight": Tensor[out, in], ...}
 ckpt.tokenizer   # Tokenizer (encode / decode / apply_chat_template / eos_token_ids)
+ckpt.digest      # "gguf:3f0c..." the checkpoint as stored, sampled (digest.py): P and D share it
 """
 
 from __future__ import annotations
@@ -49,15 +50,15 @@ def load_checkpoint(
     progress: bool | None = None,
     keep_q4_1: bool = False,
 ) -> LoadedCheckpoint:
-    """Config, weights (Hugging Face names, cast to `dtype`) and tokenizer of the checkpoint at
-    `path`. GGUF tensors are dequantized, except Q4_1 linear layers when `keep_q4_1` (for int4
+    """Config, weights (Hugging Face names, cast to `dtype`), tokenizer and digest (of the files
+    as stored: the same whatever `dtype` and `keep_q4_1`) of the checkpoint at `path`. GGUF tensors are dequantized, except Q4_1 linear layers when `keep_q4_1` (for int4
     weights: they come as `GroupQuant`). `progress`: a progress line on stderr (None: only when
     stderr is a terminal)."""
     if _kind(path) == "gguf":
-        config, weights, tokenizer = load_gguf(path, dtype, progress, keep_q4_1)
-        return LoadedCheckpoint(config=config, weights=weights, tokenizer=tokenizer)
-    config, dense, tokenizer = load_hf(path, dtype, progress)
-    return LoadedCheckpoint(config=config, weights=dict(dense), tokenizer=tokenizer)
+        config, weights, tokenizer, digest = load_gguf(path, dtype, progress, keep_q4_1)
+        return LoadedCheckpoint(config, weights, tokenizer, digest)
+    config, dense, tokenizer, digest = load_hf(path, dtype, progress)
+    return LoadedCheckpoint(config, dict(dense), tokenizer, digest)
 
 
 def load_tokenizer(path: str) -> Tokenizer:

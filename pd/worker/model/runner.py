@@ -81,6 +81,7 @@ class ModelRunner:
         attention_backend: str = "auto",
         compile: bool = False,
         cuda_graph_max_batch: int = 0,
+        checkpoint_digest: str = "",
     ) -> None:
         check_tp(config, tp)
         if quantization not in QUANTIZATIONS:
@@ -88,6 +89,7 @@ class ModelRunner:
         if quantization == "int4":
             check_group_size(config, tp, group_size)
         self.quantization = quantization
+        self.checkpoint_digest = checkpoint_digest  # LoadedCheckpoint.digest: see KVContract
         if device == "cuda" and torch.cuda.device_count() < tp:
             raise ValueError(
                 f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}"
