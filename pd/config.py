@@ -56,7 +56,15 @@ class WorkerConfig:
         256, "most requests queued; more are answered 503 + Retry-After"
     )
     api_key: str | None = _flag(
-        None, "require 'Authorization: Bearer KEY' on the OpenAI endpoints", env="PD_API_KEY"
+        None,
+        "require 'Authorization: Bearer KEY' on the OpenAI endpoints and the admin ones "
+        "(/reset_prefix_cache, /kv/release, /integrity)",
+        env="PD_API_KEY",
+    )
+    max_body_bytes: int = _flag(
+        10 << 20,
+        "largest request body accepted (413 beyond): the router's 8 MiB plus room for P's "
+        "kv_transfer_params; a body this large is parsed and tokenized off the event loop",
     )
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
@@ -126,6 +134,7 @@ class WorkerConfig:
         check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
         check(self.tp >= 1, "--tp must be >= 1")
         check(self.threads >= 0, "--threads must be >= 0")
+        check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         check(0 <= self.port < 65536, "--port must be in 0..65535")
         check(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,

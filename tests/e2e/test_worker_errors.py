@@ -149,3 +149,29 @@ async def test_chat_template_and_options_errors_do_not_leak_pages(client, worker
     assert resp.status == 400
     await wait_idle(worker)
     assert_all_pages_free(worker)
+
+
+async def test_a_huge_prompt_is_refused_before_it_is_tokenized(client, worker, monkeypatch):
+    # A 4 MiB prompt used to be tokenized on the event loop first (seconds without /health).
+    encoded: list[int] = []
+    real = worker.tokenizer.encode
+
+    def counting(text: str, *args, **kwargs):
+        encoded.append(len(text))
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(worker.tokenizer, "encode", counting)
+    huge = "word " * ((4 << 20) // 5)
+    for path, body in [
+        ("/v1/completions", {"prompt": huge, "max_tokens": 4}),
+        ("/v1/chat/completions", chat(huge, max_tokens=4)),
+        ("/v1/completions", {"prompt": [1] * (1 << 20), "max_tokens": 4}),
+    ]:
+        resp = await client.post(path, json=body)
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["code"] == "context_length_exceeded", error
+    assert encoded == []  # refused by its byte length alone
+    resp = await client.post("/v1/completions", json={"prompt": "word " * 20_000, "max_tokens": 1})
+    assert resp.status == 400 and encoded == [100_000]  # under the bound: tokenized, then refused
+    health = await client.get("/health")
+    assert health.status == 200

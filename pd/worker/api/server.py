@@ -10,16 +10,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body, parse_request
+from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.api.prompt import decode_max_tokens, prompt_ids, wants_remote_decode
+from pd.worker.api.prompt import PromptBuilder, decode_max_tokens, wants_remote_decode
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 
 log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", Worker)
-MAX_BODY_BYTES = 32 * 1024 * 1024
+PROMPTS = web.AppKey("prompts", PromptBuilder)
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -48,8 +48,11 @@ async def errors_middleware(
 
 
 def make_app(worker: Worker) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=worker.config.max_body_bytes
+    )
     app[WORKER] = worker
+    app[PROMPTS] = PromptBuilder(worker.tokenizer, worker.engine.max_model_len)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
@@ -68,6 +71,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine.start()
     yield
     await engine.stop()
+    app[PROMPTS].close()
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -175,7 +179,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "draining",
             headers={"Retry-After": "1"},
         )
-    req = parse_request(request.path, parse_json_body(await request.read()))
+    prompts = request.app[PROMPTS]
+    req = await prompts.parse(request.path, await request.read())
     if req.model is not None and req.model not in worker.accepted_names:
         raise APIError(
             404,
@@ -190,7 +195,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         handle = await worker.decode.admit(kvp, req.options)
     else:
         remote_decode = wants_remote_decode(worker.config.role, req)
-        ids = prompt_ids(worker.tokenizer, req)
+        ids = await prompts.prompt_ids(req)
         if remote_decode:  # the whole request must fit the context, not only P's one token
             worker.engine.capacity.max_tokens_for(len(ids), decode_max_tokens(req))
         handle = worker.engine.add_request(ids, req.options, remote_decode)

@@ -8,6 +8,7 @@ the special tokens (`bos_token`, `eos_token`) as variables.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -30,6 +31,10 @@ END_OF_TURN_TOKENS = (
     "<|END_OF_TURN_TOKEN|>",
     "<|endoftext|>",
 )
+
+
+# Texts at least this long are encoded through `encode_batch` (see `Tokenizer.encode`).
+_GIL_FREE_ENCODE_CHARS = 4096
 
 
 class ChatTemplateError(ValueError):
@@ -78,10 +83,27 @@ class Tokenizer:
         """The vocabulary entry (byte-level spelled, e.g. "Ġhello") or None when out of range."""
         return self.backend.id_to_token(token_id)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for (added tokens included): a text of
+        B bytes has at least B / max_token_bytes tokens, which bounds a prompt before it is
+        tokenized. Over-counted for tokens that are part of a character (never under)."""
+        longest = 1
+        for i in range(self.vocab_size):
+            text = self.backend.decode([i], skip_special_tokens=False)
+            spelled = self.backend.id_to_token(i) or ""
+            longest = max(longest, len(text.encode()), len(spelled.encode()))
+        return longest
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) map to their
         ids; `add_special_tokens` adds what the model adds on its own (a BOS for some models)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < _GIL_FREE_ENCODE_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # NOTE: `encode_batch` releases the GIL while it works and `encode` does not (tokenizers
+        # 0.23): a large prompt tokenized in a thread then leaves the event loop running.
+        batch = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return batch[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -173,3 +173,16 @@ def test_chat_template_joins_text_parts(tok: Tokenizer) -> None:
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     with pytest.raises(ChatTemplateError, match="only text"):
         tok.apply_chat_template([{"role": "user", "content": image}])
+
+
+def test_large_texts_encode_the_same_without_the_gil(tok: Tokenizer) -> None:
+    text = " ".join(TEXTS) * 200  # over the length at which `encode` goes through encode_batch
+    assert len(text) > 4096
+    assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.parametrize("text", [*TEXTS, "<|im_start|>user\nhi<|im_end|>", "a" * 5000])
+def test_byte_length_bounds_the_token_count(tok: Tokenizer, text: str) -> None:
+    # What the worker refuses a prompt by before tokenizing it: never more than it holds.
+    assert 1 < tok.max_token_bytes < 200
+    assert len(tok.encode(text)) >= -(-len(text.encode()) // tok.max_token_bytes)
