@@ -145,7 +145,13 @@ class BootstrapServer(KVBootstrapServer):
                 await self._on_auth(identity, msg)
             elif isinstance(msg, Refused):
                 self.pending.pop(identity, None)
-                self.sessions.pop(identity, None)
+                session = self.sessions.pop(identity, None)
+                if session is not None:  # D refused the Welcome (e.g. the contracts differ)
+                    log.warning(
+                        "bootstrap: decode peer %s refused the session: %s",
+                        session.d_engine,
+                        str(msg.reason)[:2000],
+                    )
             else:
                 await self._send(identity, Refused("no session"), None)
             return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -30,8 +31,22 @@ class TransferConfig:
     # Sleep of that thread between passes. NIXL's Python wrapper sets 0 (a busy loop: ~a core per
     # idle agent); 100 us costs ~2% of a core idle (measured: 0.07 s CPU over 3 s).
     nixl_progress_delay_us: int = 100
+    # The pairing contract, opaque to this layer (the worker's: checkpoint digest, KV format).
+    # P sends it in its Welcome; D refuses a P whose contract differs from its own in any key
+    # (ContractMismatch, naming both sides' values). None: D checks nothing (P sends none).
+    contract: Mapping[str, str] | None = None
+    # What each side runs that need not match (quantization, kernels): P sends it in its Welcome,
+    # D logs it at the first handshake with that P. Never compared.
+    runtime: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("contract", "runtime"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+                raise ValueError(f"{name} must map strings to strings: {dict(value)!r}")
+            object.__setattr__(self, name, dict(value))  # a copy of its own
         if self.backend not in ("nixl", "fake"):
             raise ValueError(f"unknown transfer backend {self.backend!r} (nixl or fake)")
         if not 0 <= self.bootstrap_port < 65536:

@@ -27,6 +27,11 @@ class HandshakeError(TransferError):
     """The handshake with a peer failed or ran past its deadline."""
 
 
+class ContractMismatch(HandshakeError):
+    """The peer's pairing contract (what both sides must share: see TransferConfig.contract)
+    differs from ours; the message names both sides' values."""
+
+
 class PeerLostError(TransferError):
     """A peer missed its heartbeats, lost its session, or restarted (its engine id changed)."""
 

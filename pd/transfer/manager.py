@@ -9,9 +9,10 @@ may do both.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -23,6 +24,7 @@ from pd.transfer.bootstrap import BootstrapServer, Session
 from pd.transfer.config import TransferConfig
 from pd.transfer.errors import HandshakeError, PoolError, TransferError
 from pd.transfer.messages import Abort, Done, Heartbeat, HeartbeatAck, Message, Welcome, b64
+from pd.transfer.pairing import check_contract, describe
 from pd.transfer.params import TransferParams
 from pd.transfer.peer import PeerLink
 from pd.transfer.poller import Poller
@@ -70,8 +72,16 @@ class TransferManager(KVManager):
         self._links: dict[tuple[str, int], PeerLink] = {}
         self._connecting: dict[tuple[str, int], asyncio.Future[PeerLink]] = {}
         self._closing: set[asyncio.Task] = set()
+        self._reported: set[str] = set()  # prefill engine ids whose runtime format was logged
 
     # -- lifecycle -------------------------------------------------------------------------
+
+    def set_contract(self, contract: Mapping[str, str] | None, runtime: Mapping[str, str]) -> None:
+        """Set the pairing contract and runtime format (TransferConfig.contract, .runtime) of a
+        manager built before they were known; only before `start()`."""
+        if self._ctx is not None:
+            raise TransferError("set_contract must be called before start()")
+        self.config = dataclasses.replace(self.config, contract=contract, runtime=runtime)
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -189,6 +199,8 @@ class TransferManager(KVManager):
             agent_metadata=b64(self.backend.metadata()),
             pools=[p.to_dict() for p in self.pools.values()],
             session_timeout_s=self.config.session_timeout_s,
+            contract=dict(self.config.contract) if self.config.contract is not None else None,
+            runtime=dict(self.config.runtime),
         )
 
     def _on_session_message(self, session: Session, msg: Message) -> Message | None:
@@ -269,6 +281,22 @@ class TransferManager(KVManager):
             wire_tap=self._wire_tap,
         )
         await link.handshake(cfg.handshake_timeout_s)
+        peer = f"{key[0]}:{key[1]} (engine {link.engine_id})"
+        try:
+            check_contract(
+                cfg.contract, link.contract, peer=peer, me=f"engine {self.engine_id}",
+                peer_runtime=link.runtime, my_runtime=cfg.runtime,
+            )  # fmt: skip
+        except TransferError as e:
+            log.warning("refused at the handshake: %s", e)
+            await link.refuse(str(e))
+            raise
+        if link.engine_id not in self._reported:
+            self._reported.add(link.engine_id)
+            log.info(
+                "paired with prefill %s: it runs %s; this side runs %s",
+                peer, describe(link.runtime), describe(cfg.runtime),
+            )  # fmt: skip
         try:
             if link.backend != self.backend.name:
                 raise HandshakeError(

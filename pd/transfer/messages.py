@@ -4,7 +4,8 @@ Wire format: one JSON object (orjson) `{"v": PROTOCOL_VERSION, "t": <type>, ...f
 frame; bytes travel base64-encoded. After the handshake every message is followed by a second
 frame, an HMAC tag under the session key (see auth.py).
 
-Handshake (D dials P):   D Hello -> P Challenge -> D Auth -> P Welcome   (or Refused at any step)
+Handshake (D dials P):   D Hello -> P Challenge -> D Auth -> P Welcome   (or Refused at any step;
+                         D refuses a Welcome whose pairing contract differs from its own)
 Session (D -> P):        Heartbeat (renews leases), Done, Abort
 Session (P -> D):        HeartbeatAck, Abort
 """
@@ -68,6 +69,10 @@ class Welcome:
     agent_metadata: str  # base64
     pools: list[dict[str, Any]]  # PoolDesc.to_dict()
     session_timeout_s: float  # P drops a session silent for longer; D closes idle links before
+    # P's pairing contract (D refuses a P whose contract differs from its own; None: P has none)
+    # and runtime format (only reported): TransferConfig.contract and .runtime.
+    contract: dict[str, str] | None = None
+    runtime: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class PeerLink:
         self.backend = ""
         self.agent_metadata = b""
         self.pools: dict[str, PoolDesc] = {}
+        self.contract: dict[str, str] | None = None  # P's pairing contract, from its Welcome
+        self.runtime: dict[str, str] = {}  # P's runtime format (reported, never compared)
         self.clients: dict[str, LinkClient] = {}  # transfer id -> attached transfer
         self.alive = False
         self._key = b""
@@ -138,6 +140,8 @@ class PeerLink:
         self._key, self.engine_id, self.backend = key, welcome.engine_id, welcome.backend
         self.agent_metadata = unb64(welcome.agent_metadata)
         self.pools = {p["name"]: PoolDesc.from_dict(p) for p in welcome.pools}
+        self.contract = welcome.contract if isinstance(welcome.contract, dict) else None
+        self.runtime = welcome.runtime if isinstance(welcome.runtime, dict) else {}
         self._idle_timeout_s = min(self._idle_timeout_s, welcome.session_timeout_s / 2)
 
     async def _recv_handshake(self, sock: zmq.asyncio.Socket) -> Message:
@@ -145,6 +149,17 @@ class PeerLink:
         if isinstance(msg, Refused):
             raise AuthError(f"refused by {self.host}:{self.port}: {msg.reason}")
         return msg
+
+    async def refuse(self, reason: str) -> None:
+        """After a complete handshake, refuse the session (P drops it at once and logs why), and
+        close. The Refused frame is given a moment to leave before the socket goes."""
+        if self._sock is not None:
+            try:
+                await self._send_raw([encode(Refused(reason))])
+            except zmq.ZMQError:
+                pass
+        self.alive = False
+        self._close_socket(linger_ms=1000)
 
     # -- session ---------------------------------------------------------------------------
 
@@ -252,9 +267,9 @@ class PeerLink:
             log.warning("peer lost: %s", reason)
         self._on_lost(self, reason)
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_ms: int = 0) -> None:
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=linger_ms)
             self._sock = None
 
     async def close(self) -> None:
