@@ -24,6 +24,7 @@ from pd.transfer.config import TransferConfig
 from pd.transfer.errors import (
     AuthError,
     BackendUnavailable,
+    ContractMismatch,
     HandshakeError,
     PeerLostError,
     PoolError,
@@ -48,6 +49,7 @@ __all__ = [
     "AuthError",
     "BACKENDS",
     "BackendUnavailable",
+    "ContractMismatch",
     "HandshakeError",
     "KVBootstrapServer",
     "KVManager",

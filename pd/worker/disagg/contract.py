@@ -1,10 +1,19 @@
 """Joins a worker to `pd.transfer`: one transfer manager, the KV pool it serves, and what both
-sides of a pair must agree on (`KVContract`) before any byte moves."""
+sides of a pair must agree on (`KVContract`) before any byte moves.
+
+The contract is the checkpoint as stored (its digest, LoadedCheckpoint.digest, with the model's
+shape) and the KV format (page size, layout, dtype: the bytes of a page). It is checked twice on
+D: against the fields of P's kv_transfer_params (a 400 before anything is dialed), and at the
+handshake (P's Welcome carries it: a mismatch fails the pull, naming both sides). How each side
+runs the weights (quantization, attention kernels) need not match: P and D may run one checkpoint
+with other kernels. It travels beside the contract (`runtime_format`) and is logged by D.
+"""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from pd.config import WorkerConfig
 from pd.transfer import TransferConfig, TransferManager, create_manager, kv_pool_from_tensors
@@ -19,19 +28,42 @@ KV_LAYOUT = "page-major-HND-rope-pairs"
 
 @dataclass(frozen=True)
 class KVContract:
-    """What P and D must share for D to decode from P's pages (checked on D, from the params)."""
+    """What P and D must share for D to decode from P's pages (checked on D, from the params
+    and at the handshake)."""
 
-    model_fingerprint: str  # the model's shape (not its name: a served name may differ)
+    # The checkpoint as stored (its digest: other weights of the same shape differ) and the
+    # model's shape; not its name (a served name may differ), nor its runtime quantization.
+    model_fingerprint: str
     page_size: int
     kv_layout: str
-    dtype: str
+    dtype: str  # of the KV pages (the compute dtype): part of the pages' bytes
 
     @classmethod
     def of(cls, runner: ModelRunner) -> KVContract:
         shape = asdict(runner.config)
         shape.pop("name")
-        digest = hashlib.sha256(repr(sorted(shape.items())).encode()).hexdigest()[:16]
-        return cls(digest, runner.page_size, KV_LAYOUT, str(runner.dtype).removeprefix("torch."))
+        # "" for weights that came from no file (a runner built in a test): the shape alone.
+        digest = getattr(runner, "checkpoint_digest", "")
+        fingerprint = hashlib.sha256(repr((sorted(shape.items()), digest)).encode()).hexdigest()
+        dtype = str(runner.dtype).removeprefix("torch.")
+        return cls(fingerprint[:16], runner.page_size, KV_LAYOUT, dtype)
+
+    def wire(self) -> dict[str, str]:
+        """The contract as the transfer layer carries it (TransferConfig.contract)."""
+        return {k: str(v) for k, v in asdict(self).items()}
+
+
+def runtime_format(runner: ModelRunner) -> dict[str, str]:
+    """How this worker runs its checkpoint: reported to the peer at the handshake and logged
+    there, never compared (TransferConfig.runtime)."""
+    r: Any = runner  # stand-ins in tests have only some of these
+    return {
+        "model": str(runner.config.name),
+        "checkpoint": getattr(r, "checkpoint_digest", "") or "unknown",
+        "quantization": str(getattr(r, "quantization", "none")),
+        "attention": str(getattr(r, "attention_backend", "unknown")),
+        "compute_dtype": str(runner.dtype).removeprefix("torch."),
+    }
 
 
 def make_transfer_manager(cfg: WorkerConfig) -> TransferManager:
@@ -59,6 +91,7 @@ class TransferRole:
     def __init__(self, manager: TransferManager, runner: ModelRunner) -> None:
         self.manager = manager
         self.contract = KVContract.of(runner)
+        self.runtime = runtime_format(runner)
         self._buffers = [pool.buffer for pool in runner.kv_pools]
         # Bytes of one page over every TP rank (what a pull of one page moves).
         self.page_bytes = sum(b.element_size() * b[0].numel() for b in self._buffers)
@@ -69,6 +102,8 @@ class TransferRole:
         return self.manager.bootstrap_port
 
     async def start(self) -> None:
+        # P sends both in its Welcome; D refuses a P whose contract is not its own.
+        self.manager.set_contract(self.contract.wire(), self.runtime)
         await self.manager.start()
         self.manager.register_pool(kv_pool_from_tensors(KV_POOL, self._buffers, self._num_kv_heads))
 
