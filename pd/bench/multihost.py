@@ -326,7 +326,10 @@ def health_digest(health: dict[str, Any]) -> dict[str, Any]:
 async def get_health(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
         health: dict[str, Any] = await r.json()
-        return health
+    if settled(health):  # then the full walk over the pages (/health's is counters)
+        async with http.get(f"{url}/integrity", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            health.update(await r.json())
+    return health
 
 
 async def wait_settled(

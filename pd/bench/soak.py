@@ -16,7 +16,7 @@ reading a few SSE chunks, as a client that goes away would. Over `--duration` se
    and the requests still in flight are given the deadline to end;
 5. settling: within one lease (`--lease-ttl-s` plus a few seconds) both workers' `/health` must
    report no request, no transfer, and every KV page free (none referenced, held, pinned or
-   reserved), with their page accounting's `integrity` "ok".
+   reserved), with their page accounting's `integrity` "ok" (`/integrity`: every page walked).
 
 Every request ends with one outcome: `ok`, `client_disconnect` (intended), `error_4xx`,
 `error_5xx`, `stream_error` (an error event inside the stream, a stream cut before `[DONE]`, or
@@ -650,6 +650,9 @@ async def _settle(
         try:
             async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 health = await r.json()
+            if settled(health):  # then the full walk over the pages (/health's is counters)
+                async with http.get(f"{url}/integrity", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    health = {**health, **await r.json()}
             last[role] = (health, "")
             return settled(health)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:

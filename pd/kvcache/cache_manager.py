@@ -47,6 +47,7 @@ class KVCacheManager:
         self._page_of: dict[PageHash, int] = {}  # hash -> cached page
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
         self.held: dict[str, list[int]] = {}  # pages held by a key (each one reference)
+        self.num_refs = 0  # references over all pages (for the cheap check)
         self.query_tokens = 0  # prompt tokens looked up, and those found (for metrics)
         self.hit_tokens = 0
 
@@ -94,6 +95,7 @@ class KVCacheManager:
         assert pages is not None
         for p in pages:
             self._refs[p] = 1
+        self.num_refs += n
         return pages
 
     def acquire(self, pages: Iterable[int]) -> None:
@@ -105,6 +107,7 @@ class KVCacheManager:
                 assert p in self._lru, f"page {p} is neither referenced nor cached"
                 del self._lru[p]
                 self._refs[p] = 1
+            self.num_refs += 1
 
     def free(self, pages: Iterable[int]) -> None:
         """Drop one reference from each page; a page nobody holds becomes evictable when cached
@@ -113,6 +116,7 @@ class KVCacheManager:
             n = self._refs.get(p)
             if n is None:
                 raise ValueError(f"page {p} is released but nobody holds it")
+            self.num_refs -= 1
             if n > 1:
                 self._refs[p] = n - 1
                 continue
@@ -213,6 +217,22 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------ checks
 
+    def quick_check(self, holder_refs: int) -> None:
+        """The counters of `check_integrity`, in time independent of the pages: raise
+        AssertionError unless free + referenced + evictable pages are all the pages and the
+        references are `holder_refs` (the requests' page counts) plus the keys' pages."""
+        alloc = self._alloc
+        assert alloc.num_free + alloc.num_used == alloc.num_total, "the free list lost pages"
+        assert len(self._refs) + len(self._lru) == alloc.num_used, (
+            f"{len(self._refs)} referenced + {len(self._lru)} evictable pages but "
+            f"{alloc.num_used} are out of the free list"
+        )
+        refs = holder_refs + sum(map(len, self.held.values()))
+        assert refs == self.num_refs, (
+            f"requests and keys hold {refs} references but {self.num_refs} are counted"
+        )
+        assert len(self._page_of) == len(self._hash_of), "hash maps disagree"
+
     def check_integrity(self, holders: Iterable[Sequence[int]] = ()) -> None:
         """Raise AssertionError unless every page is in exactly one state and each referenced
         page's refcount equals its holders: `holders` (the requests' page lists) plus the keys."""
@@ -222,6 +242,7 @@ class KVCacheManager:
             for p in pages:
                 counts[p] = counts.get(p, 0) + 1
         held_refs, refs = sum(counts.values()), sum(self._refs.values())
+        assert refs == self.num_refs, f"{refs} references but {self.num_refs} counted"
         assert counts == self._refs, (
             f"requests hold {held_refs} references on {len(counts)} pages but {refs} on "
             f"{len(self._refs)} pages are counted"

@@ -50,7 +50,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 async def wait_pages_free(http: aiohttp.ClientSession, url: str, timeout: float = 10.0) -> dict:
     """Poll a worker's /health until every KV page is free and nothing is in flight, with its
-    page accounting intact (`integrity`: the allocator's and scheduler's `check_integrity`)."""
+    page accounting intact (`/health`'s cheap `integrity` meanwhile, then `/integrity`: the
+    allocator's and scheduler's `check_integrity`, every page walked)."""
     deadline = time.monotonic() + timeout
     while True:
         health = await (await http.get(f"{url}/health")).json()
@@ -58,6 +59,8 @@ async def wait_pages_free(http: aiohttp.ClientSession, url: str, timeout: float 
         load = health["load"]
         settled = load["running"] == load["waiting"] == load["inflight_transfers"] == 0
         if settled and load["kv_pages_free"] == load["kv_pages_total"]:
+            walk = await (await http.get(f"{url}/integrity")).json()
+            assert walk["integrity"] == "ok", f"{url}: {walk}"
             return load
         assert time.monotonic() < deadline, f"{url} still holds pages: {load}"
         await asyncio.sleep(0.05)

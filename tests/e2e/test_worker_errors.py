@@ -97,6 +97,10 @@ async def test_api_key_is_required_when_set(aiohttp_client):
     )
     assert resp.status == 200
     assert (await client.get("/health")).status == 200  # health stays open for routers
+    # The full walk over the pages costs ~0.2 s at 500k pages: it is behind the key.
+    assert (await client.get("/integrity")).status == 401
+    walk = await client.get("/integrity", headers={"Authorization": "Bearer sekret"})
+    assert walk.status == 200 and (await walk.json()) == {"integrity": "ok"}
 
 
 async def test_a_full_queue_answers_503_with_retry_after(aiohttp_client):

@@ -94,6 +94,7 @@ class Engine:
         self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
         self.steps = 0
+        self._last_walk = "ok"  # the last full integrity walk's result
         # Decode role: pulls waiting for their pages, woken whenever pages may have come free.
         self.page_wait = PageWaitQueue(scheduler, page_wait_timeout_s)
 
@@ -226,12 +227,23 @@ class Engine:
         return cache.reset_prefix_cache(), cache.num_cached
 
     def integrity(self) -> str:
-        """ "ok", or what is wrong with the page accounting (served in /health)."""
+        """ "ok", or what is wrong with the page accounting, from the counters (cheap: /health
+        serves it) and the last full walk (`check_integrity`), if any."""
+        try:
+            self.scheduler.quick_check()
+        except AssertionError as e:
+            return f"error: {e}"
+        return self._last_walk
+
+    def check_integrity(self) -> str:
+        """Walk every page: "ok", or what is wrong (remembered for `integrity`)."""
         try:
             self.scheduler.check_integrity()
         except AssertionError as e:
-            return f"error: {e}"
-        return "ok"
+            self._last_walk = f"error: {e}"
+        else:
+            self._last_walk = "ok"
+        return self._last_walk
 
     @property
     def idle(self) -> bool:

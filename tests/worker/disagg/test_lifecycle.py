@@ -27,7 +27,7 @@ CONFIG = ModelConfig("m", "llama", 64, 16, 32, 2, 2, 1, 8, 1e4, 1e-5, 128, True)
 TOKEN = "lifecycle-test-token-0123456789"
 # Heartbeats every 0.1 s: D gives a silent P up after 0.3 s, P a silent D after 0.4 s.
 FAST = dict(heartbeat_interval_s=0.1, heartbeat_misses=3, handshake_timeout_s=2.0)
-TOKENIZER = SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x")
+TOKENIZER = SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x", vocab_size=64)
 PROMPT = list(range(1, 18))  # 17 tokens: 5 pages
 
 
