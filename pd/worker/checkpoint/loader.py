@@ -51,9 +51,10 @@ def load_checkpoint(
     keep_q4_1: bool = False,
 ) -> LoadedCheckpoint:
     """Config, weights (Hugging Face names, cast to `dtype`), tokenizer and digest (of the files
-    as stored: the same whatever `dtype` and `keep_q4_1`) of the checkpoint at `path`. GGUF tensors are dequantized, except Q4_1 linear layers when `keep_q4_1` (for int4
-    weights: they come as `GroupQuant`). `progress`: a progress line on stderr (None: only when
-    stderr is a terminal)."""
+    as stored: the same whatever `dtype` and `keep_q4_1`) of the checkpoint at `path`. GGUF
+    tensors are dequantized, except Q4_1 linear layers when `keep_q4_1` (for int4 weights: they
+    come as `GroupQuant`). `progress`: a progress line on stderr (None: only when stderr is a
+    terminal)."""
     if _kind(path) == "gguf":
         config, weights, tokenizer, digest = load_gguf(path, dtype, progress, keep_q4_1)
         return LoadedCheckpoint(config, weights, tokenizer, digest)

@@ -39,8 +39,8 @@ def hf_dir(tmp_path: Path, name: str, seed: int, shards: int = 1) -> str:
     d = tmp_path / name
     d.mkdir()
     (d / "config.json").write_text(json.dumps(LLAMA_JSON))
-    vocab = {"<unk>": 0, "a": 1}
-    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "<unk>")).save(str(d / "tokenizer.json"))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "a": 1}, "<unk>"))
+    tok.save(str(d / "tokenizer.json"))
     w = weights(config_from_hf(d, LLAMA_JSON), seed)
     names = sorted(w)
     for i in range(shards):

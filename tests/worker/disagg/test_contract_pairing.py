@@ -31,8 +31,9 @@ PAGE = 4
 CONFIG = ModelConfig("m", "llama", 64, 16, 32, 2, 2, 1, 8, 1e4, 1e-5, 128, True)
 TOKEN = "contract-test-token-0123456789"
 FAST = dict(heartbeat_interval_s=0.1, heartbeat_misses=3, handshake_timeout_s=2.0)
+# D embeds ids below min(tokenizer's vocabulary, model's): the model's, here.
 TOKENIZER = SimpleNamespace(
-    eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x", vocab_size=CONFIG.vocab_size
+    eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x", vocab_size=10**9
 )
 PROMPT = list(range(1, 10))
 
@@ -100,7 +101,7 @@ class Pair:
     def __init__(self, p_runner: Runner, d_runner: Runner) -> None:
         p_sched = Scheduler(KVCacheManager(32, PAGE), chunk_size=64, max_running=8)
         p_mgr = create_manager(TransferConfig(backend="fake", cluster_token=TOKEN, **FAST))
-        self.prefill = PrefillSide(p_mgr, p_runner, p_sched, tp_size=1)  # type: ignore[arg-type]
+        self.prefill = PrefillSide(p_mgr, p_runner, p_sched, tp_size=1)
         self.p = Engine(
             p_runner, p_sched, TOKENIZER, role="prefill", max_model_len=64, max_waiting=8,
             hooks=self.prefill,
@@ -112,7 +113,7 @@ class Pair:
         d_mgr = create_manager(
             TransferConfig(backend="fake", cluster_token=TOKEN, serve=False, **FAST)
         )
-        self.decode = DecodeSide(d_mgr, d_runner, self.d)  # type: ignore[arg-type]
+        self.decode = DecodeSide(d_mgr, d_runner, self.d)
 
     async def __aenter__(self) -> Pair:
         self.p.start()
@@ -180,3 +181,21 @@ async def test_the_same_checkpoint_with_other_kernels_pairs_and_is_reported(capl
         pair.d.abort(h)
         reports = [r.getMessage() for r in caplog.records if "quantization" in r.getMessage()]
         assert len(reports) == 1 and "int8" in reports[0], reports
+
+
+async def test_real_runners_of_two_checkpoints_of_one_shape_are_refused(tmp_path: Path) -> None:
+    base, tuned = gguf_file(tmp_path, "base", seed=0), gguf_file(tmp_path, "tuned", seed=1)
+    async with Pair(_runner(base), _runner(tuned)) as pair:
+        params = await pair.prefilled()
+        with pytest.raises(APIError, match="model_fingerprint") as e:
+            pair.decode.validate(params)
+        assert e.value.status == 400
+        forged = {**params, "model_fingerprint": pair.decode.contract.model_fingerprint}
+        with pytest.raises(APIError, match="ContractMismatch") as e:
+            await pair.decode.admit(pair.decode.validate(forged), GenerationOptions(max_tokens=3))
+        assert "model=base" in e.value.message and "model=tuned" in e.value.message
+        assert pair.prefill.release(params["transfer_id"], "test over")
+    async with Pair(_runner(base, "int8"), _runner(base)) as pair:
+        kvp = pair.decode.validate(await pair.prefilled())
+        tokens, error = await drain(await pair.decode.admit(kvp, GenerationOptions(max_tokens=3)))
+        assert error is None and len(tokens) == 3
