@@ -13,13 +13,21 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pd.protocol import APIError, error_body, parse_json_body, parse_request
+from pd.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    error_body,
+    parse_json_body,
+    parse_request,
+)
 from pd.router import admin
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
-from pd.router.prefix_index import PromptKey, chain, prompt_bytes
+from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.proxy import KV, Exchange, Proxy, json_response
 from pd.router.registry import Registry
 
@@ -75,6 +83,19 @@ def _middleware(cfg: RouterConfig):
     return middleware
 
 
+def _check_prompt_size(
+    cfg: RouterConfig, data: bytes, req: CompletionRequest | ChatCompletionRequest
+) -> None:
+    """A prompt over --max-prompt-bytes (in its canonical bytes) is a 400, before routing."""
+    if len(data) > cfg.max_prompt_bytes:
+        raise bad_request(
+            f"the prompt is {len(data)} bytes, over this router's limit of "
+            f"{cfg.max_prompt_bytes} bytes (--max-prompt-bytes)",
+            param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            code="prompt_too_large",
+        )
+
+
 async def generate(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions and /v1/chat/completions."""
     t0 = perf_counter()
@@ -84,15 +105,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         body = parse_json_body(raw)
         req = parse_request(request.path, body)
-        body.pop(KV, None)  # only the router sets them
+        body.pop(KV, None)  # only the router sets them (cache_salt stays: workers need it too)
+        data = prompt_bytes(req)
+        _check_prompt_size(proxy.cfg, data, req)
         route = proxy.registry.route()
         headers = proxy.headers
         request_id = request.headers.get("X-Request-Id")
         if request_id:
             headers = {**headers, "X-Request-Id": request_id}
-        chat = request.path.endswith("/chat/completions")
-        data = prompt_bytes(body, chat)
-        prompt = PromptKey(data, chain(data) if proxy.cfg.prefix_index_blocks else [])
+        chat = isinstance(req, ChatCompletionRequest)
+        prompt = PromptKey.of(data, req.cache_salt, hashed=proxy.cfg.prefix_index_blocks > 0)
         ex = Exchange(
             request=request,
             path=request.path,

@@ -75,6 +75,14 @@ class RouterConfig:
         2, "retries on other workers per phase, only before the client got a byte"
     )
     max_body_bytes: int = _flag(8 << 20, "largest request body accepted (413 beyond)")
+    max_prompt_bytes: int = _flag(
+        1 << 20,
+        "largest prompt accepted, in bytes of its canonical form (text as UTF-8, chat messages "
+        "as role, content and two separators each, 4 bytes a token id; 400 prompt_too_large "
+        "beyond). 1 MiB, well under --max-body-bytes: about 250,000 tokens, beyond the context "
+        "of the models served, and small enough that hashing it for the prefix index stays "
+        "cheap on the router's one event loop",
+    )
     sticky_load_factor: float = _flag(
         1.25, "sticky-to-room: no worker takes more than this times the mean in-flight, plus one"
     )
@@ -83,6 +91,12 @@ class RouterConfig:
     )
     sticky_room_ttl_s: float = _flag(
         3600.0, "sticky-to-room: how long a room keeps its worker after its last request"
+    )
+    sticky_room_table_bytes: int = _flag(
+        24 << 20,
+        "sticky-to-room: most bytes of the room -> worker table, per pool (room keys are kept "
+        "as 16-byte hashes, about 240 bytes a room: the default holds ~100,000 rooms; the least "
+        "recently used go first)",
     )
     cache_balance_abs: int = _flag(
         64,
@@ -95,8 +109,15 @@ class RouterConfig:
     )
     prefix_index_blocks: int = _flag(
         1 << 16,
-        "most prompt blocks (64 bytes each) the router remembers per worker; 0 turns the "
-        "index off (cache-aware then acts as load-aware)",
+        "most prompt blocks (64 bytes of prompt each) the router remembers per worker; each "
+        "costs the router about 180 bytes (a hash in an LRU), so the default keeps at most "
+        "~12 MiB per worker; 0 turns the index off (cache-aware then acts as load-aware)",
+    )
+    prefix_index_answer_bytes: int = _flag(
+        1 << 20,
+        "most bytes of a relayed chat stream the router keeps, per stream in flight, to read "
+        "its answer back for the prefix index (1 MiB: about 8,000 tokens of SSE); a longer "
+        "stream is not kept, and only its prompt is learnt",
     )
     prefix_index_ttl_s: float = _flag(1800.0, "how long the index remembers a block it sent")
     local_prefill_max_tokens: int = _flag(
@@ -135,6 +156,7 @@ class RouterConfig:
         check(self.read_timeout > 0, "--read-timeout must be > 0")
         check(self.max_retries >= 0, "--max-retries must be >= 0")
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        check(self.max_prompt_bytes >= 1, "--max-prompt-bytes must be >= 1")
         check(self.sticky_load_factor >= 1.0, "--sticky-load-factor must be >= 1.0")
         check(self.sticky_room_ttl_s > 0, "--sticky-room-ttl-s must be > 0")
         check(self.sticky_slack >= 1, "--sticky-slack must be >= 1")
@@ -143,6 +165,10 @@ class RouterConfig:
         check(0.0 <= self.cache_threshold <= 1.0, "--cache-threshold must be in [0, 1]")
         check(self.prefix_index_blocks >= 0, "--prefix-index-blocks must be >= 0")
         check(self.prefix_index_ttl_s > 0, "--prefix-index-ttl-s must be > 0")
+        check(self.prefix_index_answer_bytes >= 0, "--prefix-index-answer-bytes must be >= 0")
+        check(
+            self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024"
+        )
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         for name in ("api_key", "admin_token", "worker_api_key"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")

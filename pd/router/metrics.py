@@ -82,6 +82,7 @@ class RouterMetrics(Collector):
         self.health_failures = dict.fromkeys(registry.pools, 0)
         self.local_fallbacks = 0  # decode-local requests that failed first and went through P
         self.prefill_releases = 0  # transfers P was told to drop: no decode worker will pull them
+        self.prefill_release_failures = 0  # ... whose release P refused or never got
         # Prompt tokens the prefix index expected a worker to have cached, and what it reported,
         # summed over the answers that reported them (estimates vs the workers' counts).
         self.cached_expected = dict.fromkeys(registry.pools, 0)
@@ -165,6 +166,12 @@ class RouterMetrics(Collector):
         )
         releases.add_metric([], self.prefill_releases)
         yield releases
+        release_failures = CounterMetricFamily(
+            "pd_router_prefill_release_failures",
+            "Releases P answered with an error or did not get (its lease frees the pages later)",
+        )
+        release_failures.add_metric([], self.prefill_release_failures)
+        yield release_failures
         decisions = CounterMetricFamily(
             "pd_router_policy_decisions",
             "Routing decisions by pool, policy and kind",

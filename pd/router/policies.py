@@ -106,12 +106,24 @@ def _hash(s: str) -> int:
     return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
 
 
+def room_id(key: str) -> bytes:
+    """A room key as the table keeps it: 16 bytes, however long the client made the key
+    (`X-Room-Id`, `user`, `session_id`). 128 bits: two rooms share a home only by collision."""
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+# What one room costs in the table: its 16-byte id, its (worker, time) and the OrderedDict's
+# entry, measured with tracemalloc on CPython 3.11 (~235 bytes).
+ROOM_BYTES = 240
+
+
 class StickyToRoom(Policy):
     """Rooms keep their worker, so its caches hit: consistent hashing with bounded loads
     (Mirrokni, Thorup, Zadimoghaddam 2018) seeds a table of room -> home worker.
 
     A room's home is the first healthy worker clockwise from its key on a ring of virtual nodes,
-    recorded in a bounded table (LRU, `max_rooms`) for `room_ttl_s` after its last request.
+    recorded in a table bounded in bytes (LRU, `max_bytes`; keys kept as `room_id` hashes) for
+    `room_ttl_s` after its last request.
     A request goes home while home is healthy and its in-flight count stays within
     `load_factor * mean + slack` (mean over the pool's healthy workers, this request included;
     the slack keeps a few requests in flight from scattering rooms: a spill is a cache miss);
@@ -130,7 +142,7 @@ class StickyToRoom(Policy):
         vnodes: int = 64,
         fallback: Policy | None = None,
         room_ttl_s: float = 3600.0,
-        max_rooms: int = 100_000,
+        max_bytes: int = 24 << 20,
         clock: Callable[[], float] = time.monotonic,
         slack: int = 4,
     ):
@@ -142,11 +154,12 @@ class StickyToRoom(Policy):
         self.vnodes = vnodes
         self.fallback = fallback or LoadAware()
         self.room_ttl_s = room_ttl_s
-        self.max_rooms = max_rooms
+        self.max_rooms = max(1, max_bytes // ROOM_BYTES)
         self._clock = clock
         self._points: list[int] = []
         self._owners: list[Worker] = []
-        self._rooms: OrderedDict[str, tuple[Worker, float]] = OrderedDict()  # home, last use
+        # room_id -> (home, last use)
+        self._rooms: OrderedDict[bytes, tuple[Worker, float]] = OrderedDict()
 
     def rebuild(self, workers):
         ring = sorted(
@@ -164,34 +177,37 @@ class StickyToRoom(Policy):
 
     def home_of(self, key: str) -> Worker | None:
         """The room's recorded home, if it has one that has not expired."""
-        entry = self._rooms.get(key)
+        return self._home_of(room_id(key))
+
+    def _home_of(self, room: bytes) -> Worker | None:
+        entry = self._rooms.get(room)
         if entry is None or self._clock() - entry[1] > self.room_ttl_s:
             return None
         return entry[0]
 
-    def _home(self, healthy: Sequence[Worker], key: str) -> tuple[Worker | None, bool]:
+    def _home(self, healthy: Sequence[Worker], room: bytes) -> tuple[Worker | None, bool]:
         """The room's home, and whether it had one already (False: new, or moved just now)."""
-        home = self.home_of(key)
+        home = self._home_of(room)
         settled = home is not None and home.healthy and home in healthy
         if not settled:
             self.count("new_home" if home is None else "moved_home")
-            home = self._walk(healthy, key, lambda w: True)
+            home = self._walk(healthy, room, lambda w: True)
         if home is not None:
-            self._set_home(key, home)
+            self._set_home(room, home)
         return home, settled
 
-    def _set_home(self, key: str, home: Worker) -> None:
-        self._rooms[key] = (home, self._clock())
-        self._rooms.move_to_end(key)
+    def _set_home(self, room: bytes, home: Worker) -> None:
+        self._rooms[room] = (home, self._clock())
+        self._rooms.move_to_end(room)
         while len(self._rooms) > self.max_rooms:
             self._rooms.popitem(last=False)
 
     def _walk(
-        self, healthy: Sequence[Worker], key: str, ok: Callable[[Worker], bool]
+        self, healthy: Sequence[Worker], room: bytes, ok: Callable[[Worker], bool]
     ) -> Worker | None:
         owners = self._owners
         n = len(owners)
-        start = bisect_left(self._points, _hash(key))
+        start = bisect_left(self._points, int.from_bytes(room[:8], "big"))
         for k in range(n):
             w = owners[(start + k) % n]
             if w.healthy and w in healthy and ok(w):
@@ -208,12 +224,13 @@ class StickyToRoom(Policy):
             self.count("no_room_key")
             return self.fallback.choose(healthy, key, exclude, prompt)
         cap = self.bound(healthy)
-        home, settled = self._home(healthy, key)
+        room = room_id(key)  # hashed once: the key may be long
+        home, settled = self._home(healthy, room)
         if home is not None and home.inflight + 1 <= cap and home not in exclude:
             self.count("home")
             return home
         self.count("spill")  # home over the load bound, or tried already: the ring walks on
-        w = self._walk(healthy, key, lambda w: w.inflight + 1 <= cap and w not in exclude)
+        w = self._walk(healthy, room, lambda w: w.inflight + 1 <= cap and w not in exclude)
         if w is None:
             # Everything on the ring is excluded, full or gone: the least loaded of what is left.
             left = [w for w in healthy if w not in exclude]
@@ -221,7 +238,7 @@ class StickyToRoom(Policy):
         if w is not None and not settled:
             # A room's first request on a new home makes its home where it lands: its KV is
             # there now. A settled room keeps its home through a spill.
-            self._set_home(key, w)
+            self._set_home(room, w)
         return w
 
 
@@ -289,13 +306,16 @@ def make_policy(
     balance_abs: int = 64,
     balance_rel: float = 1.5,
     cache_threshold: float = 0.3,
+    room_table_bytes: int = 24 << 20,
 ) -> Policy:
     if name == "round-robin":
         return RoundRobin()
     if name == "load-aware":
         return LoadAware()
     if name == "sticky-to-room":
-        return StickyToRoom(load_factor, room_ttl_s=room_ttl_s, slack=slack)
+        return StickyToRoom(
+            load_factor, room_ttl_s=room_ttl_s, slack=slack, max_bytes=room_table_bytes
+        )
     if name == "cache-aware":
         return CacheAware(index or PrefixIndex(), balance_abs, balance_rel, cache_threshold)
     raise ValueError(f"unknown policy {name!r}")

@@ -3,10 +3,13 @@
 The router does not tokenize. It serializes a request's prompt canonically (`prompt_bytes`: the
 chat messages as `role\\n content \\0` each, or the completion prompt), cuts the bytes into
 blocks of `BLOCK_BYTES` and chains their hashes (`chain`), so two prompts share the first k
-hashes exactly when they share the first k blocks. Per worker, the index keeps the hashes it has
-sent there (prompts, and for workers that decode also the answers, which their caches hold too),
-with an LRU bound and a TTL: `match` counts how many leading blocks of a prompt a worker should
-still hold.
+hashes exactly when they share the first k blocks. A request's `cache_salt` seeds its chain
+(`salt_seed`): prompts under different salts share no block, so no tenant's routing
+(cache-aware, decode-local) can tell what another salt's prompts were. Per worker, the index
+keeps the hashes it has sent there (prompts, and for workers that decode also the answers, which
+their caches hold too), with an LRU bound and a TTL: `match` counts how many leading blocks of a
+prompt a worker should still hold, and only answers that ended well, from a worker still healthy
+in its pool, are recorded.
 
 Tokens are estimates: bytes divided by a bytes-per-token ratio (`TokenEstimate`) that starts at
 4 and is calibrated from the prompt tokens the prefill workers report in their answers' usage.
@@ -16,40 +19,47 @@ never correctness.
 Each worker's LRU is bounded by the smaller of `max_blocks` and what its KV cache can hold (the
 pages and page size it reports, in blocks at the current ratio), so the router forgets roughly as
 the worker evicts. A worker's entries are dropped when it restarts (a new `instance` in its
-/health), is ejected, or leaves the pool.
+/health), is ejected, or leaves the pool. Memory: a block costs the router about
+`INDEX_BLOCK_BYTES` (a hash and a time in an OrderedDict), whatever the client sent; no prompt
+bytes are kept past the request.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from pd.protocol import ChatCompletionRequest, CompletionRequest
 
 BLOCK_BYTES = 64  # about 16 tokens of English text: the workers' page size, roughly
 INITIAL_BYTES_PER_TOKEN = 4.0
+# What one block costs in a worker's LRU (its hash, the OrderedDict's entry; the time is shared
+# by a chain's blocks), measured with tracemalloc on CPython 3.11 with --prefix-index-blocks'
+# default: ~180 bytes. That flag's help gives the total.
+INDEX_BLOCK_BYTES = 180
 
 
-def prompt_bytes(body: dict[str, Any], chat: bool) -> bytes:
-    """The prompt of a validated request body, canonically serialized: the serialization of a
-    conversation is a prefix of the serialization of that conversation continued."""
-    if chat:
-        return b"".join(
-            message_bytes(m.get("role", ""), m.get("content")) for m in body["messages"]
-        )
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1:  # a batch of one
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt.encode()
-    return b"".join(int(t).to_bytes(4, "little") for t in prompt)  # token ids: 4 bytes each
+def prompt_bytes(req: CompletionRequest | ChatCompletionRequest) -> bytes:
+    """The prompt of a parsed request, canonically serialized: the serialization of a
+    conversation is a prefix of the serialization of that conversation continued.
+
+    It reads what `parse_request` made of the body (a batch of one unwrapped, text parts joined,
+    token ids checked to fit int32), not the raw body: any body it accepts serializes.
+    """
+    if isinstance(req, ChatCompletionRequest):
+        return b"".join(message_bytes(m["role"], m["content"]) for m in req.messages)
+    if isinstance(req.prompt, str):
+        return req.prompt.encode()
+    # Token ids: 4 bytes each (parse_request refuses ids above MAX_TOKEN_ID = 2^31 - 1), in one
+    # C call rather than a Python call per id.
+    return struct.pack(f"<{len(req.prompt)}I", *req.prompt)
 
 
-def message_bytes(role: str, content: Any) -> bytes:
-    if isinstance(content, list):  # text parts (validated by parse_request)
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return f"{role}\n{content or ''}\0".encode()
+def message_bytes(role: str, content: str) -> bytes:
+    return f"{role}\n{content}\0".encode()
 
 
 def answer_bytes(text: str, chat: bool) -> bytes:
@@ -57,10 +67,17 @@ def answer_bytes(text: str, chat: bool) -> bytes:
     return message_bytes("assistant", text) if chat else text.encode()
 
 
-def chain(data: bytes, block: int = BLOCK_BYTES) -> list[int]:
-    """Chained hashes of the full blocks of `data` (a partial last block is not counted)."""
+def salt_seed(salt: str | None) -> int:
+    """Where a prompt's chain starts: 0 for the shared cache, else a hash of its `cache_salt`.
+    Every block hash depends on it, so prompts under different salts share no block."""
+    return 0 if salt is None else hash(("cache_salt", salt))
+
+
+def chain(data: bytes, seed: int = 0, block: int = BLOCK_BYTES) -> list[int]:
+    """Chained hashes of the full blocks of `data` (a partial last block is not counted),
+    starting from `seed` (`salt_seed`, or the last hash of the blocks before `data`)."""
     out: list[int] = []
-    h = 0
+    h = seed
     for i in range(0, len(data) - block + 1, block):
         # NOTE: Python's hash is salted per process: fine for an index that lives in one.
         h = hash((h, data[i : i + block]))
@@ -94,11 +111,20 @@ class PromptKey:
     """A request's prompt as the index sees it."""
 
     data: bytes
-    blocks: list[int]
+    blocks: list[int]  # empty when the index is off
+    seed: int = 0  # the chain's start (`salt_seed` of the request's cache_salt)
 
     @classmethod
-    def of(cls, data: bytes) -> PromptKey:
-        return cls(data, chain(data))
+    def of(cls, data: bytes, salt: str | None = None, hashed: bool = True) -> PromptKey:
+        seed = salt_seed(salt)
+        return cls(data, chain(data, seed) if hashed else [], seed)
+
+    def extended(self, more: bytes) -> list[int]:
+        """The chain of the prompt followed by `more` (its answer). The prompt's full blocks are
+        not hashed again: learning an answer costs its own length, not the prompt's."""
+        done = len(self.blocks)
+        seed = self.blocks[-1] if done else self.seed
+        return self.blocks + chain(self.data[done * BLOCK_BYTES :] + more, seed)
 
 
 class PrefixIndex:
@@ -139,11 +165,13 @@ class PrefixIndex:
             return
         entries = self._workers.setdefault(url, OrderedDict())
         now = self._clock()
+        limit = self.max_blocks if cap is None else max(1, min(cap, self.max_blocks))
         # Tail first, so a chain's head is the most recent: the LRU cuts chains from their end.
-        for h in reversed(blocks):
+        # Beyond `limit` blocks the tail would be cut at once: it is not inserted, so the dict
+        # (which never shrinks) holds at most twice `limit` entries, however long the prompt.
+        for h in reversed(blocks[:limit]):
             entries[h] = now
             entries.move_to_end(h)
-        limit = self.max_blocks if cap is None else max(1, min(cap, self.max_blocks))
         oldest = now - self.ttl_s
         while entries:
             h, t = next(iter(entries.items()))

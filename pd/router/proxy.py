@@ -47,7 +47,7 @@ from pd.router.failure import JSON, RETRYABLE, Failure, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
-from pd.router.prefix_index import PromptKey, answer_bytes, chain
+from pd.router.prefix_index import PromptKey, answer_bytes
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
 from pd.router.worker import Worker
@@ -81,7 +81,6 @@ class Exchange:
     headers: dict[str, str]  # to send to workers
     t0: float
     route: str | None = None  # "local" when served decode-local (else the registry's route)
-    chunks: list[bytes] | None = None  # a relayed stream's bytes, kept to learn the answer
     ttft: float | None = None
     status: str | None = None  # overrides the response status in metrics ("stream_error")
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
@@ -220,9 +219,21 @@ class Proxy:
             async with self._client.post(
                 p.url + "/kv/release", data=body, headers=self.headers, timeout=self.release_timeout
             ) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as e:  # P's lease releases them then
-            log.info("could not release transfer %s on %s: %s", transfer_id, p.url, e)
+                answer = await resp.read()
+            if resp.status == 200:
+                return
+            why = f"it answered {resp.status}: {answer[:200].decode(errors='replace')}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            why = f"{type(e).__name__} {e}".strip()
+        # P keeps those pages pinned until its lease runs out: capacity lost meanwhile, and a
+        # sign of a P that cannot release (or an incompatible one), so it must show.
+        self.metrics.prefill_release_failures += 1
+        log.warning(
+            "could not release transfer %s on %s (its lease frees it later): %s",
+            transfer_id,
+            p.url,
+            why,
+        )
 
     def _lacks(self, pool: Pool, w: Worker, ex: Exchange) -> int:
         """Estimated prompt tokens `w` would have to prefill itself."""
@@ -375,11 +386,10 @@ class Proxy:
         own = pool.name != "decode" or ex.route == "local"
         expected = pool.expected_cached_bytes(w, ex.prompt) if own else None
         # Chat answers come back as the next turn's assistant message, so a worker that
-        # generated one holds the KV of the conversation so far: the relayed stream is kept and
-        # read back for the index. (A completion's prompt rarely grows by its own answer: its
-        # prompt alone is recorded, and its stream is not kept.)
-        if pool.index.enabled and ex.chat and ex.stream:  # (a collected answer is at hand)
-            ex.chunks = []
+        # generated one holds the KV of the conversation so far: the relayed stream is kept (up
+        # to --prefix-index-answer-bytes) and read back for the index. (A completion's prompt
+        # rarely grows by its own answer: its prompt alone is recorded, its stream not kept.)
+        keep = self.cfg.prefix_index_answer_bytes if pool.index.enabled and ex.chat else 0
         self.idle.watch(ex, resp)
 
         def ejected() -> None:  # the pending read fails: the relay ends the stream with an error
@@ -390,20 +400,21 @@ class Proxy:
 
         def learn(text: str | None, usage: Any) -> None:
             blocks = ex.prompt.blocks
-            if text and ex.chat:
-                blocks = chain(ex.prompt.data + answer_bytes(text, ex.chat))
+            answer = answer_bytes(text, ex.chat) if text and ex.chat else b""
+            if answer and len(answer) <= self.cfg.prefix_index_answer_bytes:
+                blocks = ex.prompt.extended(answer)
             self._learn(pool, w, ex, blocks, expected, usage)
 
-        def learn_stream() -> None:
-            chunks, ex.chunks = ex.chunks, None
-            read = stream_text(b"".join(chunks)) if chunks else None
-            learn(*(read or (None, None)))
+        def learn_stream(read: _StreamRead) -> None:
+            chunks, read.chunks = read.chunks, None
+            text = stream_text(b"".join(chunks)) if chunks else None
+            learn(*(text or (None, None)))
 
         try:
             if ex.stream:
                 # Learnt before the stream's last bytes leave: the client's next turn may be
                 # routed as soon as they arrive.
-                return await self._pipe(ex, resp, first, learn_stream)
+                return await self._pipe(ex, resp, first, _StreamRead(keep), learn_stream)
             out, answer = await self._collect(ex, resp, first)
             if answer is not None:
                 learn(_answer_text(answer, ex.chat), answer.get("usage"))
@@ -441,21 +452,19 @@ class Proxy:
         ex: Exchange,
         upstream: aiohttp.ClientResponse,
         first: bytes,
-        complete: Callable[[], None],
+        read: _StreamRead,
+        complete: Callable[[_StreamRead], None],
     ) -> web.StreamResponse:
-        """Relay the stream; `complete()` runs once it has all come, before its end goes out."""
+        """Relay the stream; `complete(read)` runs once it has all come and ended well ([DONE],
+        no error event), before its end goes out. A stream that did not is not learnt from:
+        the worker may hold nothing of it."""
         resp = _SSEResponse(headers=SSE_HEADERS)
         content = upstream.content
         try:
             await resp.prepare(ex.request)
-            chunks = ex.chunks
-            if chunks is not None:
-                chunks.append(first)
-            # `complete()` runs before the client can see the stream's end: its last event
-            # ([DONE]) or the end of the body, whichever comes first.
-            done = first.endswith(DONE) or content.at_eof()
-            if done:
-                complete()
+            # `complete()` runs before the client can see the stream's end: its last event.
+            if read.feed(first):
+                complete(read)
             if content.at_eof():  # the whole stream came at once: one write, headers included
                 await resp.write_eof(first)
                 ex.ttft = perf_counter() - ex.t0
@@ -464,18 +473,12 @@ class Proxy:
             ex.ttft = perf_counter() - ex.t0
             async for chunk in content.iter_any():
                 ex.reads += 1
-                if chunks is not None:
-                    chunks.append(chunk)
-                last = content.at_eof()
-                if not done and (last or chunk.endswith(DONE)):
-                    done = True
-                    complete()
-                if last:  # the last bytes go out with the end of the body
+                if read.feed(chunk):
+                    complete(read)
+                if content.at_eof():  # the last bytes go out with the end of the body
                     await resp.write_eof(chunk)
                     return resp
                 await resp.write(chunk)
-            if not done:
-                complete()
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp
@@ -545,6 +548,50 @@ class Proxy:
             f"no healthy {pool.name} worker", "service_unavailable", "no_healthy_worker"
         )
         return Failure(503, orjson.dumps(body), retry_after="1")
+
+
+_ERROR_EVENT = b'data: {"error"'
+_EDGE = len(DONE)  # as long as an error event's start: what a split between chunks can cut
+# What a kept chunk costs beyond its bytes (the bytes object and its list slot), so that a
+# stream of tiny chunks is bounded too.
+_CHUNK_OVERHEAD = 48
+
+
+class _StreamRead:
+    """What the router reads of a stream it relays, chunk by chunk, for the prefix index:
+    whether it ended well (its last event [DONE], and no error event before) and, while they fit
+    in `keep` bytes, its chunks (to read the answer back). A longer stream is dropped: its
+    prompt alone is learnt. Per chunk: one scan for an error event, nothing copied but what is
+    kept (workers write whole events, so a chunk rarely ends inside one)."""
+
+    __slots__ = ("chunks", "room", "tail", "error", "done")
+
+    def __init__(self, keep: int) -> None:
+        self.chunks: list[bytes] | None = [] if keep > 0 else None
+        self.room = keep
+        self.tail = b"\n\n"  # the stream so far ends with at least these bytes
+        self.error = False
+        self.done = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take the next chunk; True once, when the stream just ended well."""
+        tail = self.tail
+        if _ERROR_EVENT in chunk or (
+            not tail.endswith(b"\n\n") and _ERROR_EVENT in tail[-_EDGE:] + chunk[:_EDGE]
+        ):
+            self.error = True
+        # A chunk shorter than [DONE] may end one split across chunks: join it to what came.
+        self.tail = chunk if len(chunk) >= _EDGE else tail[-_EDGE:] + chunk
+        if self.chunks is not None:
+            self.room -= len(chunk) + _CHUNK_OVERHEAD
+            if self.room < 0:
+                self.chunks = None  # too long to keep: learn the prompt only
+            else:
+                self.chunks.append(chunk)
+        if self.done or self.error or not self.tail.endswith(DONE):
+            return False
+        self.done = True
+        return True
 
 
 class _Deadline:

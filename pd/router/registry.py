@@ -35,6 +35,7 @@ class Pool:
     def add(self, url: str) -> Worker:
         w = self.workers.get(url)
         if w is None:
+            self.index.forget(url)  # a URL added again: a worker whose cache is unknown
             w = self.workers[url] = Worker(url, self.name)
             self.policy.rebuild(list(self.workers.values()))
             self._refresh()
@@ -76,7 +77,12 @@ class Pool:
         return self.index.match(w.url, prompt.blocks) * BLOCK_BYTES
 
     def record(self, w: Worker, blocks: list[int]) -> None:
-        """`w` now holds KV for these blocks (its cache keeps them until it evicts them)."""
+        """`w` now holds KV for these blocks (its cache keeps them until it evicts them).
+
+        Only while `w` is healthy and still this pool's: a late answer of a worker ejected or
+        removed meanwhile would record a cache that may be gone, for a URL nobody forgets."""
+        if not w.healthy or self.workers.get(w.url) is not w:
+            return
         cap = None
         load = w.load
         if load is not None and load.kv_page_size:
@@ -107,6 +113,7 @@ class Registry:
                 cfg.cache_balance_abs,
                 cfg.cache_balance_rel,
                 cfg.cache_threshold,
+                cfg.sticky_room_table_bytes,
             )
             self.pools[name] = Pool(name, policy, index, self.estimate)
         self.prefill = self.pools["prefill"]

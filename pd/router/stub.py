@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from pd.protocol import error_body
+from pd.protocol import APIError, error_body, parse_request
 from pd.router.prefix_index import prompt_bytes
 
 KV = "kv_transfer_params"
@@ -45,6 +45,11 @@ class StubWorker:
         self.chunk_delay = 0.0  # seconds between stream chunks
         self.eof_delay = 0.0  # seconds between a stream's [DONE] and the end of its body
         self.break_after: int | None = None  # drop the connection after this many chunks
+        # After this many chunks an error event ends the stream (no [DONE]), as a worker's
+        # engine failure does; `send_done=False` ends a stream cleanly without [DONE].
+        self.error_after: int | None = None
+        self.send_done = True
+        self.release_status = 200  # what /kv/release answers
         self.final = False  # as prefill: the first token ends the request (no params)
         self.instance = "stub-1"  # change it to look restarted
         self.cached_tokens = 0  # reported in usage.prompt_tokens_details
@@ -55,7 +60,7 @@ class StubWorker:
         self.cancelled = 0  # requests whose client (the router) went away
         self.completed = 0
         self._ids = itertools.count()
-        self._chunk_cache: dict[tuple[bool, str], list[bytes]] = {}
+        self._chunk_cache: dict[tuple[bool, int, str], list[bytes]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -69,6 +74,10 @@ class StubWorker:
     async def _release(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         self.released.append(body)
+        if self.release_status != 200:
+            return web.json_response(
+                error_body("stub release failure", "server_error"), status=self.release_status
+            )
         return web.json_response({"transfer_id": body.get("transfer_id"), "released": True})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -124,8 +133,9 @@ class StubWorker:
     def _usage(self, body: dict, chat: bool, n: int) -> dict[str, Any]:
         """Usage with 4 prompt bytes to a token (as the router's initial estimate)."""
         try:
-            prompt = max(1, len(prompt_bytes(body, chat)) // 4)
-        except (KeyError, TypeError, AttributeError):
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            prompt = max(1, len(prompt_bytes(parse_request(path, body))) // 4)
+        except APIError:
             prompt = 5
         return {
             "prompt_tokens": prompt,
@@ -164,7 +174,8 @@ class StubWorker:
         return web.json_response(answer)
 
     def _events(self, chat: bool, usage: dict | None) -> list[bytes]:
-        key = (chat, str(usage))  # usage differs by prompt: a bounded cache, cleared when full
+        # usage differs by prompt: a bounded cache, cleared when full
+        key = (chat, self.chunks, str(usage))
         cached = self._chunk_cache.get(key)
         if cached is not None:
             return cached
@@ -210,6 +221,12 @@ class StubWorker:
                 assert request.transport is not None  # prepared above
                 request.transport.close()  # a crash mid-stream
                 return resp
+            if i == self.error_after:
+                error = error_body("stub engine failure", "server_error", "engine_error")
+                await resp.write(b"data: " + orjson.dumps(error) + b"\n\n")
+                break
+            if event.startswith(b"data: [DONE]") and not self.send_done:
+                break
             if i and self.chunk_delay:
                 await asyncio.sleep(self.chunk_delay)
             await resp.write(event)

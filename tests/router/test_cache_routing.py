@@ -8,6 +8,7 @@ import asyncio
 
 import orjson
 
+from pd.protocol import parse_request
 from pd.router.keys import METRICS
 from pd.router.prefix_index import answer_bytes, prompt_bytes
 from tests.router.conftest import registry_of, sse_events, wait_for
@@ -112,10 +113,8 @@ async def test_the_answer_is_learnt_before_the_client_sees_the_streams_end(stub,
         if line.strip() == b"data: [DONE]":
             break
     reg = registry_of(client)
-    assert (
-        reg.decode.index.blocks(d.url)
-        == len(prompt_bytes(body, True) + answer_bytes("xxxx", True)) // 64
-    )
+    prompt = prompt_bytes(parse_request("/v1/chat/completions", body))
+    assert reg.decode.index.blocks(d.url) == len(prompt + answer_bytes("xxxx", True)) // 64
     resp.close()
 
 

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+from pd.protocol import parse_request
 from pd.router.prefix_index import (
     BLOCK_BYTES,
     PrefixIndex,
+    PromptKey,
     TokenEstimate,
     answer_bytes,
     chain,
     prompt_bytes,
+    salt_seed,
 )
+
+
+def prompt_of(body: dict) -> bytes:
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    return prompt_bytes(parse_request(path, body))
 
 
 def test_a_continued_conversation_serializes_to_an_extension():
     turn1 = [{"role": "system", "content": "S" * 300}, {"role": "user", "content": "hi"}]
     turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "q"}]
-    a, b = prompt_bytes({"messages": turn1}, True), prompt_bytes({"messages": turn2}, True)
+    a, b = prompt_of({"messages": turn1}), prompt_of({"messages": turn2})
     assert b.startswith(a)
     # The answer, as the router records it, is what the next turn carries.
     assert b.startswith(a + answer_bytes("hello", True))
@@ -23,15 +31,27 @@ def test_a_continued_conversation_serializes_to_an_extension():
     parts = [
         {"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}
     ]
-    assert prompt_bytes({"messages": parts}, True) == prompt_bytes(
-        {"messages": [{"role": "user", "content": "hi"}]}, True
+    assert prompt_of({"messages": parts}) == prompt_of(
+        {"messages": [{"role": "user", "content": "hi"}]}
     )
-    assert prompt_bytes({"prompt": "abc"}, False) == b"abc"
-    assert len(prompt_bytes({"prompt": [1, 2, 3]}, False)) == 12
+    assert prompt_of({"prompt": "abc"}) == b"abc"
+    assert len(prompt_of({"prompt": [1, 2, 3]})) == 12
     # The role is part of it: the same text from another role is another prompt.
-    assert prompt_bytes({"messages": [{"role": "user", "content": "x"}]}, True) != prompt_bytes(
-        {"messages": [{"role": "system", "content": "x"}]}, True
+    assert prompt_of({"messages": [{"role": "user", "content": "x"}]}) != prompt_of(
+        {"messages": [{"role": "system", "content": "x"}]}
     )
+
+
+def test_a_prompt_key_extended_by_its_answer_is_the_chain_of_both_under_its_salt():
+    data = b"p" * (3 * BLOCK_BYTES + 10)
+    for salt in (None, "tenant"):
+        key = PromptKey.of(data, salt)
+        seed = salt_seed(salt)
+        assert key.extended(b"answer" * 20) == chain(data + b"answer" * 20, seed)
+        assert PromptKey.of(data, salt, hashed=False).extended(b"a") == chain(data + b"a", seed)
+    # Salted chains share no block with the unsalted one, nor with another salt's.
+    plain, a, b = (set(PromptKey.of(data, s).blocks) for s in (None, "a", "b"))
+    assert not plain & a and not a & b and not plain & b
 
 
 def test_chains_count_full_blocks_and_share_exactly_the_common_prefix():
