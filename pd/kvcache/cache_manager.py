@@ -9,7 +9,8 @@ A page is in exactly one state:
 
 Prefix matching works on full pages through hash chains, as vLLM does: a page's hash covers the
 page's token ids and the hash of the page before it, starting from a root that covers what
-else shapes the KV (`salt`: model fingerprint, dtype, page size), so a hash names a whole prefix.
+else shapes the KV (`salt`: model fingerprint, dtype, page size) and the request's `cache_salt`
+(tenants that must share nothing), so a hash names a whole prefix.
 We chose chains over a radix tree (SGLang) because pages are the unit of sharing here anyway:
 a dict lookup per page, no tree to keep balanced, and eviction is a plain LRU over pages (a
 chain's pages are looked up in order, so an evicted page ends the match there). A page becomes
@@ -129,14 +130,24 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------ prefixes
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[list[int], list[PageHash]]:
+    def root_of(self, cache_salt: str | None) -> PageHash:
+        """The hash a chain starts from: a request's `cache_salt` enters it, so requests with
+        different salts share no page (and no hit count reveals another salt's pages)."""
+        if cache_salt is None:
+            return self.root
+        return hashlib.blake2b(self.root + cache_salt.encode(), digest_size=16).digest()
+
+    def match(
+        self, tokens: Sequence[int], limit: int, cache_salt: str | None = None
+    ) -> tuple[list[int], list[PageHash]]:
         """The cached pages of the longest cached prefix of `tokens` of whole pages and at most
-        `limit` tokens, with their hashes. Takes no reference (`acquire` does)."""
+        `limit` tokens (under `cache_salt`), with their hashes. Takes no reference (`acquire`
+        does)."""
         pages: list[int] = []
         hashes: list[PageHash] = []
         if not self.prefix_cache:
             return pages, hashes
-        parent, ps = self.root, self.page_size
+        parent, ps = self.root_of(cache_salt), self.page_size
         for i in range(min(limit, len(tokens)) // ps):
             h = chain_hash(parent, tokens[i * ps : (i + 1) * ps])
             page = self._page_of.get(h)
@@ -152,7 +163,11 @@ class KVCacheManager:
         self.hit_tokens += hit_tokens
 
     def insert(
-        self, pages: Sequence[int], hashes: Sequence[PageHash], tokens: Sequence[int]
+        self,
+        pages: Sequence[int],
+        hashes: Sequence[PageHash],
+        tokens: Sequence[int],
+        cache_salt: str | None = None,
     ) -> tuple[list[PageHash], dict[int, int]]:
         """Make a holder's full, computed pages matchable. `pages` are the holder's pages in
         order, `hashes` the hashes it already has (of its first pages), `tokens` the tokens of
@@ -165,7 +180,7 @@ class KVCacheManager:
         if not self.prefix_cache:
             return new, swaps
         ps, first = self.page_size, len(hashes)
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else self.root_of(cache_salt)
         for k in range(len(tokens) // ps):
             i = first + k
             h = chain_hash(parent, tokens[k * ps : (k + 1) * ps])

@@ -272,3 +272,21 @@ async def test_health_answers_during_a_long_prefill(client, worker):
     resp = await task
     assert resp.status == 200
     print(f"/health answered in {answered_in * 1000:.1f} ms during a 1500-token prefill")
+
+
+async def test_cache_salt_isolates_the_prefix_cache_and_its_hit_counts(client):
+    prompt = "Tell me about salted caches. " * 8  # several pages, new to this worker
+
+    async def cached(**body) -> int:
+        status, answer = await post(
+            client, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **body}
+        )
+        assert status == 200, answer
+        return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert await cached(cache_salt="tenant-a") == 0
+    assert await cached(cache_salt="tenant-b") == 0  # the same prompt, another tenant: no hit
+    assert await cached() == 0  # nor unsalted requests
+    assert await cached(cache_salt="tenant-a") > 0  # the same tenant hits its own pages
+    status, body = await post(client, "/v1/completions", {"prompt": "x", "cache_salt": 7})
+    assert status == 400 and body["error"]["param"] == "cache_salt"

@@ -202,13 +202,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if worker.decode is not None and req.kv_transfer_params is not None:
         kvp = worker.decode.validate(req.kv_transfer_params)
         ids = kvp.prompt_token_ids  # D never re-tokenizes
-        handle = await worker.decode.admit(kvp, req.options)
+        handle = await worker.decode.admit(kvp, req.options, req.cache_salt)
     else:
         remote_decode = wants_remote_decode(worker.config.role, req)
         ids = await prompts.prompt_ids(req)
         if remote_decode:  # the whole request must fit the context, not only P's one token
             worker.engine.capacity.max_tokens_for(len(ids), decode_max_tokens(req))
-        handle = worker.engine.add_request(ids, req.options, remote_decode)
+        handle = worker.engine.add_request(ids, req.options, remote_decode, req.cache_salt)
     worker.metrics.prompt_tokens.inc(len(ids))
     builder = ResponseBuilder(
         chat=isinstance(req, ChatCompletionRequest),

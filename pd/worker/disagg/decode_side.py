@@ -85,10 +85,15 @@ class DecodeSide(TransferRole):
             )
         return kvp
 
-    async def admit(self, kvp: KVTransferParams, options: GenerationOptions) -> RequestHandle:
-        """Queue the request, dial P, then emit P's first token; the pull goes on in a task."""
+    async def admit(
+        self, kvp: KVTransferParams, options: GenerationOptions, cache_salt: str | None = None
+    ) -> RequestHandle:
+        """Queue the request, dial P, then emit P's first token; the pull goes on in a task.
+        Its pages join this worker's prefix cache under the client's `cache_salt`."""
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
-        handle = self.engine.add_pulled(kvp.prompt_token_ids, options, kvp.cached_tokens)
+        handle = self.engine.add_pulled(
+            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt
+        )
         try:
             rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
         except BaseException:

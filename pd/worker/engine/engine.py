@@ -111,23 +111,33 @@ class Engine:
     # ----------------------------------------------------------------------------- requests
 
     def add_request(
-        self, prompt_ids: list[int], options: GenerationOptions, remote_decode: bool = False
+        self,
+        prompt_ids: list[int],
+        options: GenerationOptions,
+        remote_decode: bool = False,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request; raises APIError (400 too long, 503 queue full or not running)."""
         handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING)
         handle.seq.remote_decode = remote_decode
+        handle.seq.cache_salt = cache_salt
         self.scheduler.add(handle.seq)
         self._wake()
         return handle
 
     def add_pulled(
-        self, prompt_ids: list[int], options: GenerationOptions, cached_tokens: int = 0
+        self,
+        prompt_ids: list[int],
+        options: GenerationOptions,
+        cached_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
         cache served `cached_tokens` of its prompt). It emits P's first token through
         `accept_first_token` and joins the batch through `admit_pulled`."""
         handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING)
         handle.seq.num_cached_tokens = cached_tokens
+        handle.seq.cache_salt = cache_salt
         return handle
 
     def accept_first_token(

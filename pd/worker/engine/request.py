@@ -50,6 +50,7 @@ class Sequence:
     # Prompt tokens found in the prefix cache at its first admission (None: not admitted yet);
     # on D, those P reported. Answered as usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
+    cache_salt: str | None = None  # the client's: its pages are shared only with the same salt
 
     @property
     def num_tokens(self) -> int:

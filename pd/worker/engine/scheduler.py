@@ -110,7 +110,7 @@ class Scheduler:
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Take references on the cached pages of `seq`'s longest cached prefix."""
         limit = seq.num_tokens - 1  # the last token is computed: its logits sample the next
-        pages, hashes = self.cache.match(seq.token_slice(0, limit), limit)
+        pages, hashes = self.cache.match(seq.token_slice(0, limit), limit, seq.cache_salt)
         self.cache.acquire(pages)
         seq.page_ids = pages
         seq.page_hashes = hashes
@@ -122,7 +122,7 @@ class Scheduler:
         if full <= done:
             return
         tokens = seq.token_slice(done * self.page_size, full * self.page_size)  # the new pages
-        new, swaps = self.cache.insert(seq.page_ids, seq.page_hashes, tokens)
+        new, swaps = self.cache.insert(seq.page_ids, seq.page_hashes, tokens, seq.cache_salt)
         seq.page_hashes.extend(new)
         for i, page in swaps.items():
             seq.page_ids[i] = page

@@ -120,3 +120,19 @@ def test_a_failed_admission_records_no_hit():
     step(s)
     assert b.status is SeqStatus.WAITING and b.num_cached_tokens is None
     assert s.cache.hit_tokens == 0
+
+
+def test_requests_with_different_cache_salts_share_no_page():
+    s = make(chunk=64)
+    a = seq("a", list(range(18)))
+    a.cache_salt = "tenant-1"
+    s.add(a)
+    drain(s, a)
+    for salt, cached in [("tenant-2", 0), (None, 0), ("tenant-1", 16)]:
+        b = seq(f"b-{salt}", list(range(18)))
+        b.cache_salt = salt
+        s.add(b)
+        step(s)
+        assert b.num_cached_tokens == cached, salt  # never a hit on another salt's pages
+        drain(s, b)
+    assert a_pages(s, list(range(16))) != []  # the unsalted request cached its own pages
