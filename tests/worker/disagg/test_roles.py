@@ -166,3 +166,27 @@ async def test_decode_refuses_malformed_params_with_a_400_and_touches_nothing(ch
     assert e.value.status == 400 and e.value.param == "kv_transfer_params"
     assert not engine.handles and engine.integrity() == "ok"
     await engine.stop()
+
+
+def test_decode_validate_answers_any_params_with_a_400_or_sound_params():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from tests.api_bodies import JSON_VALUES
+
+    engine, _ = make(lambda s: None)
+    decode = DecodeSide(Manager(), Runner(), engine)
+    good = _params(model_fingerprint=decode.contract.model_fingerprint)
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(st.dictionaries(st.sampled_from(sorted(good)), JSON_VALUES, max_size=4))
+    def check(changes):
+        try:
+            kvp = decode.validate({**good, **changes})
+        except APIError as e:
+            assert e.status == 400 and e.param == "kv_transfer_params", e
+            return
+        assert all(0 <= t < decode.vocab_size for t in kvp.prompt_token_ids)
+        assert kvp.num_tokens == len(kvp.prompt_token_ids) < engine.max_model_len
+
+    check()
