@@ -62,9 +62,10 @@ class WorkerConfig:
         env="PD_API_KEY",
     )
     max_body_bytes: int = _flag(
-        10 << 20,
-        "largest request body accepted (413 beyond): the router's 8 MiB plus room for P's "
-        "kv_transfer_params; a body this large is parsed and tokenized off the event loop",
+        0,
+        "largest request body accepted (413 beyond, before it is parsed); 0: the most a request "
+        "whose prompt fits the context can take (6 JSON bytes per prompt byte, plus 1 MiB: "
+        "5 MiB for 8192 tokens of SmolLM2)",
     )
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
@@ -134,7 +135,10 @@ class WorkerConfig:
         check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
         check(self.tp >= 1, "--tp must be >= 1")
         check(self.threads >= 0, "--threads must be >= 0")
-        check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
+        check(
+            self.max_body_bytes == 0 or self.max_body_bytes >= 1024,
+            "--max-body-bytes must be 0 or >= 1024",
+        )
         check(0 <= self.port < 65536, "--port must be in 0..65535")
         check(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,

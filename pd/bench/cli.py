@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "routing": "routing policies and decode-local prefill on a multi-turn load (2 P + 1 D)",
     "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",
+    "stall": "the worst /health wait while 1, 4 and 7 MiB prompts arrive at a worker",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
 }
 

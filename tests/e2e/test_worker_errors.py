@@ -165,15 +165,18 @@ async def test_a_huge_prompt_is_refused_before_it_is_tokenized(client, worker, m
         return real(text, *args, **kwargs)
 
     monkeypatch.setattr(worker.tokenizer, "encode", counting)
-    huge = "word " * ((4 << 20) // 5)
-    for path, body in [
-        ("/v1/completions", {"prompt": huge, "max_tokens": 4}),
-        ("/v1/chat/completions", chat(huge, max_tokens=4)),
-        ("/v1/completions", {"prompt": [1] * (1 << 20), "max_tokens": 4}),
+    large, huge = "word " * ((1 << 20) // 5), "word " * ((4 << 20) // 5)
+    for path, body, status, code in [
+        ("/v1/completions", {"prompt": large, "max_tokens": 4}, 400, "context_length_exceeded"),
+        ("/v1/chat/completions", chat(large, max_tokens=4), 400, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [1] * 200_000}, 400, "context_length_exceeded"),
+        # Larger than any body within the context (2048 tokens here): refused unparsed.
+        ("/v1/completions", {"prompt": huge, "max_tokens": 4}, 413, "request_too_large"),
+        ("/v1/completions", {"prompt": [1] * (1 << 20), "max_tokens": 4}, 413, "request_too_large"),
     ]:
         resp = await client.post(path, json=body)
         error = (await resp.json())["error"]
-        assert resp.status == 400 and error["code"] == "context_length_exceeded", error
+        assert resp.status == status and error["code"] == code, error
     assert encoded == []  # refused by its byte length alone
     resp = await client.post("/v1/completions", json={"prompt": "word " * 20_000, "max_tokens": 1})
     assert resp.status == 400 and encoded == [100_000]  # under the bound: tokenized, then refused

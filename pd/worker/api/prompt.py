@@ -41,6 +41,12 @@ class PromptBuilder:
         self.max_token_bytes = tok.max_token_bytes  # computed once, here (~50 ms)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-text")
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The most bytes a request body whose prompt could fit the context takes: each prompt
+        byte at most 6 in JSON (a \\u escape), plus 1 MiB for messages and the other fields."""
+        return 6 * self.max_model_len * self.max_token_bytes + (1 << 20)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
+BODY_LIMIT = web.AppKey("body_limit", int)
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -36,6 +37,13 @@ async def errors_middleware(
         return await handler(request)
     except APIError as e:
         return json_response(e.body(), e.status, e.headers)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[BODY_LIMIT]
+        message = (
+            f"the request body is larger than {limit} bytes, more than any request within this "
+            "model's context takes"
+        )
+        return json_response(error_body(message, code="request_too_large"), 413)
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -48,11 +56,14 @@ async def errors_middleware(
 
 
 def make_app(worker: Worker) -> web.Application:
-    app = web.Application(
-        middlewares=[errors_middleware], client_max_size=worker.config.max_body_bytes
-    )
+    prompts = PromptBuilder(worker.tokenizer, worker.engine.max_model_len)
+    # A body no prompt that fits could fill is refused before it is read whole or parsed
+    # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
+    limit = worker.config.max_body_bytes or prompts.max_body_bytes
+    app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
-    app[PROMPTS] = PromptBuilder(worker.tokenizer, worker.engine.max_model_len)
+    app[PROMPTS] = prompts
+    app[BODY_LIMIT] = limit
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)

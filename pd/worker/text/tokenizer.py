@@ -85,15 +85,18 @@ class Tokenizer:
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
-        """The most UTF-8 bytes of text one token stands for (added tokens included): a text of
-        B bytes has at least B / max_token_bytes tokens, which bounds a prompt before it is
-        tokenized. Over-counted for tokens that are part of a character (never under)."""
-        longest = 1
+        """The most bytes of a prompt's UTF-8 text one token stands for (added tokens included):
+        a text of B bytes has at least B / max_token_bytes tokens, which bounds a prompt before it
+        is tokenized. A token's decoded bytes, plus one for a decoder that drops a lone token's
+        leading space; where a normalizer rewrites the text first (SentencePiece's "▁" for " "),
+        its spelled form too. (A normalizer that deletes characters would break the bound: none
+        of the tokenizers we load has one.)"""
+        decoded = spelled = 0
         for i in range(self.vocab_size):
-            text = self.backend.decode([i], skip_special_tokens=False)
-            spelled = self.backend.id_to_token(i) or ""
-            longest = max(longest, len(text.encode()), len(spelled.encode()))
-        return longest
+            decoded = max(decoded, len(self.backend.decode([i], skip_special_tokens=False).encode()))
+            if self.backend.normalizer is not None:
+                spelled = max(spelled, len((self.backend.id_to_token(i) or "").encode()))
+        return max(decoded + 1, spelled)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) map to their
