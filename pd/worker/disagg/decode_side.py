@@ -72,9 +72,11 @@ class DecodeSide(TransferRole):
         # Ids past the vocabulary would fail the forward pass of every request in the batch (on
         # CUDA a device-side assert): refused at the door, as a client's own prompt ids are.
         if kvp.num_tokens >= self.engine.max_model_len:
-            raise bad_request(
-                f"kv_transfer_params carry {kvp.num_tokens} prompt tokens but this decode "
-                f"worker's context length is {self.engine.max_model_len}",
+            raise APIError(
+                400,
+                f"the prompt has {kvp.num_tokens} tokens but this decode worker's context "
+                f"length is {self.engine.max_model_len}",
+                code="context_length_exceeded",
                 param="kv_transfer_params",
             )
         vocab = self.vocab_size
