@@ -61,6 +61,12 @@ class WorkerConfig:
         "(/reset_prefix_cache, /kv/release, /integrity)",
         env="PD_API_KEY",
     )
+    ignore_unknown_fields: bool = _flag(
+        False,
+        "accept request fields this server does not know (logged once per name), as vLLM "
+        "does; by default they are a 400, as OpenAI answers them",
+        store_true=True,
+    )
     max_body_bytes: int = _flag(
         0,
         "largest request body accepted (413 beyond, before it is parsed); 0: the most a request "

@@ -10,11 +10,14 @@ Validation happens here, at the edge; everything past `parse_*` may trust its ty
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import orjson
+
+log = logging.getLogger("pd.protocol")
 
 # --------------------------------------------------------------------------------------- errors
 
@@ -296,8 +299,6 @@ class CompletionRequest(_RequestBase):
             )
         elif not prompt:
             raise bad_request("'prompt' must not be empty", param="prompt")
-        if _opt(body, "echo", bool, False):
-            raise bad_request("'echo' is not supported", param="echo", code="unsupported_value")
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         options = _parse_options(
             body,
@@ -364,11 +365,205 @@ class ChatCompletionRequest(_RequestBase):
         return cls(messages=messages, options=options, **_parse_common(body))
 
 
-def parse_request(path: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
-    """Parse a body for `/v1/completions` or `/v1/chat/completions`."""
-    if path.endswith("/chat/completions"):
+def parse_request(
+    path: str, body: dict[str, Any], *, ignore_unknown_fields: bool = False
+) -> CompletionRequest | ChatCompletionRequest:
+    """Parse a body for `/v1/completions` or `/v1/chat/completions`: every field checked against
+    `FIELDS` first (refused and unknown fields are 400s), then each served one validated."""
+    chat = path.endswith("/chat/completions")
+    check_fields(body, chat, ignore_unknown_fields)
+    if chat:
         return ChatCompletionRequest.parse(body)
     return CompletionRequest.parse(body)
+
+
+# ---------------------------------------------------------------------------- the field table
+
+SERVED, ACCEPTED, REFUSED = "served", "accepted", "refused"
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """What pd does with one request field (docs/api.md lists the same table).
+
+    served: it changes the output as it says (validated by the parsers above); accepted: it
+    does nothing here and changes no output (OpenAI platform fields such as `store`); refused: a
+    400 `unsupported_parameter`, unless its value is `noop` (the value that asks for nothing, such
+    as `echo: false`): nothing that would change the output is accepted and ignored."""
+
+    status: str
+    note: str
+    endpoint: str = "both"  # "both", "chat" or "completions"
+    noop: tuple[Any, ...] = ()  # values of a refused field that ask for nothing
+
+
+def _rule(status: str, note: str, endpoint: str = "both", *noop: Any) -> FieldRule:
+    return FieldRule(status, note, endpoint, noop)
+
+
+_SAMPLING = "sampling (vLLM extra)"
+FIELDS: dict[str, FieldRule] = {
+    # -- the prompt
+    "messages": _rule(SERVED, "the conversation, rendered by the model's chat template", "chat"),
+    "prompt": _rule(SERVED, "text or token ids (a batch of one)", "completions"),
+    "model": _rule(SERVED, "checked against the served names (404 otherwise)"),
+    # -- length and stopping
+    "max_tokens": _rule(SERVED, "completions: 16 by default; chat: the rest of the context"),
+    "max_completion_tokens": _rule(SERVED, "wins over max_tokens", "chat"),
+    "stop": _rule(SERVED, "strings; cut from the output"),
+    "stop_token_ids": _rule(SERVED, "vLLM extra"),
+    "ignore_eos": _rule(SERVED, "vLLM extra"),
+    "min_tokens": _rule(REFUSED, "vLLM extra: not served yet", "both", 0),
+    "include_stop_str_in_output": _rule(REFUSED, "vLLM extra: not served yet", "both", False),
+    # -- sampling
+    "temperature": _rule(SERVED, "0 (or below 1e-5) is greedy; at most 2"),
+    "top_p": _rule(SERVED, "0 means greedy"),
+    "top_k": _rule(SERVED, _SAMPLING),
+    "min_p": _rule(SERVED, _SAMPLING),
+    "presence_penalty": _rule(SERVED, "over the output tokens"),
+    "frequency_penalty": _rule(SERVED, "over the output tokens"),
+    "repetition_penalty": _rule(SERVED, "vLLM extra: over prompt and output tokens"),
+    "seed": _rule(SERVED, "the same text however the request is batched or routed"),
+    "n": _rule(SERVED, "1 only (400 otherwise)"),
+    "best_of": _rule(SERVED, "1 only (400 otherwise)", "completions"),
+    "logit_bias": _rule(REFUSED, "not served yet", "both", {}),
+    "allowed_token_ids": _rule(REFUSED, "vLLM extra: not served yet"),
+    "bad_words": _rule(REFUSED, "vLLM extra: not served yet", "both", []),
+    "use_beam_search": _rule(REFUSED, "vLLM extra: no beam search", "both", False),
+    "length_penalty": _rule(REFUSED, "vLLM extra: no beam search", "both", 1, 1.0),
+    "logits_processors": _rule(REFUSED, "vLLM extra: no custom logits processors"),
+    # -- logprobs
+    "logprobs": _rule(SERVED, "chat: a boolean; completions: 0..5 alternatives"),
+    "top_logprobs": _rule(SERVED, "0..5, with logprobs: true", "chat"),
+    "prompt_logprobs": _rule(REFUSED, "vLLM extra: not served yet"),
+    "echo": _rule(REFUSED, "the prompt is not echoed (nor its logprobs)", "both", False),
+    "return_tokens_as_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
+    "return_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
+    # -- structured outputs and tools
+    "response_format": _rule(REFUSED, "structured outputs: not served yet", "both",
+                             {"type": "text"}),
+    "structured_outputs": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_json": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_regex": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_choice": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_grammar": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "structural_tag": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_decoding_backend": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_whitespace_pattern": _rule(REFUSED, "vLLM extra: structured outputs, not served"),
+    "regex": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
+    "ebnf": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
+    "json_schema": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
+    "tools": _rule(REFUSED, "tool calling: not served yet", "chat", []),
+    "tool_choice": _rule(REFUSED, "tool calling: not served yet", "chat", "none"),
+    "functions": _rule(REFUSED, "deprecated tool calling: not served", "chat", []),
+    "function_call": _rule(REFUSED, "deprecated tool calling: not served", "chat", "none"),
+    "parallel_tool_calls": _rule(ACCEPTED, "meaningless without tools", "chat"),
+    # -- the chat template
+    "add_generation_prompt": _rule(REFUSED, "vLLM extra: always true here", "chat", True),
+    "continue_final_message": _rule(REFUSED, "vLLM extra: not served yet", "chat", False),
+    "chat_template": _rule(REFUSED, "vLLM extra: the model's template only", "chat"),
+    "chat_template_kwargs": _rule(REFUSED, "vLLM extra: not served yet", "chat", {}),
+    "documents": _rule(REFUSED, "vLLM extra: not served", "chat", []),
+    "add_special_tokens": _rule(REFUSED, "vLLM extra: never added here", "both", False),
+    "mm_processor_kwargs": _rule(REFUSED, "vLLM extra: text only", "chat", {}),
+    "truncate_prompt_tokens": _rule(REFUSED, "vLLM extra: prompts are never truncated"),
+    "suffix": _rule(REFUSED, "fill-in-the-middle is not served (as in vLLM)", "completions", ""),
+    # -- output form
+    "stream": _rule(SERVED, "SSE with data: [DONE]"),
+    "stream_options": _rule(SERVED, "include_usage; only with stream: true"),
+    "skip_special_tokens": _rule(SERVED, "vLLM extra"),
+    "spaces_between_special_tokens": _rule(REFUSED, "vLLM extra: not served", "both", True),
+    "modalities": _rule(REFUSED, "text only", "chat", ["text"]),
+    "audio": _rule(REFUSED, "text only", "chat"),
+    "reasoning_effort": _rule(REFUSED, "no reasoning models here", "chat"),
+    "verbosity": _rule(REFUSED, "not served", "chat"),
+    "web_search_options": _rule(REFUSED, "no web search", "chat"),
+    "prediction": _rule(ACCEPTED, "predicted outputs speed OpenAI's answers up; the answer "
+                        "is the same without it", "chat"),
+    # -- scheduling, caching, tenancy
+    "priority": _rule(REFUSED, "vLLM extra: no priority scheduling", "both", 0),
+    "cache_salt": _rule(SERVED, "vLLM extra: isolates the prefix cache (docs/security.md)"),
+    "user": _rule(SERVED, "a room key for sticky routing"),
+    "session_id": _rule(SERVED, "pd extra: a room key for sticky routing"),
+    "prompt_cache_key": _rule(ACCEPTED, "OpenAI's cache-routing hint; pd routes by the prompt"),
+    "safety_identifier": _rule(ACCEPTED, "OpenAI platform field"),
+    "kv_transfer_params": _rule(SERVED, "pd-internal: set by the router only"),
+    "request_id": _rule(ACCEPTED, "vLLM extra: pd makes its own ids"),
+    "rid": _rule(ACCEPTED, "SGLang extra: pd makes its own ids"),
+    "vllm_xargs": _rule(REFUSED, "vLLM extra: not served"),
+    # -- OpenAI platform fields
+    "store": _rule(ACCEPTED, "OpenAI platform field: nothing is stored"),
+    "metadata": _rule(ACCEPTED, "OpenAI platform field (with store)"),
+    "service_tier": _rule(ACCEPTED, "OpenAI platform field: one tier here"),
+}  # fmt: skip
+STREAM_OPTIONS = {"include_usage": SERVED, "continuous_usage_stats": REFUSED}
+_warned_unknown: set[str] = set()
+
+
+def check_fields(body: dict[str, Any], chat: bool, ignore_unknown: bool = False) -> None:
+    """Refuse (400 `unsupported_parameter`) a field pd does not serve, and (as OpenAI does) one
+    it does not know, unless `ignore_unknown` (vLLM's way: accepted, and logged once per name).
+    A field set to null counts as absent."""
+    unknown = set(unknown_fields(body, chat))
+    for name, value in body.items():
+        if value is None:
+            continue
+        if name in unknown:
+            if ignore_unknown:
+                _warn_unknown(name)
+                continue
+            raise APIError(
+                400,
+                f"Unrecognized request argument supplied: {name[:64]}",
+                code="unknown_parameter",
+                param=name[:64],
+            )
+        rule = FIELDS[name]
+        if rule.status == REFUSED and not any(value == v for v in rule.noop):
+            raise APIError(
+                400,
+                f"'{name}' is not supported by this server ({rule.note})",
+                code="unsupported_parameter",
+                param=name,
+            )
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options:
+        if body.get("stream") is not True:
+            raise bad_request(
+                "'stream_options' is only allowed with 'stream': true", param="stream_options"
+            )
+        for name, value in options.items():
+            status = STREAM_OPTIONS.get(name)
+            if status == REFUSED and value not in (None, False):
+                raise APIError(
+                    400,
+                    f"'stream_options.{name}' is not supported by this server",
+                    code="unsupported_parameter",
+                    param="stream_options",
+                )
+            if status is None and not ignore_unknown:
+                raise APIError(
+                    400,
+                    f"Unrecognized request argument supplied: stream_options.{name[:64]}",
+                    code="unknown_parameter",
+                    param="stream_options",
+                )
+
+
+def unknown_fields(body: dict[str, Any], chat: bool) -> list[str]:
+    """The fields of `body` that `FIELDS` does not know for its endpoint."""
+    endpoint = "chat" if chat else "completions"
+    return [
+        name
+        for name in body
+        if (rule := FIELDS.get(name)) is None or rule.endpoint not in ("both", endpoint)
+    ]
+
+
+def _warn_unknown(name: str) -> None:
+    if name not in _warned_unknown and len(_warned_unknown) < 1024:  # a client picks the names
+        _warned_unknown.add(name)
+        log.warning("ignoring unknown request field %r (--ignore-unknown-fields)", _clip(name))
 
 
 # ----------------------------------------------------------------------------------- load

@@ -21,6 +21,7 @@ from pd.protocol import (
     error_body,
     parse_json_body,
     parse_request,
+    unknown_fields,
 )
 from pd.router import admin
 from pd.router.config import RouterConfig
@@ -104,8 +105,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         raw = await request.read()
         body = parse_json_body(raw)
-        req = parse_request(request.path, body)
+        cfg = proxy.cfg
+        req = parse_request(request.path, body, ignore_unknown_fields=cfg.ignore_unknown_fields)
         body.pop(KV, None)  # only the router sets them (cache_salt stays: workers need it too)
+        chat = isinstance(req, ChatCompletionRequest)
+        if cfg.ignore_unknown_fields:  # what the workers would refuse: they never see it
+            for name in unknown_fields(body, chat):
+                del body[name]
         data = prompt_bytes(req)
         _check_prompt_size(proxy.cfg, data, req)
         route = proxy.registry.route()
@@ -113,7 +119,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         request_id = request.headers.get("X-Request-Id")
         if request_id:
             headers = {**headers, "X-Request-Id": request_id}
-        chat = isinstance(req, ChatCompletionRequest)
         prompt = PromptKey.of(data, req.cache_salt, hashed=proxy.cfg.prefix_index_blocks > 0)
         ex = Exchange(
             request=request,

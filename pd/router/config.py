@@ -125,6 +125,12 @@ class RouterConfig:
         "decode-local prefill: a request whose decode worker is expected to lack at most this "
         "many prompt tokens (estimated) skips the prefill worker; 0 turns it off",
     )
+    ignore_unknown_fields: bool = _flag(
+        False,
+        "accept request fields pd does not know (logged once per name, and not passed on to "
+        "the workers), as vLLM does; by default they are a 400, as OpenAI answers them",
+        store_true=True,
+    )
     access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
     log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
 

@@ -50,6 +50,15 @@ BAD_INPUT = [
     ),
     ("n > 1", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "unsupported_value"),
     (
+        "a field pd does not serve",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 10}}',
+        400,
+        "unsupported_parameter",
+    ),
+    ("an unknown field", "/v1/completions", b'{"prompt": "hi", "tempreture": 0}', 400,
+     "unknown_parameter"),  # fmt: skip
+    (
         "top_logprobs > 5",
         "/v1/chat/completions",
         b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',

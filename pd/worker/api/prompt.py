@@ -35,9 +35,12 @@ class PromptBuilder:
     rendered and tokenized on one thread of its own, where jinja2 shares the GIL in switch
     intervals and tokenization releases it (`Tokenizer.encode`)."""
 
-    def __init__(self, tok: Tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, tok: Tokenizer, max_model_len: int, ignore_unknown_fields: bool = False
+    ) -> None:
         self.tok = tok
         self.max_model_len = max_model_len
+        self.ignore_unknown_fields = ignore_unknown_fields
         self.max_token_bytes = tok.max_token_bytes  # computed once, here (~50 ms)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-text")
 
@@ -57,7 +60,9 @@ class PromptBuilder:
 
     async def parse(self, path: str, raw: bytes) -> Request:
         """The parsed, validated request of a body."""
-        return await self._run(len(raw) >= INLINE_BYTES, _parse, path, raw)
+        return await self._run(
+            len(raw) >= INLINE_BYTES, _parse, path, raw, self.ignore_unknown_fields
+        )
 
     async def prompt_ids(self, req: Request) -> list[int]:
         """The prompt's token ids: the chat template applied and encoded, the text encoded, or
@@ -115,8 +120,8 @@ def checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
     return list(ids)
 
 
-def _parse(path: str, raw: bytes) -> Request:
-    return parse_request(path, parse_json_body(raw))
+def _parse(path: str, raw: bytes, ignore_unknown_fields: bool) -> Request:
+    return parse_request(path, parse_json_body(raw), ignore_unknown_fields=ignore_unknown_fields)
 
 
 def wants_remote_decode(role: str, req: Request) -> bool:

@@ -56,7 +56,9 @@ async def errors_middleware(
 
 
 def make_app(worker: Worker) -> web.Application:
-    prompts = PromptBuilder(worker.tokenizer, worker.engine.max_model_len)
+    prompts = PromptBuilder(
+        worker.tokenizer, worker.engine.max_model_len, worker.config.ignore_unknown_fields
+    )
     # A body no prompt that fits could fill is refused before it is read whole or parsed
     # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
     limit = worker.config.max_body_bytes or prompts.max_body_bytes
