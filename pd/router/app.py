@@ -134,7 +134,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             headers=headers,
             t0=t0,
         )
-        resp = await (proxy.pd(ex) if route == "pd" else proxy.colocated(ex))
+        resp = await proxy.handle(ex, route)
         status = ex.status or str(resp.status)
         return resp
     except (APIError, web.HTTPException) as e:

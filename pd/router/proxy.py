@@ -1,6 +1,10 @@
 """The request flow: PD (DESIGN.md §3), decode-local, or co-located, with retries before the
 first byte only.
 
+`Proxy.plan` decides before any bytes move: the route, the D picked ahead, and the body each
+worker gets. Every phase then tries its workers through one helper, `Proxy.retry` (choose one not
+tried, charge it, attempt, go on after a retryable failure, count the retry).
+
 Decode-local (conditional disaggregation, as in Dynamo): when the decode worker the policy picks
 is expected (from the router's prefix index) to lack at most `--local-prefill-max-tokens` of the
 prompt, it gets the client's body as it is, prefills what it lacks itself and decodes: no P, no
@@ -21,9 +25,9 @@ Deadlines: a prefill gets `--prefill-deadline-base` plus the tokens in flight on
 ejected by the health checks fails its in-flight requests at once (retried elsewhere when the
 client has no byte yet).
 
-Every worker picked is charged one in-flight request at once and released in a `finally`, so
-finish, error and cancellation (a client that goes away cancels the handler, which closes the
-upstream connection and so tells the worker) all release it.
+Every worker picked is charged one in-flight request at once and released in `retry`'s
+`finally`, so finish, error and cancellation (a client that goes away cancels the handler, which
+closes the upstream connection and so tells the worker) all release it.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -43,7 +48,7 @@ from aiohttp import web
 from pd._compat import asyncio_timeout
 from pd.protocol import error_body
 from pd.router.config import RouterConfig
-from pd.router.failure import JSON, RETRYABLE, Failure, json_response
+from pd.router.failure import JSON, Failure, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
@@ -56,6 +61,8 @@ log = logging.getLogger("pd.router")
 
 KV = "kv_transfer_params"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_USAGE = {"include_usage": True}  # asked of a stream the router collects, for the answer's usage
+R = TypeVar("R")
 
 
 class _SSEResponse(web.StreamResponse):
@@ -86,6 +93,18 @@ class Exchange:
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
     timed_out: bool = False  # the idle watch closed the upstream
     ejected: bool = False  # the worker streaming the answer was ejected meanwhile
+
+
+@dataclass(slots=True, eq=False)
+class Plan:
+    """What the router does with a request, decided before any bytes move (`Proxy.plan`)."""
+
+    route: str  # "pd": P then D; "local": D alone, then PD if it fails before its first byte;
+    # "both": a co-located worker
+    stream: dict[str, Any]  # what D or a co-located worker gets (D after P: plus P's params)
+    prefill: dict[str, Any] | None = None  # what P gets (routes pd and local)
+    decode: Worker | None = None  # the D picked ahead: local's, or the first one PD tries
+    final: bool = False  # P's answer is the client's (it asked for one token): no D
 
 
 def _broken(ex: Exchange, e: BaseException) -> str:
@@ -120,76 +139,152 @@ class Proxy:
         assert self.session is not None, "Proxy.session is set in the app's cleanup_ctx"
         return self.session
 
-    # ------------------------------------------------------------------------------ flows
+    # ------------------------------------------------------------------------------ plan
 
-    async def pd(self, ex: Exchange) -> web.StreamResponse:
+    def plan(self, ex: Exchange, route: str) -> Plan:
+        """What to do with `ex` on `route` (the registry's: "pd" or "both"), decided before any
+        bytes move: decode-local or PD, the D picked ahead, and the body each worker gets."""
+        body = ex.body
+        # A client without a stream is served from a stream the router collects: one code path
+        # on the workers, and a first chunk to time TTFT by.
+        stream = body if ex.stream else {**body, "stream": True, "stream_options": _USAGE}
+        if route == "both":
+            return Plan("both", stream)
+        prefill = {**body, "stream": False, "max_tokens": 1}
+        prefill.pop("stream_options", None)
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        # A client asking one token gets it from P alone: P is not told to keep KV for D.
+        final = ex.max_tokens == 1
+        if not final:
+            prefill[KV] = {"do_remote_decode": True, "max_tokens": ex.max_tokens}
         decode = self.registry.decode
-        d = None
-        if self.cfg.local_prefill_max_tokens:
-            d = decode.choose(ex.key, (), ex.prompt)
+        d = decode.choose(ex.key, (), ex.prompt) if self.cfg.local_prefill_max_tokens else None
         if d is not None:
             lacks = self._lacks(decode, d, ex)
             log.debug("decode worker %s lacks ~%d prompt tokens", d.url, lacks)
             if lacks <= self.cfg.local_prefill_max_tokens:
-                resp = await self._local(d, ex)
-                if resp is not None:
-                    return resp
-                d = None  # it failed before its first byte: P, then whichever D
-        p_body = dict(ex.body)
-        p_body["stream"] = False
-        p_body.pop("stream_options", None)
-        p_body["max_tokens"] = 1
-        if "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        # A client asking one token gets it from P alone: P is not told to keep KV for D.
-        final = ex.max_tokens == 1
-        if not final:
-            p_body[KV] = {"do_remote_decode": True, "max_tokens": ex.max_tokens}
-        p_payload = orjson.dumps(p_body)
+                return Plan("local", stream, prefill, d, final)
+        return Plan("pd", stream, prefill, d, final)
+
+    async def handle(self, ex: Exchange, route: str) -> web.StreamResponse:
+        plan = self.plan(ex, route)
+        if plan.route == "both":
+            return await self._colocated(ex, plan)
+        if plan.route == "local":
+            resp = await self._local(ex, plan)
+            if resp is not None:
+                return resp
+        return await self._pd(ex, plan)
+
+    # ------------------------------------------------------------------------------ retry
+
+    async def retry(
+        self,
+        pool: Pool,
+        ex: Exchange,
+        attempt: Callable[[Worker], Awaitable[R | Failure]],
+        *,
+        charge: Callable[[Worker], int] | None = None,
+        first: Worker | None = None,
+        tries: int | None = None,
+        before: Callable[[], Awaitable[R | None]] | None = None,
+    ) -> R | Failure:
+        """Every phase's tries: choose a worker of `pool` not tried yet (`first` while it is
+        healthy, else the policy's pick), charge it `charge(w)` prompt tokens while
+        `attempt(w)` runs, and after a failure another worker could mend (`Failure.retryable`)
+        go on to the next, counted in pd_router_retries_total; at most `tries` tries
+        (--max-retries + 1). `before` runs ahead of each choice and may end the phase with its
+        result: in PD, each try of D follows a prefill of its own. Returns what `attempt`
+        returned, or the failure the client gets."""
         tried: list[Worker] = []
-        failure = None
-        for attempt in range(self.cfg.max_retries + 1):
+        failure: Failure | None = None
+        for n in range(self.cfg.max_retries + 1 if tries is None else tries):
+            if before is not None:
+                done = await before()
+                if done is not None:
+                    return done
+            if n == 0 and first is not None and first.healthy and first in pool.healthy:
+                w: Worker | None = first
+            else:
+                w = pool.choose(ex.key, tried, ex.prompt)
+            if w is None:
+                break
+            if n:
+                self.metrics.retries[pool.name] += 1
+            tried.append(w)
+            tokens = charge(w) if charge is not None else 0
+            w.acquire(tokens)
+            try:
+                result = await attempt(w)
+            finally:
+                w.release(tokens)
+            if not isinstance(result, Failure):
+                return result
+            failure = result
+            if not failure.retryable:
+                break
+        return failure or self._no_worker(pool, tried)
+
+    # ------------------------------------------------------------------------------ flows
+
+    async def _pd(self, ex: Exchange, plan: Plan) -> web.StreamResponse:
+        """P, then D with P's params; each try of D after a prefill of its own (D's failure may
+        have aborted P's transfer, so P's params are never sent to a second D)."""
+        assert plan.prefill is not None
+        prefill, decode = self.registry.prefill, self.registry.decode
+        p_attempt = partial(self._prefill_once, ex, orjson.dumps(plan.prefill))
+
+        def p_charge(w: Worker) -> int:  # what P is expected to compute: the prompt less its hit
+            expected = prefill.expected_cached_bytes(w, ex.prompt)
+            return max(1, ex.tokens - prefill.estimate.tokens(expected))
+
+        held: tuple[Worker, Any] | None = None  # P and its params, until a D try takes them
+
+        async def prefilled() -> web.StreamResponse | None:
+            nonlocal held
             t = perf_counter()
-            prefilled = await self._prefill(ex, p_payload)
-            if isinstance(prefilled, web.StreamResponse):
-                return prefilled
-            p, answer = prefilled
+            got = await self.retry(prefill, ex, p_attempt, charge=p_charge)
+            if isinstance(got, Failure):
+                return got.response()
+            p, answer = got
             self.metrics.prefill.observe(perf_counter() - t)
             params = answer.pop(KV, None)
-            if final or not params:  # final on P (EOS, a stop, or the client's max_tokens is 1)
-                ex.ttft = perf_counter() - ex.t0
-                if not ex.stream:
-                    return json_response(answer)
-                return web.Response(
-                    body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
-                )
-            if attempt == 0 and d is not None and d.healthy and d in decode.healthy:
-                w: Worker | None = d
-            else:
-                w = decode.choose(ex.key, tried, ex.prompt)
-            if w is None:
-                self._release_prefill(p, params, "no healthy decode worker to pull it")
-                break
-            if attempt:
-                self.metrics.retries["decode"] += 1
-            tried.append(w)
-            d_body = dict(ex.body)
-            d_body[KV] = params
-            d_body["stream"] = True
-            if not ex.stream:
-                d_body["stream_options"] = {"include_usage": True}
+            if plan.final or not params:  # final on P (EOS, a stop, or the client's max_tokens 1)
+                return self._final(ex, answer)
+            held = (p, params)
+            return None
+
+        async def d_attempt(w: Worker) -> web.StreamResponse | Failure:
+            nonlocal held
+            assert held is not None
+            (p, params), held = held, None  # this try owns P's pages now
             try:
-                opened = await self._open(decode, w, ex, orjson.dumps(d_body))
+                opened = await self._open(decode, w, ex, orjson.dumps({**plan.stream, KV: params}))
             except BaseException:  # the client left before D answered
                 self._release_prefill(p, params, "the client left before the decode worker")
                 raise
-            if not isinstance(opened, Failure):
-                return await self._serve(decode, w, ex, *opened)
-            self._release_prefill(p, params, f"decode worker {w.url} answered {opened.status}")
-            failure = opened
-            if not failure.retryable:
-                return failure.response()
-        return (failure or self._no_worker(decode, tried)).response()
+            if isinstance(opened, Failure):
+                self._release_prefill(p, params, f"decode worker {w.url} answered {opened.status}")
+                return opened
+            return await self._serve(decode, w, ex, *opened)
+
+        first = plan.decode if plan.route == "pd" else None  # local's D failed: any D
+        served = await self.retry(decode, ex, d_attempt, first=first, before=prefilled)
+        if isinstance(served, Failure):
+            if held is not None:  # prefilled, and no D left to try
+                self._release_prefill(*held, "no healthy decode worker to pull it")
+            return served.response()
+        return served
+
+    def _final(self, ex: Exchange, answer: dict[str, Any]) -> web.Response:
+        """P's answer is the client's: as JSON, or as the SSE events a stream would carry."""
+        ex.ttft = perf_counter() - ex.t0
+        if not ex.stream:
+            return json_response(answer)
+        return web.Response(
+            body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
+        )
 
     def _release_read_answer(self, p: Worker, data: bytes | None, reason: str) -> None:
         """P's answer was read but is dropped (the phase ended on closing its connection):
@@ -240,117 +335,88 @@ class Proxy:
         cached = pool.expected_cached_bytes(w, ex.prompt)
         return pool.estimate.tokens(len(ex.prompt.data) - cached)
 
-    async def _local(self, d: Worker, ex: Exchange) -> web.StreamResponse | None:
+    async def _local(self, ex: Exchange, plan: Plan) -> web.StreamResponse | None:
         """Decode-local: D prefills and decodes; None when it failed before its first byte."""
         pool = self.registry.decode
-        opened = await self._open(pool, d, ex, self._stream_payload(ex))
-        if isinstance(opened, Failure):
+        attempt = partial(self._stream_once, pool, ex, orjson.dumps(plan.stream), "local")
+        served = await self.retry(pool, ex, attempt, first=plan.decode, tries=1)
+        if isinstance(served, Failure):
             self.metrics.local_fallbacks += 1
-            log.info("decode-local request failed on %s (%s): going through P", d.url, opened)
-            return None
-        ex.route = "local"
-        return await self._serve(pool, d, ex, *opened)
-
-    def _stream_payload(self, ex: Exchange) -> bytes:
-        body = ex.body
-        if not ex.stream:  # a stream collected here, as for D: one code path, and a TTFT
-            body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        return orjson.dumps(body)
-
-    async def colocated(self, ex: Exchange) -> web.StreamResponse:
-        return await self._relay(self.registry.both, ex, self._stream_payload(ex))
-
-    # ------------------------------------------------------------------------------ prefill
-
-    async def _prefill(
-        self, ex: Exchange, payload: bytes
-    ) -> tuple[Worker, dict[str, Any]] | web.Response:
-        """P's answer, and which P gave it; or the error answer when every try failed."""
-        pool = self.registry.prefill
-        tried: list[Worker] = []
-        failure = None
-        for attempt in range(self.cfg.max_retries + 1):
-            w = pool.choose(ex.key, tried, ex.prompt)
-            if w is None:
-                break
-            if attempt:
-                self.metrics.retries["prefill"] += 1
-            tried.append(w)
-            expected = pool.expected_cached_bytes(w, ex.prompt)
-            # P is charged what it is expected to compute: the prompt less its expected hit.
-            cost = max(1, ex.tokens - pool.estimate.tokens(expected))
-            w.acquire(cost)
-            # Its deadline grows with the tokens ahead of it on that worker (its own included).
-            deadline = min(
-                self.cfg.prefill_timeout,
-                self.cfg.prefill_deadline_base + w.inflight_tokens / self.cfg.prefill_min_rate,
+            log.info(
+                "decode-local request failed on %s (%s): going through P",
+                plan.decode.url if plan.decode else None,
+                served,
             )
-            data: bytes | None = None  # P's answer, once read
+            return None
+        return served
+
+    async def _colocated(self, ex: Exchange, plan: Plan) -> web.StreamResponse:
+        pool = self.registry.both
+        attempt = partial(self._stream_once, pool, ex, orjson.dumps(plan.stream), None)
+        served = await self.retry(pool, ex, attempt)
+        return served.response() if isinstance(served, Failure) else served
+
+    # ------------------------------------------------------------------------------ attempts
+
+    async def _prefill_once(
+        self, ex: Exchange, payload: bytes, w: Worker
+    ) -> tuple[Worker, dict[str, Any]] | Failure:
+        """One try of P (charged by `retry`): its answer, and which P gave it."""
+        pool = self.registry.prefill
+        expected = pool.expected_cached_bytes(w, ex.prompt)
+        # Its deadline grows with the tokens ahead of it on that worker (its own included).
+        deadline = min(
+            self.cfg.prefill_timeout,
+            self.cfg.prefill_deadline_base + w.inflight_tokens / self.cfg.prefill_min_rate,
+        )
+        data: bytes | None = None  # P's answer, once read
+        try:
+            async with _Deadline(w, deadline):
+                async with self._client.post(
+                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
+                ) as resp:
+                    data = await resp.read()
+            if resp.status != 200:
+                return Failure.upstream(w, resp, data)
             try:
-                async with _Deadline(w, deadline):
-                    async with self._client.post(
-                        w.url + ex.path,
-                        data=payload,
-                        headers=ex.headers,
-                        timeout=self.stream_timeout,
-                    ) as resp:
-                        data = await resp.read()
-                if resp.status == 200:
-                    try:
-                        answer = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        answer = None
-                    if isinstance(answer, dict):
-                        self._learn(pool, w, ex, ex.prompt.blocks, expected, answer.get("usage"))
-                        return w, answer
-                    failure = Failure.local(
-                        502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
-                    )
-                    continue
-                failure = Failure.upstream(w, resp, data)
-                if resp.status not in RETRYABLE:
-                    return failure.response()
-            except TimeoutError:
-                self._release_read_answer(w, data, "the prefill's deadline ran out")
-                failure = self._timed_out(w, f"did not answer within {deadline:.1f}s")
-            except aiohttp.ClientError as e:
-                self._release_read_answer(w, data, "the prefill's connection broke")
-                failure = self._on_error(w, e)
-            except asyncio.CancelledError:  # the client left, maybe with P's answer read
-                self._release_read_answer(w, data, "the client left before the decode worker")
-                raise
-            finally:
-                w.release(cost)
-        return (failure or self._no_worker(pool, tried)).response()
+                answer = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                answer = None
+            if not isinstance(answer, dict):
+                return Failure.local(
+                    502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
+                )
+            self._learn(pool, w, ex, ex.prompt.blocks, expected, answer.get("usage"))
+            return w, answer
+        except TimeoutError:
+            self._release_read_answer(w, data, "the prefill's deadline ran out")
+            return self._timed_out(w, f"did not answer within {deadline:.1f}s")
+        except aiohttp.ClientError as e:
+            self._release_read_answer(w, data, "the prefill's connection broke")
+            return self._on_error(w, e)
+        except asyncio.CancelledError:  # the client left, maybe with P's answer read
+            self._release_read_answer(w, data, "the client left before the decode worker")
+            raise
+
+    async def _stream_once(
+        self, pool: Pool, ex: Exchange, payload: bytes, route: str | None, w: Worker
+    ) -> web.StreamResponse | Failure:
+        """One try of a streaming worker (charged by `retry`); `route` is what the request is
+        counted as once `w` answered (None: the registry's)."""
+        opened = await self._open(pool, w, ex, payload)
+        if isinstance(opened, Failure):
+            return opened
+        if route is not None:
+            ex.route = route
+        return await self._serve(pool, w, ex, *opened)
 
     # ------------------------------------------------------------------------------ relay
-
-    async def _relay(self, pool: Pool, ex: Exchange, payload: bytes) -> web.StreamResponse:
-        """Send to a worker of `pool` and relay its stream; retry elsewhere while the client has
-        nothing."""
-        tried: list[Worker] = []
-        failure = None
-        for attempt in range(self.cfg.max_retries + 1):
-            w = pool.choose(ex.key, tried, ex.prompt)
-            if w is None:
-                break
-            if attempt:
-                self.metrics.retries[pool.name] += 1
-            tried.append(w)
-            opened = await self._open(pool, w, ex, payload)
-            if not isinstance(opened, Failure):
-                return await self._serve(pool, w, ex, *opened)
-            failure = opened
-            if not failure.retryable:
-                return failure.response()
-        return (failure or self._no_worker(pool, tried)).response()
 
     async def _open(
         self, pool: Pool, w: Worker, ex: Exchange, payload: bytes
     ) -> tuple[aiohttp.ClientResponse, bytes] | Failure:
-        """POST to `w` and read its first chunk. On success `w` stays charged with the request
-        (`_serve` releases it); on failure it is released and the failure returned."""
-        w.acquire(0)
+        """POST to `w` and read its first chunk; on failure the response is closed and the
+        failure returned."""
         resp = None
         handed_over = False
         try:
@@ -372,10 +438,8 @@ class Proxy:
         except aiohttp.ClientError as e:
             return self._on_error(w, e)
         finally:
-            if not handed_over:
-                w.release(0)
-                if resp is not None:
-                    resp.close()
+            if not handed_over and resp is not None:
+                resp.close()
 
     async def _serve(
         self, pool: Pool, w: Worker, ex: Exchange, resp: aiohttp.ClientResponse, first: bytes
@@ -422,7 +486,6 @@ class Proxy:
         finally:
             w.cancels.discard(ejected)
             self.idle.unwatch(ex)
-            w.release(0)
             resp.close()  # a no-op once the body was read to its end
 
     def _learn(
@@ -625,4 +688,4 @@ def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:
     return text if isinstance(text, str) else None
 
 
-__all__ = ["DONE", "Exchange", "Proxy", "json_response"]
+__all__ = ["DONE", "Exchange", "Plan", "Proxy", "json_response"]
