@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -125,10 +125,23 @@ def _token_ids(value: Any, name: str) -> list[int]:
 # ------------------------------------------------------------------------------------ requests
 
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20  # as OpenAI and vLLM
+MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (OpenAI allows 300)
 MAX_CACHE_SALT_CHARS = 256
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (structured outputs). `kind` is one of `KINDS`; `spec`
+    its text: a JSON schema (serialized), nothing (any JSON object), a regex, a JSON list of
+    choices, or a Lark or GBNF grammar. Compiled by the workers (pd/worker/text/grammar.py)."""
+
+    kind: str
+    spec: str = ""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,12 @@ class GenerationOptions:
     logprobs: bool = False  # report the chosen token's logprob
     top_logprobs: int = 0  # 0..MAX_TOP_LOGPROBS most likely alternatives per position
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # structured outputs: what the output must match
+    logit_bias: tuple[tuple[int, float], ...] = ()  # OpenAI's: (token id, bias in [-100, 100])
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: the only tokens it may sample
+    bad_words: tuple[str, ...] = ()  # vLLM's: words whose tokens are never completed
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string
 
     @property
     def is_greedy(self) -> bool:
@@ -212,6 +231,16 @@ def _parse_options(
     if top_p == 0.0:  # OpenAI allows 0: the limit is "the most likely token only"
         temperature, top_p = 0.0, 1.0
     return GenerationOptions(
+        constraint=parse_constraint(body),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        min_tokens=_int(body, "min_tokens", 0, 0) or 0,
+        allowed_token_ids=(
+            tuple(_token_ids(body["allowed_token_ids"], "allowed_token_ids"))
+            if body.get("allowed_token_ids") is not None
+            else None
+        ),
+        bad_words=_strings(body, "bad_words"),
+        include_stop_str_in_output=bool(_opt(body, "include_stop_str_in_output", bool, False)),
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -228,6 +257,133 @@ def _parse_options(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
     )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` (JSON keys are strings), each bias in [-100, 100]."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
+            param="logit_bias",
+        )
+    out = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if not 0 <= token <= MAX_TOKEN_ID or str(token) != str(key).strip():
+            raise bad_request(f"'logit_bias' key {_clip(key)} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad_request(
+                f"'logit_bias' of token {token} must be a number in [-100, 100]", "logit_bias"
+            )
+        out.append((token, float(bias)))
+    return tuple(out)
+
+
+def _strings(body: dict, name: str) -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise bad_request(f"'{name}' must be a list of non-empty strings", param=name)
+    return tuple(value)
+
+
+# Structured-output fields (OpenAI's, vLLM's, SGLang's) -> the constraint kind each asks for.
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "json_schema": "json_schema",  # SGLang
+    "regex": "regex",  # SGLang
+    "ebnf": "grammar",  # SGLang
+}
+_STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+
+
+def parse_constraint(body: dict[str, Any]) -> Constraint | None:
+    """The one structured-output constraint a body asks for (response_format, vLLM's
+    structured_outputs and guided_*, SGLang's regex/ebnf/json_schema), or None; a 400 for a
+    malformed one or for two at once."""
+    found: list[tuple[str, Constraint]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise bad_request(
+                "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}",
+                param="response_format",
+            )
+        if fmt["type"] == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request(
+                    "'response_format.json_schema.schema' must be a JSON schema object",
+                    param="response_format",
+                )
+            found.append(("response_format", _schema_constraint(schema, "response_format")))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict) or not so or not set(so) <= set(_STRUCTURED_OUTPUTS):
+            raise bad_request(
+                "'structured_outputs' must set one of " + ", ".join(_STRUCTURED_OUTPUTS),
+                param="structured_outputs",
+            )
+        for key, value in so.items():
+            if value is not None and value is not False:
+                kind = _STRUCTURED_OUTPUTS[key]
+                found.append(("structured_outputs", _constraint(kind, value, "structured_outputs")))
+    for name, kind in _GUIDED.items():
+        value = body.get(name)
+        if value is not None:
+            found.append((name, _constraint(kind, value, name)))
+    if len(found) > 1:
+        names = ", ".join(sorted({n for n, _ in found}))
+        raise bad_request(f"one structured-output constraint per request, got {names}")
+    return found[0][1] if found else None
+
+
+def _constraint(kind: str, value: Any, param: str) -> Constraint:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = orjson.loads(value)
+            except orjson.JSONDecodeError:
+                raise bad_request(f"'{param}' must be a JSON schema", param=param) from None
+        if not isinstance(value, dict):
+            raise bad_request(f"'{param}' must be a JSON schema object", param=param)
+        return _schema_constraint(value, param)
+    if kind == "json_object":
+        if value is not True:
+            raise bad_request(f"'{param}.json_object' must be true", param=param)
+        return Constraint("json_object")
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) for c in value)):
+            raise bad_request(f"'{param}' choices must be a non-empty list of strings", param)
+        return Constraint("choice", orjson.dumps(value).decode())
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"'{param}' must be a non-empty string", param=param)
+    return Constraint(kind, value)
+
+
+def _schema_constraint(schema: dict[str, Any], param: str) -> Constraint:
+    try:
+        return Constraint("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
+    except TypeError as e:  # e.g. integers past 64 bits
+        raise bad_request(f"'{param}' is not a serializable JSON schema: {e}", param) from None
 
 
 @dataclass
@@ -433,26 +589,25 @@ FIELDS: dict[str, FieldRule] = {
     "length_penalty": _rule(REFUSED, "vLLM extra: no beam search", "both", 1, 1.0),
     "logits_processors": _rule(REFUSED, "vLLM extra: no custom logits processors"),
     # -- logprobs
-    "logprobs": _rule(SERVED, "chat: a boolean; completions: 0..5 alternatives"),
-    "top_logprobs": _rule(SERVED, "0..5, with logprobs: true", "chat"),
+    "logprobs": _rule(SERVED, "chat: a boolean; completions: 0..20 alternatives"),
+    "top_logprobs": _rule(SERVED, "0..20, with logprobs: true", "chat"),
     "prompt_logprobs": _rule(REFUSED, "vLLM extra: not served yet"),
     "echo": _rule(REFUSED, "the prompt is not echoed (nor its logprobs)", "both", False),
     "return_tokens_as_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     "return_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     # -- structured outputs and tools
-    "response_format": _rule(REFUSED, "structured outputs: not served yet", "both",
-                             {"type": "text"}),
-    "structured_outputs": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_json": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_regex": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_choice": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_grammar": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "response_format": _rule(REFUSED, "structured outputs: not served yet", "both", {"type": "text"}),
+    "structured_outputs": _rule(REFUSED, "structured outputs: not served yet"),
+    "guided_json": _rule(REFUSED, "structured outputs: not served yet"),
+    "guided_regex": _rule(REFUSED, "structured outputs: not served yet"),
+    "guided_choice": _rule(REFUSED, "structured outputs: not served yet"),
+    "guided_grammar": _rule(REFUSED, "structured outputs: not served yet"),
     "structural_tag": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_decoding_backend": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
+    "guided_decoding_backend": _rule(REFUSED, "structured outputs: not served yet"),
     "guided_whitespace_pattern": _rule(REFUSED, "vLLM extra: structured outputs, not served"),
-    "regex": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
-    "ebnf": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
-    "json_schema": _rule(REFUSED, "SGLang extra: structured outputs, not served yet"),
+    "regex": _rule(REFUSED, "structured outputs: not served yet"),
+    "ebnf": _rule(REFUSED, "structured outputs: not served yet"),
+    "json_schema": _rule(REFUSED, "structured outputs: not served yet"),
     "tools": _rule(REFUSED, "tool calling: not served yet", "chat", []),
     "tool_choice": _rule(REFUSED, "tool calling: not served yet", "chat", "none"),
     "functions": _rule(REFUSED, "deprecated tool calling: not served", "chat", []),

@@ -18,6 +18,7 @@ from typing import Any
 from pd.protocol import APIError, GenerationOptions
 from pd.worker.text.detokenizer import IncrementalDetokenizer
 from pd.worker.text.stop import StopChecker
+from pd.worker.text.token_rules import TokenRules
 
 # One position's logprobs: (chosen token id, its logprob, [(token id, logprob)] alternatives).
 LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
@@ -51,6 +52,7 @@ class Sequence:
     # on D, those P reported. Answered as usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
     cache_salt: str | None = None  # the client's: its pages are shared only with the same salt
+    rules: TokenRules | None = None  # what its next token may be (grammar, min_tokens, ...)
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pd.kvcache.kv_pool import KVPool
@@ -47,7 +48,15 @@ class StepRequest(Protocol):
     def page_ids(self) -> list[int]: ...
     @property
     def params(self) -> GenerationOptions: ...
+    @property
+    def rules(self) -> TokenMask | None: ...  # what its next token may be (None: anything)
     def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class TokenMask(Protocol):
+    """A request's allowed next tokens (the engine's `TokenRules`), written into a bitmask row."""
+
+    def fill_mask(self, row: np.ndarray, output_ids: Sequence[int]) -> None: ...
 
 
 class StepBatch(Protocol):
@@ -222,4 +231,18 @@ class ModelRunner:
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
+            self._masks(sampled),
         )
+
+    def _masks(self, sampled: list[StepRequest]) -> torch.Tensor | None:
+        """The allowed-token bitmasks of the sampled rows, when any has rules (filled here, on
+        the forward thread, while nothing else touches them: each request's previous token was
+        accepted before this step was scheduled)."""
+        if all(s.rules is None for s in sampled):
+            return None
+        words = (self.config.vocab_size + 31) // 32
+        masks = np.full((len(sampled), words), -1, dtype=np.int32)  # all allowed
+        for j, s in enumerate(sampled):
+            if s.rules is not None:
+                s.rules.fill_mask(masks[j], s.output_ids)
+        return torch.from_numpy(masks)

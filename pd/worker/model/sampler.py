@@ -1,12 +1,15 @@
 """Turn a batch of last-position logits into next tokens.
 
-Order per row: penalties (repetition, then frequency/presence) -> logprobs -> greedy argmax, or
-temperature -> top-k -> softmax (fp32) -> top-p -> min-p -> inverse-CDF draw with one uniform u per
-row (the token where u falls in the cumulative mass).
+Order per row: logit_bias -> the allowed-token mask (structured outputs, min_tokens,
+allowed_token_ids, bad_words: `masks`, one bitmask row per sampled row) -> penalties (repetition,
+then frequency/presence) -> logprobs -> greedy argmax, or temperature -> top-k -> softmax (fp32)
+-> top-p -> min-p -> inverse-CDF draw with one uniform u per row (the token where u falls in the
+cumulative mass). A masked token's logit is -inf before anything else reads it, so every path
+(greedy, truncated, seeded) draws only allowed tokens.
 
-Logprobs convention: reported logprobs are log_softmax of the logits AFTER penalties and BEFORE
-temperature and top-k/top-p/min-p truncation, in fp32. Without penalties they are the raw model
-logprobs (what OpenAI and vLLM report by default).
+Logprobs convention: reported logprobs are log_softmax of the logits AFTER bias, mask and
+penalties and BEFORE temperature and top-k/top-p/min-p truncation, in fp32. Without them they are
+the raw model logprobs (what OpenAI and vLLM report by default).
 
 Seeded rows: u is a 53-bit hash of (seed, output position) alone, where the output position is
 len(output_ids[row]), the index of the token being generated (0 for the first). The same request
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from math import inf
 
 import torch
 
@@ -59,13 +63,20 @@ class Sampler:
         params: list[GenerationOptions],
         prompt_ids: list[list[int]],
         output_ids: list[list[int]],
+        masks: torch.Tensor | None = None,  # [B, ceil(V / 32)] int32 allowed-token bitmasks
     ) -> SampleOutput:
         B = logits.shape[0]
         assert len(params) == len(prompt_ids) == len(output_ids) == B, "batch size mismatch"
 
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalized = [i for i, p in enumerate(params) if p.uses_penalties]
-        if penalized:
+        if biased or masks is not None or penalized:
             logits = logits.to(torch.float32, copy=True)  # [B, V]
+        if biased:
+            _apply_bias(logits, biased, params)
+        if masks is not None:
+            logits.masked_fill_(~unpack_bitmask(masks.to(logits.device), logits.shape[1]), -inf)
+        if penalized:
             _apply_penalties(logits, penalized, params, prompt_ids, output_ids)
 
         token_ids = [0] * B
@@ -129,6 +140,27 @@ class Sampler:
             min_p = torch.tensor(min_ps, device=dev)[:, None]
             probs.masked_fill_(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         return _inverse_cdf(probs, u_t)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, W] int32 bitmasks (bit i of word w: token 32 w + i) -> [R, vocab_size] bool."""
+    bits = _BITS.to(masks.device)
+    allowed = ((masks.unsqueeze(-1) >> bits) & 1).bool().reshape(masks.shape[0], -1)
+    return allowed[:, :vocab_size]
+
+
+def _apply_bias(logits: torch.Tensor, rows: list[int], params: list[GenerationOptions]) -> None:
+    """OpenAI's logit_bias: added to the logits of the named token ids (ids past V ignored)."""
+    V = logits.shape[1]
+    for i in rows:
+        pairs = [(t, b) for t, b in params[i].logit_bias if t < V]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=logits.device)
+            bias = torch.tensor([b for _, b in pairs], device=logits.device, dtype=logits.dtype)
+            logits[i, ids] += bias
 
 
 def _token_counts(ids: list[list[int]], V: int, dev: torch.device) -> torch.Tensor:

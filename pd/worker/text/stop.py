@@ -8,9 +8,10 @@ from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], include_stop: bool = False) -> None:
         assert all(stop), "stop strings must be non-empty"
         self._stop = tuple(stop)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: keep the match
         self._held = ""  # emitted-later tail: a proper prefix of some stop string
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text
@@ -18,8 +19,8 @@ class StopChecker:
     def add(self, piece: str) -> tuple[str, bool]:
         """Take the next piece of text; return (text safe to emit, whether a stop string hit).
 
-        On a hit the text up to (excluding) the earliest stop string is returned; anything after
-        it, and every later piece, is dropped.
+        On a hit the text up to (excluding, or with `include_stop` including) the earliest stop
+        string is returned; anything after it, and every later piece, is dropped.
         """
         if self.stopped:
             return "", True
@@ -31,7 +32,7 @@ class StopChecker:
             start, self.matched = hit
             self._held = ""
             self.stopped = True
-            return text[:start], True
+            return text[: start + len(self.matched) if self.include_stop else start], True
         keep = self._partial_suffix_len(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False

@@ -296,7 +296,7 @@ def test_greedy_ties_go_to_the_first_token():
         ({"frequency_penalty": -2.1}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"logprobs": 6}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -358,3 +358,54 @@ def test_a_tie_at_the_top_k_boundary_takes_the_full_path_which_keeps_every_tie()
     params = [GenerationOptions(temperature=1.0, top_k=2)]
     seen = {Sampler(s).sample(logits, params, [[1]], [[]]).token_ids[0] for s in range(200)}
     assert {1, 2, 3} <= seen and 4 not in seen  # every tied token, never the one below
+
+
+MASK_PATHS = [
+    GenerationOptions(temperature=0.0),
+    GenerationOptions(temperature=1.0),
+    GenerationOptions(temperature=1.0, seed=7),
+    GenerationOptions(temperature=0.8, top_k=5),
+    GenerationOptions(temperature=0.8, top_p=0.5),
+    GenerationOptions(temperature=0.8, top_k=50, top_p=0.9),
+    GenerationOptions(temperature=0.8, min_p=0.1),
+    GenerationOptions(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.5),
+    GenerationOptions(temperature=0.0, logprobs=True, top_logprobs=3),
+]
+
+
+def _bitmask(allowed_rows: list[list[int]], V: int = V) -> torch.Tensor:
+    masks = torch.zeros(len(allowed_rows), (V + 31) // 32, dtype=torch.int32)
+    for r, ids in enumerate(allowed_rows):
+        for t in ids:
+            masks[r, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    return masks
+
+
+@pytest.mark.parametrize("params", MASK_PATHS, ids=lambda p: repr(p)[:60])
+def test_the_allowed_token_mask_holds_in_every_sampling_path(params):
+    # Structured outputs depend on it: a masked token is never drawn, whatever the path.
+    sampler = Sampler(seed=3)
+    allowed = [[5, 40, 63], [0], [31, 32]]  # across word boundaries, token 0, the last id
+    logits = _logits(3, seed=11)
+    logits[:, 5] = -50.0  # an allowed token the model dislikes
+    for _ in range(30):
+        out = sampler.sample(logits, [params] * 3, [[1]] * 3, [[2, 3]] * 3, _bitmask(allowed))
+        assert all(t in ok for t, ok in zip(out.token_ids, allowed)), out.token_ids
+        if params.wants_logprobs:  # reported over the allowed tokens only
+            assert all(t in ok for top, ok in zip(out.top_logprobs, allowed) for t, lp in top
+                       if lp > -math.inf)  # fmt: skip
+
+
+def test_masks_leave_rows_without_rules_alone_and_logit_bias_adds():
+    logits = _logits(2, seed=4)
+    all_allowed = torch.full((2, 2), -1, dtype=torch.int32)
+    plain = Sampler().sample(logits, [GenerationOptions(temperature=0.0)] * 2, [[1]] * 2, [[]] * 2)
+    masked = Sampler().sample(
+        logits, [GenerationOptions(temperature=0.0)] * 2, [[1]] * 2, [[]] * 2, all_allowed
+    )
+    assert masked.token_ids == plain.token_ids
+    worst = int(logits[0].argmin())
+    biased = GenerationOptions(temperature=0.0, logit_bias=((worst, 100.0), (999, 5.0)))
+    out = Sampler().sample(logits[:1], [biased], [[1]], [[]])  # ids past V are ignored
+    assert out.token_ids == [worst]
+    assert not logits.isinf().any()  # the caller's logits are not modified

@@ -100,3 +100,10 @@ def test_streamed_equals_whole_text_cut():
 
 def test_stops_completing_together_earliest_start_wins():
     assert _run(("bc", "abc"), ["xab", "c"]) == (["x", ""], True)
+
+
+def test_include_stop_keeps_the_matched_string_and_nothing_after():
+    c = StopChecker(("END",), include_stop=True)
+    assert c.add("abc E") == ("abc ", False)
+    assert c.add("NDxyz") == ("END", True)
+    assert c.matched == "END" and c.add("more") == ("", True)
