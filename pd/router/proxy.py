@@ -574,7 +574,7 @@ class Proxy:
             return json_response(e.body, 502), None
         except aiohttp.ClientError as e:
             return Failure.local(502, _broken(ex, e), "stream_broken").response(), None
-        except orjson.JSONDecodeError:
+        except ValueError:  # bad JSON (orjson's JSONDecodeError is one), or no JSON object
             failure = Failure.local(502, "the decode stream carried bad JSON", "bad_stream")
             return failure.response(), None
         if not collector.done:

@@ -53,6 +53,11 @@ class StubWorker:
         self.final = False  # as prefill: the first token ends the request (no params)
         self.instance = "stub-1"  # change it to look restarted
         self.cached_tokens = 0  # reported in usage.prompt_tokens_details
+        # Fields a newer worker might add, merged into what it sends (`merged`): the i-th dict
+        # into the stream's i-th content chunk, and `extra_answer_fields` into a JSON answer
+        # (P's included). E.g. {"system_fingerprint": "fp"} or {"choices": [{"delta": {...}}]}.
+        self.extra_chunk_fields: list[dict[str, Any]] = []
+        self.extra_answer_fields: dict[str, Any] = {}
         self.requests: list[dict[str, Any]] = []  # bodies received
         self.released: list[dict[str, Any]] = []  # bodies of /kv/release calls (as prefill)
         self.headers: list = []  # their headers (CIMultiDicts)
@@ -151,7 +156,7 @@ class StubWorker:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {
+        answer = {
             "id": f"cmpl-{next(self._ids)}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -159,6 +164,7 @@ class StubWorker:
             "choices": [choice],
             "usage": self._usage(body, chat, n),
         }
+        return merged(answer, self.extra_answer_fields)
 
     def _prefill_answer(self, body: dict, chat: bool) -> web.Response:
         self.completed += 1
@@ -177,7 +183,8 @@ class StubWorker:
         # usage differs by prompt: a bounded cache, cleared when full
         key = (chat, self.chunks, str(usage))
         cached = self._chunk_cache.get(key)
-        if cached is not None:
+        extra = self.extra_chunk_fields
+        if cached is not None and not extra:
             return cached
         if len(self._chunk_cache) > 64:
             self._chunk_cache.clear()
@@ -201,13 +208,17 @@ class StubWorker:
                 )
             else:
                 choice["text"] = "x"
-            events.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
+            chunk = {**head, "choices": [choice]}
+            if i < len(extra):
+                chunk = merged(chunk, extra[i])
+            events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if usage:
             events.append(
                 b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
             )
         events.append(b"data: [DONE]\n\n")
-        self._chunk_cache[key] = events
+        if not extra:
+            self._chunk_cache[key] = events
         return events
 
     async def _stream(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
@@ -235,3 +246,15 @@ class StubWorker:
         await resp.write_eof()
         self.completed += 1
         return resp
+
+
+def merged(base: Any, extra: Any) -> Any:
+    """`base` with `extra` merged in: dicts key by key, lists item by item, else `extra`."""
+    if isinstance(base, dict) and isinstance(extra, dict):
+        out = dict(base)
+        for k, v in extra.items():
+            out[k] = merged(base[k], v) if k in base else v
+        return out
+    if isinstance(base, list) and isinstance(extra, list):
+        return [merged(b, e) for b, e in zip(base, extra)] + base[len(extra) :] + extra[len(base) :]
+    return extra
