@@ -43,7 +43,67 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=0, help="worker threads (0: all cores)")
     p.add_argument("--worker-args", default="", help="extra flags for the started worker")
+    p.add_argument(
+        "--constrained",
+        action="store_true",
+        help="also measure each stream count with a JSON schema (response_format) beside the "
+        "same load unconstrained, and the grammar's compile and mask costs",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# The --constrained load: every stream writes one long JSON string (so the grammar runs for the
+# whole answer, as in a schema's free-text field).
+STORY_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40}, "story": {"type": "string"}},
+    "required": ["title", "story"],
+}
+
+
+def grammar_costs(samples: int = 200) -> dict:
+    """Compile time of STORY_SCHEMA (cold: a new compiler; cached: the same grammar again) and
+    the mask time per token (`TokenRules.fill_mask`) along a walk through its states."""
+    import json as _json
+
+    import numpy as np
+
+    from pd.protocol import Constraint
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
+    from pd.worker.text.grammar import GrammarCompiler
+    from pd.worker.text.token_rules import TokenRules, allowed_ids
+
+    tok = load_tokenizer(default_model_path())
+    constraint = Constraint("json_schema", _json.dumps(STORY_SCHEMA))
+    compiler = GrammarCompiler(tok, tok.vocab_size)
+    t = time.perf_counter()
+    compiler.matcher_now(constraint)
+    cold = time.perf_counter() - t
+    cached = []
+    for _ in range(20):
+        t = time.perf_counter()
+        rules = TokenRules(compiler.words, grammar=compiler.matcher_now(constraint))
+        cached.append(time.perf_counter() - t)
+    masks, out = [], []
+    row = np.empty(compiler.words, np.int32)
+    for i in range(samples):
+        row.fill(-1)
+        t = time.perf_counter()
+        rules.fill_mask(row, out)
+        masks.append(time.perf_counter() - t)
+        ok = [int(x) for x in allowed_ids(row, tok.vocab_size) if int(x) not in tok.eos_token_ids]
+        token = ok[(i * 7919) % len(ok)]  # a spread of the allowed tokens, deterministic
+        if not rules.accept(token) or rules.complete:
+            break
+        out.append(token)
+    compiler.close()
+    return {
+        "compile_cold_ms": round(1000 * cold, 2),
+        "compile_cached_ms": round(1000 * statistics.median(cached), 3),
+        "mask_us_p50": round(1e6 * statistics.median(masks), 1),
+        "mask_us_max": round(1e6 * max(masks), 1),
+        "mask_samples": len(masks),
+    }
 
 
 def read_gbps(threads: int, gib: float = 1.0) -> float:
@@ -105,7 +165,9 @@ def step_bytes_and_linear_ms(
     return weight_bytes, linear_ms, kv_per_token
 
 
-async def one_stream(http: aiohttp.ClientSession, url: str, max_tokens: int, i: int):
+async def one_stream(
+    http: aiohttp.ClientSession, url: str, max_tokens: int, i: int, constrained: bool = False
+):
     body = {
         "prompt": f"Request {i}: write a long story about the number {i}.",
         "max_tokens": max_tokens,
@@ -113,6 +175,11 @@ async def one_stream(http: aiohttp.ClientSession, url: str, max_tokens: int, i: 
         "temperature": 0,
         "stream": True,
     }
+    if constrained:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "story", "schema": STORY_SCHEMA},
+        }
     times = []
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -122,10 +189,12 @@ async def one_stream(http: aiohttp.ClientSession, url: str, max_tokens: int, i: 
     return times
 
 
-async def measure(url: str, n: int, max_tokens: int) -> dict:
+async def measure(url: str, n: int, max_tokens: int, constrained: bool = False) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*(one_stream(http, url, max_tokens, i) for i in range(n)))
+        streams = await asyncio.gather(
+            *(one_stream(http, url, max_tokens, i, constrained) for i in range(n))
+        )
     first = min(s[0] for s in streams)
     last = max(s[-1] for s in streams)
     decode_tokens = sum(len(s) - 1 for s in streams)
@@ -166,8 +235,14 @@ def measure_worker(args, quantization: str, levels: list[int]) -> list[dict]:
     if url is None:
         proc, url = start_worker(args, quantization)
     try:
-        asyncio.run(measure(url, 2, 8))  # warm-up
-        return [asyncio.run(measure(url, n, args.max_tokens)) for n in levels]
+        asyncio.run(measure(url, 2, 8, args.constrained))  # warm-up (and the grammar compiled)
+        out = []
+        for n in levels:  # constrained and not, side by side at each stream count
+            out.append(asyncio.run(measure(url, n, args.max_tokens)))
+            if args.constrained:
+                r = asyncio.run(measure(url, n, args.max_tokens, constrained=True))
+                out[-1]["constrained_tok_s"] = r["decode_tok_s"]
+        return out
     finally:
         if proc:
             proc.terminate()
@@ -189,8 +264,16 @@ def run(args: argparse.Namespace) -> int:
             n = r["concurrency"]
             step_bytes = weight_bytes + n * context * kv_per_token
             bound = n * gbps * 1e9 / step_bytes
+            if "constrained_tok_s" in r:
+                extra = {
+                    "constrained_tok_s": round(r["constrained_tok_s"], 1),
+                    "constrained_ratio": round(r["constrained_tok_s"] / r["decode_tok_s"], 3),
+                }
+            else:
+                extra = {}
             runs.append(
                 {
+                    **extra,
                     "quantization": q,
                     "streams": n,
                     "tok_s": round(r["decode_tok_s"], 1),
@@ -202,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
                     "itl_ms": round(r["mean_itl_ms"], 2),
                 }
             )
-    summary = {"read_gbps": round(gbps, 2), "threads": threads, "runs": runs}
+    summary: dict = {"read_gbps": round(gbps, 2), "threads": threads, "runs": runs}
+    if args.constrained:
+        summary["grammar"] = grammar_costs()
     if args.json:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return 0
@@ -213,5 +298,17 @@ def run(args: argparse.Namespace) -> int:
             f"{r['quantization']:>5} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
             f"{r['linear_ms']:>10.1f} {r['step_mb']:>8.1f} {r['bound_tok_s']:>12.1f} "
             f"{r['share_of_bound']:>6.2f}"
+            + (
+                f"   constrained {r['constrained_tok_s']:.1f} tok/s "
+                f"({r['constrained_ratio']:.2f}x)"
+                if "constrained_tok_s" in r
+                else ""
+            )
+        )
+    if "grammar" in summary:
+        g = summary["grammar"]
+        print(
+            f"grammar: compile {g['compile_cold_ms']} ms cold, {g['compile_cached_ms']} ms "
+            f"cached; mask {g['mask_us_p50']} us a token (p50), {g['mask_us_max']} us max"
         )
     return 0
