@@ -168,6 +168,7 @@ class Proxy:
         return Plan("pd", stream, prefill, d, final)
 
     async def handle(self, ex: Exchange, route: str) -> web.StreamResponse:
+        """Plan `ex`, then carry the plan out."""
         plan = self.plan(ex, route)
         if plan.route == "both":
             return await self._colocated(ex, plan)
