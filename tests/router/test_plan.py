@@ -75,8 +75,13 @@ def test_a_pd_plan_says_what_p_and_d_get_before_anything_is_sent():
 def test_a_pd_plan_for_one_token_is_p_alone_and_keeps_the_clients_token_field():
     plan = proxy().plan(exchange({**BODY, "max_tokens": 1}), "pd")
     assert plan.final and KV not in plan.prefill
-    body = {"model": "m", "prompt": "hi", "max_completion_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        "max_completion_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     p_body = proxy().plan(exchange(body), "pd").prefill
     assert p_body["max_completion_tokens"] == 1 and p_body["max_tokens"] == 1
     assert p_body["stream"] is False and "stream_options" not in p_body
