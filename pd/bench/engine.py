@@ -84,7 +84,8 @@ def grammar_costs(samples: int = 200) -> dict:
         t = time.perf_counter()
         rules = TokenRules(compiler.words, grammar=compiler.matcher_now(constraint))
         cached.append(time.perf_counter() - t)
-    masks, out = [], []
+    masks: list[float] = []
+    out: list[int] = []
     row = np.empty(compiler.words, np.int32)
     for i in range(samples):
         row.fill(-1)
