@@ -4,9 +4,11 @@ One asyncio task drives it. The forward pass and sampling run in a dedicated exe
 the event loop keeps serving HTTP (and `/health`) while a long prefill computes. Requests talk to
 the engine through `RequestHandle`s: an asyncio queue of `Delta`s per request.
 
-Page ownership: the scheduler allocates and frees pages; a request that ends while the step that
-computes it runs (abort, error) is freed when that step ends, since the forward pass may still
-write into its pages.
+Who ends a request: the engine alone. Postprocess returns the requests that finished; the engine
+frees their pages (or, on a prefill worker, hands them off), forgets their handles, and queues
+their last delta. The scheduler allocates and frees pages; a request that ends while the step
+that computes it runs (abort, error, a stop string found while the next step computes) is freed
+when that step ends, since the forward pass may still write into its pages.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.hooks import HeldPages, RoleHooks
 from pd.worker.engine.page_wait import PageWaitQueue
-from pd.worker.engine.postprocess import OutputProcessor, PendingText, first_logprobs
+from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.metrics import WorkerMetrics
@@ -71,16 +73,9 @@ class Engine:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.cache.num_total)
-        self.handles: dict[str, RequestHandle] = {}
-        self.postprocess = OutputProcessor(
-            scheduler,
-            tokenizer,
-            self.handles,
-            max_model_len=max_model_len,
-            hooks=hooks,
-            metrics=metrics,
-            release=self._release,
-        )
+        self.hooks = hooks
+        self.handles: dict[str, RequestHandle] = {}  # live requests: the engine alone pops them
+        self.postprocess = OutputProcessor(tokenizer, max_model_len=max_model_len, metrics=metrics)
         # Overlap scheduling: the text of step N's tokens is produced while step N + 1 computes.
         self.overlap = overlap
         self._pending_text: list[PendingText] = []  # step N's, until step N + 1 is submitted
@@ -145,7 +140,8 @@ class Engine:
     ) -> None:
         """Decode role: P's first token (with P's `[logprob, top]` when asked for), at once."""
         logprobs = first_logprobs(raw_logprobs, token) if handle.seq.params.wants_logprobs else []
-        self.postprocess.accept(handle, token, logprobs, time.monotonic())
+        if (done := self.postprocess.accept(handle, token, logprobs, time.monotonic())) is not None:
+            self._end(done)
 
     def admit_pulled(self, handle: RequestHandle, key: str) -> None:
         """Decode role: the pull into the pages held under `key` is done; decode from there."""
@@ -192,6 +188,33 @@ class Engine:
         self._tell_side_channel(handle, f"the request failed: {error.message}")
         self.handles.pop(handle.seq.request_id, None)
         handle.queue.put_nowait(Delta("", [], [], "error", error))
+
+    def _end(self, done: Finished) -> None:
+        """End a request postprocess finished: hand its pages to a decode worker (a prefill
+        worker's remote-decode request that reached its length) or free them, forget it, and
+        queue its last delta (an error one when the hand-off failed)."""
+        handle, last = done.handle, done.last
+        seq = handle.seq
+        if last.finish_reason == "length" and seq.remote_decode and self.hooks is not None:
+            try:
+                handle.kv_transfer_params = self.hooks.hand_off(
+                    seq, last.logprobs[0] if last.logprobs else None
+                )
+            except Exception as e:  # answered as a 5xx, so the router retries or reports it
+                log.exception("cannot hand %s to a decode worker", seq.request_id)
+                error = APIError(
+                    503,
+                    f"cannot hand the KV to a decode worker: {e}",
+                    "server_busy",
+                    "kv_hand_off_failed",
+                )
+                last = Delta("", [], [], "error", error)
+        assert last.finish_reason is not None
+        self._release(seq, last.finish_reason)  # a no-op once handed off
+        if self.metrics:
+            self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
+        self.handles.pop(seq.request_id, None)
+        handle.queue.put_nowait(last)
 
     @staticmethod
     def _tell_side_channel(handle: RequestHandle, reason: str) -> None:
@@ -318,7 +341,11 @@ class Engine:
             await asyncio.sleep(NOTHING_FITS_WAIT_S)
             return
         out = await self.execute(batch, while_running=self._emit_pending_text)
-        self._pending_text = self.postprocess.accept_tokens(batch, out)
+        self.scheduler.advance(batch)
+        live = [self.handles.get(seq.request_id) for seq in batch.sampled]
+        self._pending_text, finished = self.postprocess.accept_tokens(live, out)
+        for done in finished:  # before the next step is scheduled: none computes for them
+            self._end(done)
         if not self.overlap:
             self._emit_pending_text()
         self.page_wait.grant()  # finished requests freed pages; the batch may have shrunk
@@ -326,14 +353,18 @@ class Engine:
     def _emit_pending_text(self) -> None:
         pending, self._pending_text = self._pending_text, []
         if pending:
-            self.postprocess.emit_text(pending)
+            # Requests aborted since their token was appended get no text.
+            live = [p for p in pending if self.handles.get(p.handle.seq.request_id) is p.handle]
+            for done in self.postprocess.emit_text(live):
+                self._end(done)
             self.page_wait.grant()
 
     async def execute(
         self, batch: ScheduledBatch, while_running: Callable[[], None] | None = None
     ) -> SampleOutput:
         """Run the batch in the forward thread (and `while_running` on the event loop meanwhile);
-        then its tokens are in the KV cache, and the requests that ended meanwhile are freed."""
+        then the requests that ended meanwhile are freed (the step records its tokens as
+        computed: `Scheduler.advance`)."""
         self._step_seqs = frozenset(batch.seqs)
         try:
             loop = asyncio.get_running_loop()
@@ -349,7 +380,6 @@ class Engine:
                 self.scheduler.finish(seq, reason)
             self._deferred.clear()
         self.steps += 1
-        self.scheduler.advance(batch)
         return out
 
     def _fail_all(self, message: str) -> None:

@@ -1,16 +1,18 @@
-"""Postprocess: the stage after the forward pass. It alone changes a request's outputs.
+"""Postprocess: the stage after the forward pass. It alone changes a request's outputs; it never
+ends a request itself: it returns the requests that finished, and the engine ends them.
 
-For each sampled token: append it, record latency metrics, detokenize, check the stop conditions
-(stop token ids, EOS, stop strings, max_tokens, the context), and queue the request's `Delta`.
-A finished request leaves the scheduler (its pages are freed) or, when it asked for remote
-decode, is handed to the prefill role's `hand_off` (its pages stay pinned for D).
+For each sampled token: append it (`append_token`, the one place a token joins its request),
+check whether the token ends the request whatever its text (a stop token id, EOS, max_tokens, the
+context), detokenize it and check stop strings (`_emit`), and queue the request's `Delta`. A
+request that finished comes back as `Finished` with its last delta: the engine frees its pages
+(or, on a prefill worker, hands them to a decode worker), forgets it, and then queues that delta.
 
 It runs in two phases, so that the engine can overlap the second with the next forward pass
 (overlap scheduling):
 
 1. `accept_tokens`, before the next step is scheduled: every sampled token is appended (the next
-   step computes it). A request that ends on the token itself (a stop token, EOS, max_tokens,
-   the context) is finished here, wholly, so no later step computes for it.
+   step computes it). A request that ends on the token itself is returned finished here, so the
+   engine ends it before the next step is scheduled and no later step computes for it.
 2. `emit_text`: detokenize and check stop strings for the others, and queue their deltas. With
    overlap on, this runs while the next step computes, and a request a stop string ends here
    is in that step: the engine frees its pages when the step ends, and the extra token the step
@@ -19,121 +21,122 @@ It runs in two phases, so that the engine can overlap the second with the next f
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from pd.protocol import APIError
-from pd.worker.engine.batch import ScheduledBatch
-from pd.worker.engine.hooks import RoleHooks
-from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle, Sequence
-from pd.worker.engine.scheduler import Scheduler
+from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
 from pd.worker.text.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
 
-# A sampled token appended to its request whose text `emit_text` has still to produce.
-PendingText = tuple[RequestHandle, int, list[LogprobEntry]]
+class PendingText(NamedTuple):
+    """A token appended to its request whose text `emit_text` has still to produce."""
+
+    handle: RequestHandle
+    token: int
+    logprobs: list[LogprobEntry]
+
+
+@dataclass
+class Finished:
+    """A request its last token or its text ended; the engine ends it, then queues `last`."""
+
+    handle: RequestHandle
+    last: Delta  # finish_reason "stop" or "length"
 
 
 class OutputProcessor:
     def __init__(
-        self,
-        scheduler: Scheduler,
-        tokenizer: Tokenizer,
-        handles: dict[str, RequestHandle],  # the engine's live requests; finished ones leave it
-        *,
-        max_model_len: int,
-        hooks: RoleHooks | None,
-        metrics: WorkerMetrics | None,
-        release: Callable[[Sequence, str], None] | None = None,
+        self, tokenizer: Tokenizer, *, max_model_len: int, metrics: WorkerMetrics | None
     ) -> None:
-        self.scheduler = scheduler
-        # Ends a request and frees its pages: the engine's, which waits for a step in flight
-        # that computes the request (overlap); by default the scheduler's, at once.
-        self.release = release or scheduler.finish
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
-        self.handles = handles
         self.max_model_len = max_model_len
-        self.hooks = hooks
         self.metrics = metrics
 
-    def process(self, batch: ScheduledBatch, out: SampleOutput) -> None:
-        """Both phases at once (no overlap)."""
-        self.emit_text(self.accept_tokens(batch, out))
-
-    def accept_tokens(self, batch: ScheduledBatch, out: SampleOutput) -> list[PendingText]:
-        """Phase 1: append the step's sampled tokens (rows of `out`, in `batch.sampled` order)
-        and finish the requests that end on their token; returns the rest for `emit_text`."""
+    def accept_tokens(
+        self, handles: list[RequestHandle | None], out: SampleOutput
+    ) -> tuple[list[PendingText], list[Finished]]:
+        """Phase 1: append the step's sampled tokens, row i of `out` to `handles[i]` (None, or
+        finished: it ended while the step ran). Returns the requests whose text `emit_text` has
+        still to produce, and those their token ended (their last delta is not queued yet)."""
         now = time.monotonic()
-        pending = []
-        for row, seq in enumerate(batch.sampled):
-            handle = self.handles.get(seq.request_id)
-            if handle is None or seq.is_finished:  # aborted while the step ran
+        pending, finished = [], []
+        for row, handle in enumerate(handles):
+            if handle is None or handle.finished:
                 continue
             token = out.token_ids[row]
             logprobs: list[LogprobEntry] = []
-            if seq.params.wants_logprobs:
+            if handle.seq.params.wants_logprobs:
                 lp = out.logprobs[row]
                 assert lp is not None  # the sampler fills it for rows that ask
                 logprobs.append((token, lp, out.top_logprobs[row]))
-            self._append(handle, token, now)
-            if self._ends_on_token(handle, token):
-                self._emit(handle, token, logprobs)
+            ends = self.append_token(handle, token, now)
+            if ends is None:
+                pending.append(PendingText(handle, token, logprobs))
             else:
-                pending.append((handle, token, logprobs))
-        return pending
+                done = self._emit(handle, token, logprobs, ends)
+                assert done is not None  # a token that ends the request finishes it
+                finished.append(done)
+        return pending, finished
 
-    def emit_text(self, pending: list[PendingText]) -> None:
-        """Phase 2: the text of tokens `accept_tokens` left, stop strings, and the deltas."""
+    def emit_text(self, pending: list[PendingText]) -> list[Finished]:
+        """Phase 2: the text of tokens `accept_tokens` left, stop strings, and the deltas; returns
+        the requests a stop string ended (their last delta is not queued yet)."""
+        finished = []
         for handle, token, logprobs in pending:
-            if self.handles.get(handle.seq.request_id) is handle:  # not aborted meanwhile
-                self._emit(handle, token, logprobs)
+            if (done := self._emit(handle, token, logprobs, None)) is not None:
+                finished.append(done)
+        return finished
 
     def accept(
         self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry], now: float
-    ) -> None:
-        """Append a sampled token, check the stop conditions, and queue the request's delta."""
-        self._append(handle, token, now)
-        self._emit(handle, token, logprobs)
+    ) -> Finished | None:
+        """Both phases for one token (P's first token on D)."""
+        return self._emit(handle, token, logprobs, self.append_token(handle, token, now))
 
-    def _append(self, handle: RequestHandle, token: int, now: float) -> None:
+    def append_token(self, handle: RequestHandle, token: int, now: float) -> str | None:
+        """Append a sampled token to its request: the one place a token joins a request, once
+        per token and in order (P's first token on D included). Returns why the token ends the
+        request whatever its text: "stop" (a stop token id, or EOS), "length" (max_tokens, or
+        the context is full), or None (its text may still end it: `_emit`)."""
+        seq, params = handle.seq, handle.seq.params
         if self.metrics:
             self._observe(handle, now)
-        handle.seq.output_ids.append(token)
-
-    def _ends_on_token(self, handle: RequestHandle, token: int) -> bool:
-        """Whether the request ends with the token just appended, whatever its text."""
-        seq, params = handle.seq, handle.seq.params
-        return (
-            token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.eos_token_ids)
-            or len(seq.output_ids) >= seq.max_tokens
-            or seq.num_tokens >= self.max_model_len
-        )
-
-    def _emit(self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry]) -> None:
-        """Detokenize the appended token, check the stop conditions, and queue the delta."""
-        seq, params = handle.seq, handle.seq.params
-        finish = None
+        seq.output_ids.append(token)
+        # The per-request "token accepted" hook goes here: a request's grammar matcher advances
+        # by `token` (before the next step is scheduled, so its mask for that step is ready),
+        # and a token it rejects, or an output it completes, ends the request as the checks
+        # below do.
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
+            return "stop"
+        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _emit(
+        self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry], ends: str | None
+    ) -> Finished | None:
+        """Detokenize the appended token and check stop strings; queue the delta, or return it
+        with the request when the request finished (`ends`: what `append_token` said)."""
+        finish: str | None
+        if ends == "stop":
             finish, text = "stop", _tail(handle)[0]  # the stop token's text is not shown
         else:
             text, stopped = handle.stop.add(handle.detok.add(token))
-            if stopped:
-                finish = "stop"
-            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            finish = "stop" if stopped else ends
+            if finish == "length":
                 tail, stopped = _tail(handle)
                 finish, text = ("stop" if stopped else "length"), text + tail
-        error = self._finish(handle, finish, logprobs) if finish else None
-        if error is not None:
-            handle.queue.put_nowait(Delta("", [], [], "error", error))
-        else:
-            handle.queue.put_nowait(Delta(text, [token], logprobs, finish))
+        delta = Delta(text, [token], logprobs, finish)
+        if finish is not None:
+            return Finished(handle, delta)
+        handle.queue.put_nowait(delta)
+        return None
 
     def _observe(self, handle: RequestHandle, now: float) -> None:
         seq, m = handle.seq, self.metrics
@@ -145,31 +148,6 @@ class OutputProcessor:
             m.itl.observe(now - seq.last_token_time)
         seq.last_token_time = now
         m.generation_tokens.inc()
-
-    def _finish(
-        self, handle: RequestHandle, reason: str, logprobs: list[LogprobEntry]
-    ) -> APIError | None:
-        """Finish a request (prefill role: hand its pages to a decode worker instead)."""
-        seq = handle.seq
-        error = None
-        if reason == "length" and seq.remote_decode and self.hooks is not None:
-            try:
-                handle.kv_transfer_params = self.hooks.hand_off(
-                    seq, logprobs[0] if logprobs else None
-                )
-            except Exception as e:  # answered as a 5xx, so the router retries or reports it
-                log.exception("cannot hand %s to a decode worker", seq.request_id)
-                error = APIError(
-                    503,
-                    f"cannot hand the KV to a decode worker: {e}",
-                    "server_busy",
-                    "kv_hand_off_failed",
-                )
-        self.release(seq, "error" if error else reason)  # no-op once handed off
-        if self.metrics:
-            self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
-        self.handles.pop(seq.request_id, None)
-        return error
 
 
 def _tail(handle: RequestHandle) -> tuple[str, bool]:

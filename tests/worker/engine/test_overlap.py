@@ -11,6 +11,7 @@ import pytest
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import GenerationOptions
 from pd.worker.engine.engine import Engine
+from pd.worker.engine.postprocess import OutputProcessor
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.model.sampler import SampleOutput
 
@@ -72,7 +73,7 @@ async def run_all(
     def recording_emit(pending):
         if pending:  # whether a step is in flight (submitted to the forward thread, not done)
             emitted_while_busy.append(bool(engine._step_seqs))
-        emit(pending)
+        return emit(pending)
 
     engine.postprocess.emit_text = recording_emit  # type: ignore[method-assign]
     engine.start()
@@ -147,3 +148,21 @@ async def test_abort_with_text_pending_frees_everything(overlap):
         assert not engine.scheduler.has_work
     finally:
         await engine.stop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_each_token_is_appended_once_in_order_and_only_those_the_client_gets(
+    overlap, monkeypatch
+):
+    """`append_token` is where a request's grammar matcher will advance: it must see every token
+    the client gets, in order, and no other (not the one a stop string's extra step samples)."""
+    appended: dict[str, list[int]] = {}
+    append = OutputProcessor.append_token
+
+    def recording(self, handle, token, now):
+        appended.setdefault(handle.seq.request_id, []).append(token)
+        return append(self, handle, token, now)
+
+    monkeypatch.setattr(OutputProcessor, "append_token", recording)
+    results, _, _ = await run_all(overlap)
+    assert [appended[f"req-{i}"] for i in range(len(REQUESTS))] == [ids for _, ids, _ in results]
