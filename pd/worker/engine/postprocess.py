@@ -21,6 +21,7 @@ It runs in two phases, so that the engine can overlap the second with the next f
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
 from pd.worker.text.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 
 class PendingText(NamedTuple):
     """A token appended to its request whose text `emit_text` has still to produce."""
@@ -100,20 +102,25 @@ class OutputProcessor:
     def append_token(self, handle: RequestHandle, token: int, now: float) -> str | None:
         """Append a sampled token to its request: the one place a token joins a request, once
         per token and in order (P's first token on D included). Returns why the token ends the
-        request whatever its text: "stop" (a stop token id, or EOS), "length" (max_tokens, or
-        the context is full), or None (its text may still end it: `_emit`)."""
+        request whatever its text: "stop" (a stop token id, or EOS: its text is not shown),
+        "complete" (its grammar allows nothing more: a stop, its text shown), "length"
+        (max_tokens, or the context is full), or None (its text may still end it: `_emit`)."""
         seq, params = handle.seq, handle.seq.params
         if self.metrics:
             self._observe(handle, now)
         seq.output_ids.append(token)
-        # The per-request "token accepted" hook goes here: a request's grammar matcher advances
-        # by `token` (before the next step is scheduled, so its mask for that step is ready),
-        # and a token it rejects, or an output it completes, ends the request as the checks
-        # below do.
+        # The request's rules (its grammar) advance by the token here, before the next step is
+        # scheduled, so its mask for that step is ready when the forward thread asks for it.
+        rules = seq.rules
+        if rules is not None and not rules.accept(token):  # never, with the mask applied
+            log.warning("%s: its grammar refused token %d", seq.request_id, token)
+            return "stop"
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return "stop"
+        if rules is not None and rules.complete:  # nothing but EOS may follow: it is done
+            return "complete"
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -129,9 +136,10 @@ class OutputProcessor:
         else:
             text, stopped = handle.stop.add(handle.detok.add(token))
             finish = "stop" if stopped else ends
-            if finish == "length":
+            if finish in ("length", "complete"):  # the token's text shows, and what is held
                 tail, stopped = _tail(handle)
-                finish, text = ("stop" if stopped else "length"), text + tail
+                finish = "stop" if stopped or finish == "complete" else "length"
+                text += tail
         delta = Delta(text, [token], logprobs, finish)
         if finish is not None:
             return Finished(handle, delta)
