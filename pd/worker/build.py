@@ -1,6 +1,6 @@
 """Assembles a worker from its config: checkpoint, model runner, scheduler, engine, metrics, and
-the PD role (prefill or decode side) with its transfer manager. Nothing is patched on later: the
-HTTP app only starts and stops what is built here."""
+the role: its entry point for the HTTP handler (`Role.admit`) and, on a prefill or decode worker,
+its PD side with its transfer manager. The HTTP app only starts and stops what is built here."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ import torch
 from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
-from pd.worker.disagg import DecodeSide, KVContract, PrefillSide, TransferRole
+from pd.worker.disagg import (
+    CoLocated,
+    Decode,
+    DecodeSide,
+    KVContract,
+    Prefill,
+    PrefillSide,
+    Role,
+    TransferRole,
+)
 from pd.worker.disagg.contract import make_transfer_manager
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
@@ -33,6 +42,7 @@ class Worker:
     engine: Engine
     metrics: WorkerMetrics
     model_name: str  # the served name
+    role: Role = field(kw_only=True)  # what the HTTP handler hands each request to
     prefill: PrefillSide | None = None  # role prefill
     decode: DecodeSide | None = None  # role decode
     draining: bool = False
@@ -107,14 +117,23 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         max_waiting=cfg.max_waiting_requests,
         hooks=prefill,
         metrics=metrics,
-        page_wait_timeout_s=cfg.page_wait_timeout_s,
         executor=torch_thread.executor,
         overlap=cfg.overlap,
     )
     metrics.read_load_from(engine.load)
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
-    if cfg.role == "decode":
-        decode = DecodeSide(make_transfer_manager(cfg), runner, engine, cfg.kv_quarantine_s)
+    role: Role = CoLocated(engine)
+    if cfg.role == "prefill":
+        role = Prefill(engine)
+    elif cfg.role == "decode":
+        decode = DecodeSide(
+            make_transfer_manager(cfg),
+            runner,
+            engine,
+            cfg.kv_quarantine_s,
+            cfg.page_wait_timeout_s,
+        )
+        role = Decode(decode)
     name = cfg.served_model_name or mcfg.name
     log.info(
         "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",
@@ -133,6 +152,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         engine,
         metrics,
         name,
+        role=role,
         prefill=prefill,
         decode=decode,
         accepted_names=frozenset({name, "default"}),

@@ -1,5 +1,5 @@
-"""From a request's body to what the engine takes: the parsed request, its prompt token ids, and
-whether a prefill worker keeps the KV for a decode worker."""
+"""From a request's body to what the engine takes: the parsed request and its prompt token ids
+(whether a prefill worker keeps the KV for a decode worker is its role's: disagg/roles.py)."""
 
 from __future__ import annotations
 
@@ -123,31 +123,3 @@ def checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
 def _parse(path: str, raw: bytes, ignore_unknown_fields: bool) -> Request:
     return parse_request(path, parse_json_body(raw), ignore_unknown_fields=ignore_unknown_fields)
 
-
-def wants_remote_decode(role: str, req: Request) -> bool:
-    """Prefill role: `kv_transfer_params={"do_remote_decode": true}` (set by the router) asks to
-    keep the KV for a decode worker; without it a prefill worker answers like any other."""
-    kvp = req.kv_transfer_params
-    if kvp is None:
-        return False
-    if role != "prefill" or kvp.get("do_remote_decode") is not True:
-        raise bad_request(
-            f"this {role} worker does not take kv_transfer_params {kvp}",
-            param="kv_transfer_params",
-        )
-    if req.stream:
-        raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
-    asked = kvp.get("max_tokens")
-    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
-        raise bad_request(
-            "kv_transfer_params.max_tokens must be a positive integer", param="kv_transfer_params"
-        )
-    return True
-
-
-def decode_max_tokens(req: Request) -> int | None:
-    """The client's `max_tokens`, which the router passes to P in `kv_transfer_params` so that
-    P refuses, before prefilling, a request no decode worker could take."""
-    kvp = req.kv_transfer_params or {}
-    asked = kvp.get("max_tokens")
-    return asked if isinstance(asked, int) else None

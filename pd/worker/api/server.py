@@ -12,7 +12,7 @@ from aiohttp import web
 
 from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.api.prompt import PromptBuilder, decode_max_tokens, wants_remote_decode
+from pd.worker.api.prompt import PromptBuilder
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 
@@ -212,21 +212,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    if worker.decode is not None and req.kv_transfer_params is not None:
-        kvp = worker.decode.validate(req.kv_transfer_params)
-        ids = kvp.prompt_token_ids  # D never re-tokenizes
-        handle = await worker.decode.admit(kvp, req.options, req.cache_salt)
-    else:
-        remote_decode = wants_remote_decode(worker.config.role, req)
-        ids = await prompts.prompt_ids(req)
-        if remote_decode:  # the whole request must fit the context, not only P's one token
-            worker.engine.capacity.max_tokens_for(len(ids), decode_max_tokens(req))
-        handle = worker.engine.add_request(ids, req.options, remote_decode, req.cache_salt)
-    worker.metrics.prompt_tokens.inc(len(ids))
+    # The role (co-located, prefill or decode: build.py) queues it, tokenizing when it must.
+    handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req))
+    prompt_tokens = len(handle.seq.prompt_ids)
+    worker.metrics.prompt_tokens.inc(prompt_tokens)
     builder = ResponseBuilder(
         chat=isinstance(req, ChatCompletionRequest),
         model=worker.model_name,
-        prompt_tokens=len(ids),
+        prompt_tokens=prompt_tokens,
         token_text=lambda t: worker.tokenizer.decode([t], False),
         wants_logprobs=req.options.wants_logprobs,
         cached_tokens=lambda: handle.seq.num_cached_tokens or 0,

@@ -5,17 +5,17 @@ A request arriving with params from a prefill worker:
    clear 400, never silent garbage; then it is queued in the engine (which checks that it fits);
 2. dials P (handshake, lease renewals start at once); its response headers and first token (P's,
    carried in the params) go out as soon as the handshake is done;
-3. waits in the engine's prealloc queue (`PageWaitQueue`, first come first served) for pages
-   that fit beside the running batch's growth, pulls P's pages into them, and joins the running
-   batch at position `num_tokens`.
+3. waits in this side's prealloc queue (`PageWaitQueue`, first come first served; the engine
+   tells it whenever pages may have come free) for pages that fit beside the running batch's
+   growth, pulls P's pages into them, and joins the running batch at position `num_tokens`.
 A failed pull, a client that leaves, a dead P, a lost lease or a wait past its deadline ends the
 request and tells P (its pins go at once); reserved pages are released exactly once. Pages a
 read that could not be cancelled may still land in are quarantined until the transport says the
 read has ended, or for at most `quarantine_s`, and then released.
 
-A request without params is not this module's: the engine prefills it here, from this worker's
-own prefix cache, and decodes it as a co-located worker would (decode-local prefill, which the
-router chooses when little of the prompt is new to this worker).
+A request without params is not this module's: the decode role (roles.py) has the engine prefill
+it here, from this worker's own prefix cache, and decode it as a co-located worker would
+(decode-local prefill, which the router chooses when little of the prompt is new to this worker).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_request
 from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
 from pd.worker.disagg.contract import KV_POOL, TransferRole
+from pd.worker.disagg.page_wait import PageWaitQueue
 from pd.worker.engine import Engine, RequestHandle
 from pd.worker.model import ModelRunner
 
@@ -42,10 +43,14 @@ class DecodeSide(TransferRole):
         runner: ModelRunner,
         engine: Engine,
         quarantine_s: float = 30.0,
+        page_wait_timeout_s: float = 30.0,
     ) -> None:
         super().__init__(manager, runner)
         self.engine = engine
         self.quarantine_s = quarantine_s
+        # Pulls waiting for their pages: the engine tells it whenever pages may have come free.
+        self.page_wait = PageWaitQueue(engine.held_pages, page_wait_timeout_s)
+        engine.add_page_waiters(self.page_wait)
         self.quarantined = 0  # pulls whose pages went into quarantine (for tests and logs)
         # Token ids this worker can embed: the tokenizer's, within the model's (padded) rows.
         self.vocab_size = min(engine.tokenizer.vocab_size, runner.config.vocab_size)
@@ -129,7 +134,7 @@ class DecodeSide(TransferRole):
         try:
             # The wait ends when the pull fails meanwhile (P died or aborted, the lease was
             # lost, or the client left: its abort aborts `rx`), or at the queue's deadline.
-            pages = await self.engine.page_wait.acquire(key, num_pages, until=rx.wait)
+            pages = await self.page_wait.acquire(key, num_pages, until=rx.wait)
             if pages is None:
                 self._end(handle, rx)
                 return

@@ -26,8 +26,7 @@ import torch
 from pd.protocol import APIError, GenerationOptions, WorkerLoad
 from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
-from pd.worker.engine.hooks import HeldPages, RoleHooks
-from pd.worker.engine.page_wait import PageWaitQueue
+from pd.worker.engine.hooks import HeldPages, PageWaiters, RoleHooks
 from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
@@ -61,7 +60,6 @@ class Engine:
         max_waiting: int,
         hooks: RoleHooks | None = None,
         metrics: WorkerMetrics | None = None,
-        page_wait_timeout_s: float = 30.0,
         executor: Executor | None = None,
         overlap: bool = True,
     ) -> None:
@@ -90,8 +88,9 @@ class Engine:
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
         self.steps = 0
         self._last_walk = "ok"  # the last full integrity walk's result
-        # Decode role: pulls waiting for their pages, woken whenever pages may have come free.
-        self.page_wait = PageWaitQueue(scheduler, page_wait_timeout_s)
+        # The decode side's pulls waiting for pages (`add_page_waiters`), told whenever pages
+        # may have come free.
+        self._page_waiters: PageWaiters | None = None
 
     @property
     def held_pages(self) -> HeldPages:
@@ -101,7 +100,17 @@ class Engine:
     def release_held(self, key: str) -> None:
         """Free the pages held under `key` (idempotent); pulls waiting for pages may fit now."""
         self.scheduler.release(key)
-        self.page_wait.grant()
+        self._pages_freed()
+
+    def add_page_waiters(self, waiters: PageWaiters) -> None:
+        """Tell `waiters` whenever pages may have come free, and count them in `load` (the
+        decode side's queue of pulls, which it owns)."""
+        assert self._page_waiters is None, "one decode side per engine"
+        self._page_waiters = waiters
+
+    def _pages_freed(self) -> None:
+        if self._page_waiters is not None:
+            self._page_waiters.grant()
 
     # ----------------------------------------------------------------------------- requests
 
@@ -227,7 +236,7 @@ class Engine:
             self._deferred.append((seq, reason))
         else:
             self.scheduler.finish(seq, reason)
-            self.page_wait.grant()
+            self._pages_freed()
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -236,6 +245,7 @@ class Engine:
     def load(self) -> WorkerLoad:
         cache = self.scheduler.cache
         held = len(set().union(*cache.held.values()))  # shared pages once
+        waiting_for_pages = len(self._page_waiters) if self._page_waiters is not None else 0
         return WorkerLoad(
             role=self.role,
             running=len(self.scheduler.running),
@@ -243,14 +253,14 @@ class Engine:
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             kv_pages_total=cache.num_total,
             kv_pages_free=cache.num_free,  # free + evictable: what an allocation can have
-            inflight_transfers=len(cache.held) + len(self.page_wait),
+            inflight_transfers=len(cache.held) + waiting_for_pages,
             kv_pages_held=held,
             kv_pages_cached=cache.num_cached,
             kv_pages_evictable=cache.num_evictable,
             kv_page_size=cache.page_size,
             kv_pages_pinned=held if self.role == "prefill" else 0,
             kv_pages_reserved=held if self.role == "decode" else 0,
-            waiting_for_pages=len(self.page_wait),
+            waiting_for_pages=waiting_for_pages,
         )
 
     def reset_prefix_cache(self) -> tuple[int, int]:
@@ -348,7 +358,7 @@ class Engine:
             self._end(done)
         if not self.overlap:
             self._emit_pending_text()
-        self.page_wait.grant()  # finished requests freed pages; the batch may have shrunk
+        self._pages_freed()  # finished requests freed pages; the batch may have shrunk
 
     def _emit_pending_text(self) -> None:
         pending, self._pending_text = self._pending_text, []
@@ -357,7 +367,7 @@ class Engine:
             live = [p for p in pending if self.handles.get(p.handle.seq.request_id) is p.handle]
             for done in self.postprocess.emit_text(live):
                 self._end(done)
-            self.page_wait.grant()
+            self._pages_freed()
 
     async def execute(
         self, batch: ScheduledBatch, while_running: Callable[[], None] | None = None

@@ -2,7 +2,7 @@
 
 The engine never imports the transfer layer: a role plugs in through these Protocols, built in
 at start-up (pd/worker/build.py), and through `RequestHandle.on_abort` for a request's side
-channel.
+channel. The roles' entry points (`admit`) are in pd/worker/disagg/roles.py.
 """
 
 from __future__ import annotations
@@ -34,4 +34,17 @@ class RoleHooks(Protocol):
     def hand_off(self, seq: Sequence, first_logprobs: LogprobEntry | None) -> dict[str, Any]:
         """A remote-decode request has its first token: keep its KV for a decode worker and
         return the `kv_transfer_params` to answer. Raising fails the request with a 503."""
+        ...
+
+
+class PageWaiters(Protocol):
+    """Requests waiting outside the engine for pages (the decode side's pulls,
+    pd/worker/disagg/page_wait.py): told whenever pages may have come free."""
+
+    def grant(self) -> None:
+        """Pages may have come free: give them to the waiters that fit now."""
+        ...
+
+    def __len__(self) -> int:
+        """How many wait (`Engine.load` reports them)."""
         ...

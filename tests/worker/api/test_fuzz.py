@@ -17,6 +17,7 @@ from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
 from pd.worker.checkpoint import default_model_path, load_tokenizer
+from pd.worker.disagg import CoLocated
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import SampleOutput
@@ -64,7 +65,7 @@ def make_worker() -> Worker:
         max_model_len=MAX_MODEL_LEN, max_waiting=64,
     )  # fmt: skip
     return Worker(
-        cfg, tok, engine, WorkerMetrics(), "stub-model",
+        cfg, tok, engine, WorkerMetrics(), "stub-model", role=CoLocated(engine),
         accepted_names=frozenset({"stub-model", "default"}),
     )  # fmt: skip
 

@@ -1,9 +1,9 @@
-"""From a parsed request to the engine's input: prompt ids and the remote-decode flag."""
+"""From a parsed request to the engine's input: prompt ids."""
 
 import pytest
 
 from pd.protocol import APIError, parse_request
-from pd.worker.api.prompt import INLINE_BYTES, PromptBuilder, wants_remote_decode
+from pd.worker.api.prompt import INLINE_BYTES, PromptBuilder
 
 
 class Tok:
@@ -91,17 +91,3 @@ async def test_large_inputs_are_parsed_and_tokenized_off_the_event_loop():
     assert req.prompt == "z" * INLINE_BYTES
     b.close()
 
-
-def test_remote_decode_only_on_prefill_without_streaming():
-    asked = {"kv_transfer_params": {"do_remote_decode": True}}
-    assert wants_remote_decode("prefill", completion(**asked)) is True
-    assert wants_remote_decode("prefill", completion()) is False
-    assert wants_remote_decode("both", completion()) is False
-    for role, body in [
-        ("both", asked),
-        ("prefill", {"kv_transfer_params": {"do_remote_decode": "yes"}}),
-        ("prefill", {**asked, "stream": True}),
-    ]:
-        with pytest.raises(APIError) as e:
-            wants_remote_decode(role, completion(**body))
-        assert e.value.status == 400

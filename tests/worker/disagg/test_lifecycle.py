@@ -60,12 +60,12 @@ class Pair:
         d_sched = Scheduler(KVCacheManager(d_pages, PAGE), chunk_size=64, max_running=8)
         self.d = Engine(
             Runner(d_pages), d_sched, TOKENIZER, role="decode", max_model_len=64, max_waiting=8,
-            page_wait_timeout_s=page_wait_s, metrics=WorkerMetrics(),
+            metrics=WorkerMetrics(),
         )  # fmt: skip
         d_mgr = create_manager(
             TransferConfig(backend="fake", cluster_token=TOKEN, serve=False, **{**FAST, **d_cfg})
         )
-        self.decode = DecodeSide(d_mgr, Runner(d_pages), self.d, quarantine_s)
+        self.decode = DecodeSide(d_mgr, Runner(d_pages), self.d, quarantine_s, page_wait_s)
         self.decode.engine = self.d
 
     @property

@@ -1,5 +1,6 @@
 """The PD roles against stand-ins: a stub transfer manager and a stand-in model, real engine and
-scheduler. P pins and hands off; D validates params before anything is pulled."""
+scheduler. P pins and hands off; D validates params before anything is pulled. Each role's
+`admit` against a stand-in engine: what it queues, and what it refuses before tokenizing."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from pd.kvcache.cache_manager import KVCacheManager
-from pd.protocol import APIError, GenerationOptions
+from pd.protocol import APIError, GenerationOptions, parse_request
 from pd.transfer import TransferParams
-from pd.worker.disagg import KV_POOL, DecodeSide, PrefillSide
+from pd.worker.disagg import KV_POOL, CoLocated, Decode, DecodeSide, Prefill, PrefillSide
 from pd.worker.disagg.contract import KV_LAYOUT
-from pd.worker.engine import Engine, Scheduler
+from pd.worker.engine import Capacity, Engine, Scheduler
 from pd.worker.model import ModelConfig, SampleOutput
 
 PAGE = 4
@@ -190,3 +191,92 @@ def test_decode_validate_answers_any_params_with_a_400_or_sound_params():
         assert kvp.num_tokens == len(kvp.prompt_token_ids) < engine.max_model_len
 
     check()
+
+
+# ------------------------------------------------------------------------- the roles' admit
+
+
+class QueueingEngine:
+    """Stands in for the engine behind a role: records what it is asked to queue."""
+
+    def __init__(self, max_model_len: int = 64) -> None:
+        self.capacity = Capacity(max_model_len, PAGE, 64)
+        self.queued: list[tuple[list[int], bool, str | None]] = []
+
+    def add_request(self, ids, options, remote_decode=False, cache_salt=None):
+        self.queued.append((ids, remote_decode, cache_salt))
+        return f"handle-{len(self.queued)}"
+
+
+def completion(**body):
+    return parse_request("/v1/completions", {"prompt": "ab", **body})
+
+
+def tokenized(ids=(1, 2, 3)):
+    """A request's `prompt_ids`, recording whether the role awaited it."""
+    calls = []
+
+    async def prompt_ids():
+        calls.append(1)
+        return list(ids)
+
+    return prompt_ids, calls
+
+
+REMOTE = {"kv_transfer_params": {"do_remote_decode": True}}
+
+
+async def test_each_role_queues_what_it_serves_with_the_salt():
+    both, prefill = QueueingEngine(), QueueingEngine()
+    ids, _ = tokenized()
+    assert await CoLocated(both).admit(completion(cache_salt="s"), ids) == "handle-1"
+    await Prefill(prefill).admit(completion(), ids)  # no params: served as co-located
+    await Prefill(prefill).admit(completion(cache_salt="t", **REMOTE), ids)
+    assert both.queued == [([1, 2, 3], False, "s")]
+    assert prefill.queued == [([1, 2, 3], False, None), ([1, 2, 3], True, "t")]
+
+
+@pytest.mark.parametrize(
+    "role, body, param",
+    [
+        (CoLocated, REMOTE, "kv_transfer_params"),
+        (Prefill, {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params"),
+        (Prefill, {**REMOTE, "stream": True}, "stream"),
+        (Prefill, {"kv_transfer_params": {"do_remote_decode": True, "max_tokens": 0}},
+         "kv_transfer_params"),
+    ],
+)  # fmt: skip
+async def test_roles_refuse_what_they_do_not_serve_before_tokenizing(role, body, param):
+    engine = QueueingEngine()
+    ids, calls = tokenized()
+    with pytest.raises(APIError) as e:
+        await role(engine).admit(completion(**body), ids)
+    assert e.value.status == 400 and e.value.param == param
+    assert not calls and not engine.queued
+
+
+async def test_prefill_refuses_a_remote_decode_the_context_cannot_hold_after_tokenizing():
+    engine = QueueingEngine(max_model_len=16)
+    ids, calls = tokenized(range(1, 11))
+    body = {"kv_transfer_params": {"do_remote_decode": True, "max_tokens": 7}}  # 10 + 7 > 16
+    with pytest.raises(APIError) as e:
+        await Prefill(engine).admit(completion(max_tokens=1, **body), ids)
+    assert e.value.code == "context_length_exceeded" and calls and not engine.queued
+
+
+async def test_decode_pulls_with_params_and_prefills_here_without():
+    engine = QueueingEngine()
+    pulled = []
+
+    async def admit(kvp, options, cache_salt=None):
+        pulled.append((kvp, cache_salt))
+        return "pulled"
+
+    side = SimpleNamespace(engine=engine, validate=lambda raw: ("checked", raw), admit=admit)
+    role = Decode(side)  # type: ignore[arg-type]
+    ids, calls = tokenized()
+    raw = {"transfer_id": "t"}
+    assert await role.admit(completion(kv_transfer_params=raw, cache_salt="s"), ids) == "pulled"
+    assert pulled == [(("checked", raw), "s")] and not calls  # D never re-tokenizes
+    assert await role.admit(completion(), ids) == "handle-1"  # decode-local prefill
+    assert engine.queued == [([1, 2, 3], False, None)]

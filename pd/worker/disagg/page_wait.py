@@ -1,8 +1,10 @@
 """The decode side's prealloc queue: pulled requests wait here, first come first served, until
 the pages for their KV fit beside the running batch (`HeldPages.reserve`).
 
-Event-driven: the engine calls `grant()` whenever pages may have come free (after each step,
-after an abort or a failure, after held pages are released), and each waiter is woken by the
+The decode side owns it and hands it to the engine as its `PageWaiters` (engine/hooks.py), so
+the engine, which knows nothing else of it, calls `grant()` whenever pages may have come free
+(after each step, after an abort or a failure, after held pages are released) and counts its
+waiters in `load()`. Each waiter is woken by the
 grant of its pages, by its `until` future (the pull failed: P died, P aborted, the lease was lost
 or the client left), or by its deadline. A waiter that gives up leaves the queue at once and never
 holds a page; one granted pages owns them under its key (the caller releases them).
@@ -16,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pd.protocol import APIError
-from pd.worker.engine.hooks import HeldPages
+from pd.worker.engine import HeldPages
 
 
 @dataclass(eq=False)

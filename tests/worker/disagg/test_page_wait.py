@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pd.protocol import APIError
-from pd.worker.engine.page_wait import PageWaitQueue
+from pd.worker.disagg.page_wait import PageWaitQueue
 
 
 class Pages:

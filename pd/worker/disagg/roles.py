@@ -1,0 +1,90 @@
+"""One entry point per role: `Role.admit` turns a parsed request into a queued `RequestHandle`, or
+raises APIError (nothing is queued then). build.py picks the worker's role once; the HTTP handler
+calls `admit` and never asks which role it serves, so its 4xx paths run on a stand-in role.
+
+- `CoLocated` (`--role both`): prefills and decodes here; refuses `kv_transfer_params`.
+- `Prefill`: a request the router marked for remote decode (`{"do_remote_decode": true}`) keeps
+  its KV for a decode worker (the engine calls `PrefillSide.hand_off` when its first token is
+  out); a request without params is served as on a co-located worker.
+- `Decode`: a request with P's params is validated and pulled (`DecodeSide`: D never
+  re-tokenizes); one without is prefilled here (decode-local prefill, chosen by the router).
+
+The prompt ids come as `prompt_ids`, awaited only on the paths that tokenize (the handler's
+`PromptBuilder`: large prompts are tokenized off the event loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from pd.protocol import ChatCompletionRequest, CompletionRequest, bad_request
+from pd.worker.disagg.decode_side import DecodeSide
+from pd.worker.engine import Engine, RequestHandle
+
+Request = CompletionRequest | ChatCompletionRequest
+PromptIds = Callable[[], Awaitable[list[int]]]  # the request's prompt ids (tokenized when awaited)
+
+
+class Role(Protocol):
+    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+        """Queue `req`; raises APIError when it is refused."""
+        ...
+
+
+class CoLocated:
+    """Prefill and decode here: `--role both`, and what the other roles do for a request
+    without `kv_transfer_params`."""
+
+    name = "both"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+        if req.kv_transfer_params is not None:
+            raise bad_request(
+                f"this {self.name} worker does not take kv_transfer_params "
+                f"{req.kv_transfer_params}",
+                param="kv_transfer_params",
+            )
+        return self.engine.add_request(await prompt_ids(), req.options, cache_salt=req.cache_salt)
+
+
+class Prefill(CoLocated):
+    name = "prefill"
+
+    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+        kvp = req.kv_transfer_params
+        if kvp is None or kvp.get("do_remote_decode") is not True:
+            return await super().admit(req, prompt_ids)  # served here, or other params: a 400
+        if req.stream:
+            raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
+        # The client's max_tokens, which the router passes so that P refuses, before
+        # prefilling, a request no decode worker could take.
+        asked = kvp.get("max_tokens")
+        if asked is not None and (
+            not isinstance(asked, int) or isinstance(asked, bool) or asked < 1
+        ):
+            raise bad_request(
+                "kv_transfer_params.max_tokens must be a positive integer",
+                param="kv_transfer_params",
+            )
+        ids = await prompt_ids()
+        self.engine.capacity.max_tokens_for(len(ids), asked)  # the whole request, not one token
+        return self.engine.add_request(ids, req.options, True, req.cache_salt)
+
+
+class Decode(CoLocated):
+    name = "decode"
+
+    def __init__(self, side: DecodeSide) -> None:
+        super().__init__(side.engine)
+        self.side = side
+
+    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+        if req.kv_transfer_params is None:  # decode-local prefill
+            return await super().admit(req, prompt_ids)
+        kvp = self.side.validate(req.kv_transfer_params)
+        # Its pages join this worker's prefix cache under the client's salt.
+        return await self.side.admit(kvp, req.options, req.cache_salt)
