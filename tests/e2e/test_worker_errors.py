@@ -59,9 +59,9 @@ BAD_INPUT = [
     ("an unknown field", "/v1/completions", b'{"prompt": "hi", "tempreture": 0}', 400,
      "unknown_parameter"),  # fmt: skip
     (
-        "top_logprobs > 5",
+        "top_logprobs > 20",
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 9}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
         400,
         "invalid_value",
     ),

@@ -132,6 +132,7 @@ class _Seq:
     output_ids: list[int]
     page_ids: list[int]
     params: GenerationOptions
+    rules: None = None  # no allowed-token rules
 
     def token_slice(self, start: int, end: int) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
