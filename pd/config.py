@@ -61,6 +61,11 @@ class WorkerConfig:
         "(/reset_prefix_cache, /kv/release, /integrity)",
         env="PD_API_KEY",
     )
+    grammar_timeout_s: float = _flag(
+        10.0,
+        "structured outputs: longest a grammar may take to compile (a 400 beyond; compiles run "
+        "off the event loop, and compiled grammars are cached)",
+    )
     ignore_unknown_fields: bool = _flag(
         False,
         "accept request fields this server does not know (logged once per name), as vLLM "
@@ -141,6 +146,7 @@ class WorkerConfig:
         check(self.dtype in DTYPES, f"--dtype must be one of {DTYPES}")
         check(self.tp >= 1, "--tp must be >= 1")
         check(self.threads >= 0, "--threads must be >= 0")
+        check(self.grammar_timeout_s > 0, "--grammar-timeout-s must be > 0")
         check(
             self.max_body_bytes == 0 or self.max_body_bytes >= 1024,
             "--max-body-bytes must be 0 or >= 1024",

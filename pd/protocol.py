@@ -319,7 +319,8 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
     found: list[tuple[str, Constraint]] = []
     fmt = body.get("response_format")
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        kinds = ("text", "json_object", "json_schema")
+        if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
             raise bad_request(
                 "'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}",
                 param="response_format",
@@ -569,8 +570,8 @@ FIELDS: dict[str, FieldRule] = {
     "stop": _rule(SERVED, "strings; cut from the output"),
     "stop_token_ids": _rule(SERVED, "vLLM extra"),
     "ignore_eos": _rule(SERVED, "vLLM extra"),
-    "min_tokens": _rule(REFUSED, "vLLM extra: not served yet", "both", 0),
-    "include_stop_str_in_output": _rule(REFUSED, "vLLM extra: not served yet", "both", False),
+    "min_tokens": _rule(SERVED, "vLLM extra: EOS and stop ids are masked until this many tokens"),
+    "include_stop_str_in_output": _rule(SERVED, "vLLM extra: the matched stop string is kept"),
     # -- sampling
     "temperature": _rule(SERVED, "0 (or below 1e-5) is greedy; at most 2"),
     "top_p": _rule(SERVED, "0 means greedy"),
@@ -582,9 +583,9 @@ FIELDS: dict[str, FieldRule] = {
     "seed": _rule(SERVED, "the same text however the request is batched or routed"),
     "n": _rule(SERVED, "1 only (400 otherwise)"),
     "best_of": _rule(SERVED, "1 only (400 otherwise)", "completions"),
-    "logit_bias": _rule(REFUSED, "not served yet", "both", {}),
-    "allowed_token_ids": _rule(REFUSED, "vLLM extra: not served yet"),
-    "bad_words": _rule(REFUSED, "vLLM extra: not served yet", "both", []),
+    "logit_bias": _rule(SERVED, "added to the logits of the named token ids, each in [-100, 100]"),
+    "allowed_token_ids": _rule(SERVED, "vLLM extra: the only tokens it may sample (and stopping)"),
+    "bad_words": _rule(SERVED, "vLLM extra: a word's last token is never sampled after the rest"),
     "use_beam_search": _rule(REFUSED, "vLLM extra: no beam search", "both", False),
     "length_penalty": _rule(REFUSED, "vLLM extra: no beam search", "both", 1, 1.0),
     "logits_processors": _rule(REFUSED, "vLLM extra: no custom logits processors"),
@@ -596,18 +597,18 @@ FIELDS: dict[str, FieldRule] = {
     "return_tokens_as_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     "return_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     # -- structured outputs and tools
-    "response_format": _rule(REFUSED, "structured outputs: not served yet", "both", {"type": "text"}),
-    "structured_outputs": _rule(REFUSED, "structured outputs: not served yet"),
-    "guided_json": _rule(REFUSED, "structured outputs: not served yet"),
-    "guided_regex": _rule(REFUSED, "structured outputs: not served yet"),
-    "guided_choice": _rule(REFUSED, "structured outputs: not served yet"),
-    "guided_grammar": _rule(REFUSED, "structured outputs: not served yet"),
+    "response_format": _rule(SERVED, "json_object, json_schema (strict or not) constrain it"),
+    "structured_outputs": _rule(SERVED, "vLLM extra: json, regex, choice, grammar or json_object"),
+    "guided_json": _rule(SERVED, "vLLM extra: the older form of structured_outputs.json"),
+    "guided_regex": _rule(SERVED, "vLLM extra: the older form of structured_outputs.regex"),
+    "guided_choice": _rule(SERVED, "vLLM extra: the older form of structured_outputs.choice"),
+    "guided_grammar": _rule(SERVED, "vLLM extra: a Lark or GBNF grammar"),
     "structural_tag": _rule(REFUSED, "vLLM extra: structured outputs, not served yet"),
-    "guided_decoding_backend": _rule(REFUSED, "structured outputs: not served yet"),
+    "guided_decoding_backend": _rule(ACCEPTED, "vLLM extra: one backend here, llguidance"),
     "guided_whitespace_pattern": _rule(REFUSED, "vLLM extra: structured outputs, not served"),
-    "regex": _rule(REFUSED, "structured outputs: not served yet"),
-    "ebnf": _rule(REFUSED, "structured outputs: not served yet"),
-    "json_schema": _rule(REFUSED, "structured outputs: not served yet"),
+    "regex": _rule(SERVED, "SGLang extra: a regex the output matches"),
+    "ebnf": _rule(SERVED, "SGLang extra: a GBNF grammar"),
+    "json_schema": _rule(SERVED, "SGLang extra: a JSON schema (as a string)"),
     "tools": _rule(REFUSED, "tool calling: not served yet", "chat", []),
     "tool_choice": _rule(REFUSED, "tool calling: not served yet", "chat", "none"),
     "functions": _rule(REFUSED, "deprecated tool calling: not served", "chat", []),

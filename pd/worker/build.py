@@ -51,6 +51,7 @@ class Worker:
     # sees another.
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     attention_backend: str = ""  # the runner's (FlashInferAttentionBackend, TorchAttentionBackend)
+    vocab_size: int = 0  # the model's logits rows (0: the tokenizer's): what token masks cover
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -157,4 +158,5 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         decode=decode,
         accepted_names=frozenset({name, "default"}),
         attention_backend=runner.attention_backend,
+        vocab_size=mcfg.vocab_size,
     )

@@ -10,16 +10,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from pd.protocol import APIError, ChatCompletionRequest, error_body, parse_json_body
+from pd.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    GenerationOptions,
+    error_body,
+    parse_json_body,
+)
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
 from pd.worker.api.prompt import PromptBuilder
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
+from pd.worker.text.grammar import GrammarCompiler, GrammarError
+from pd.worker.text.token_rules import TokenRules, rules_for
 
 log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
+GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 BODY_LIMIT = web.AppKey("body_limit", int)
 
 
@@ -65,6 +74,11 @@ def make_app(worker: Worker) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
+    app[GRAMMARS] = GrammarCompiler(
+        worker.tokenizer,
+        worker.vocab_size or worker.tokenizer.vocab_size,
+        worker.config.grammar_timeout_s,
+    )
     app[BODY_LIMIT] = limit
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -86,6 +100,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await engine.stop()
     app[PROMPTS].close()
+    app[GRAMMARS].close()
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -212,8 +227,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
+    rules = await _rules(request.app[GRAMMARS], worker, req.options)
     # The role (co-located, prefill or decode: build.py) queues it, tokenizing when it must.
-    handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req))
+    handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req), rules)
     prompt_tokens = len(handle.seq.prompt_ids)
     worker.metrics.prompt_tokens.inc(prompt_tokens)
     builder = ResponseBuilder(
@@ -236,6 +252,26 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
         worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+
+
+async def _rules(
+    grammars: GrammarCompiler, worker: Worker, options: GenerationOptions
+) -> TokenRules | None:
+    """The request's token rules (its grammar compiled off the loop); a 400 for a constraint
+    that does not compile in time or token ids this model does not have."""
+    vocab = grammars.vocab_size
+    for name, ids in (
+        ("logit_bias", [t for t, _ in options.logit_bias]),
+        ("allowed_token_ids", options.allowed_token_ids or ()),
+    ):
+        if ids and max(ids) >= vocab:
+            raise APIError(
+                400, f"'{name}' names a token id past the vocabulary ({vocab})", param=name
+            )
+    try:
+        return await rules_for(options, worker.tokenizer, grammars)
+    except GrammarError as e:
+        raise APIError(400, f"invalid structured-output constraint: {e}", code="invalid_grammar")
 
 
 async def _stream(

@@ -30,6 +30,7 @@ from pd.worker.disagg.contract import KV_POOL, TransferRole
 from pd.worker.disagg.page_wait import PageWaitQueue
 from pd.worker.engine import Engine, RequestHandle
 from pd.worker.model import ModelRunner
+from pd.worker.text.token_rules import TokenRules
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +94,17 @@ class DecodeSide(TransferRole):
         return kvp
 
     async def admit(
-        self, kvp: KVTransferParams, options: GenerationOptions, cache_salt: str | None = None
+        self,
+        kvp: KVTransferParams,
+        options: GenerationOptions,
+        cache_salt: str | None = None,
+        rules: TokenRules | None = None,
     ) -> RequestHandle:
         """Queue the request, dial P, then emit P's first token; the pull goes on in a task.
         Its pages join this worker's prefix cache under the client's `cache_salt`."""
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
         handle = self.engine.add_pulled(
-            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt
+            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt, rules
         )
         try:
             rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))

@@ -21,14 +21,18 @@ from typing import Protocol
 from pd.protocol import ChatCompletionRequest, CompletionRequest, bad_request
 from pd.worker.disagg.decode_side import DecodeSide
 from pd.worker.engine import Engine, RequestHandle
+from pd.worker.text.token_rules import TokenRules
 
 Request = CompletionRequest | ChatCompletionRequest
 PromptIds = Callable[[], Awaitable[list[int]]]  # the request's prompt ids (tokenized when awaited)
 
 
 class Role(Protocol):
-    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
-        """Queue `req`; raises APIError when it is refused."""
+    async def admit(
+        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+    ) -> RequestHandle:
+        """Queue `req` (with `rules` for its tokens: grammar, min_tokens, ...); raises APIError
+        when it is refused."""
         ...
 
 
@@ -41,23 +45,29 @@ class CoLocated:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+    async def admit(
+        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+    ) -> RequestHandle:
         if req.kv_transfer_params is not None:
             raise bad_request(
                 f"this {self.name} worker does not take kv_transfer_params "
                 f"{req.kv_transfer_params}",
                 param="kv_transfer_params",
             )
-        return self.engine.add_request(await prompt_ids(), req.options, cache_salt=req.cache_salt)
+        return self.engine.add_request(
+            await prompt_ids(), req.options, cache_salt=req.cache_salt, rules=rules
+        )
 
 
 class Prefill(CoLocated):
     name = "prefill"
 
-    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+    async def admit(
+        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+    ) -> RequestHandle:
         kvp = req.kv_transfer_params
         if kvp is None or kvp.get("do_remote_decode") is not True:
-            return await super().admit(req, prompt_ids)  # served here, or other params: a 400
+            return await super().admit(req, prompt_ids, rules)  # here, or other params: a 400
         if req.stream:
             raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
         # The client's max_tokens, which the router passes so that P refuses, before
@@ -72,7 +82,8 @@ class Prefill(CoLocated):
             )
         ids = await prompt_ids()
         self.engine.capacity.max_tokens_for(len(ids), asked)  # the whole request, not one token
-        return self.engine.add_request(ids, req.options, True, req.cache_salt)
+        # P samples the first token: its rules constrain it as D's constrain the rest.
+        return self.engine.add_request(ids, req.options, True, req.cache_salt, rules)
 
 
 class Decode(CoLocated):
@@ -82,9 +93,12 @@ class Decode(CoLocated):
         super().__init__(side.engine)
         self.side = side
 
-    async def admit(self, req: Request, prompt_ids: PromptIds) -> RequestHandle:
+    async def admit(
+        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+    ) -> RequestHandle:
         if req.kv_transfer_params is None:  # decode-local prefill
-            return await super().admit(req, prompt_ids)
+            return await super().admit(req, prompt_ids, rules)
         kvp = self.side.validate(req.kv_transfer_params)
-        # Its pages join this worker's prefix cache under the client's salt.
-        return await self.side.admit(kvp, req.options, req.cache_salt)
+        # Its pages join this worker's prefix cache under the client's salt; its rules are
+        # built from the same request as P's, and take P's first token before anything else.
+        return await self.side.admit(kvp, req.options, req.cache_salt, rules)

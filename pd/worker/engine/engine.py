@@ -35,6 +35,7 @@ from pd.worker.model.runner import StepBatch
 from pd.worker.model.sampler import SampleOutput
 from pd.worker.text.detokenizer import IncrementalDetokenizer
 from pd.worker.text.stop import StopChecker
+from pd.worker.text.token_rules import TokenRules
 from pd.worker.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -120,9 +121,11 @@ class Engine:
         options: GenerationOptions,
         remote_decode: bool = False,
         cache_salt: str | None = None,
+        rules: TokenRules | None = None,
     ) -> RequestHandle:
-        """Queue a request; raises APIError (400 too long, 503 queue full or not running)."""
-        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING)
+        """Queue a request; raises APIError (400 too long, 503 queue full or not running).
+        `rules` (its grammar, min_tokens, ...) say what each next token may be."""
+        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules)
         handle.seq.remote_decode = remote_decode
         handle.seq.cache_salt = cache_salt
         self.scheduler.add(handle.seq)
@@ -135,11 +138,13 @@ class Engine:
         options: GenerationOptions,
         cached_tokens: int = 0,
         cache_salt: str | None = None,
+        rules: TokenRules | None = None,
     ) -> RequestHandle:
         """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
         cache served `cached_tokens` of its prompt). It emits P's first token through
         `accept_first_token` and joins the batch through `admit_pulled`."""
-        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING)
+        # Its rules see P's first token first (`accept_first_token`), as P's did.
+        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING, rules)
         handle.seq.num_cached_tokens = cached_tokens
         handle.seq.cache_salt = cache_salt
         return handle
@@ -158,7 +163,11 @@ class Engine:
         self._wake()
 
     def _new_handle(
-        self, prompt_ids: list[int], options: GenerationOptions, status: SeqStatus
+        self,
+        prompt_ids: list[int],
+        options: GenerationOptions,
+        status: SeqStatus,
+        rules: TokenRules | None = None,
     ) -> RequestHandle:
         max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens)
         if self._wakeup is None:
@@ -173,9 +182,9 @@ class Engine:
             )
         request_id = f"req-{next(self._ids)}"
         handle = RequestHandle(
-            Sequence(request_id, prompt_ids, options, max_tokens, status=status),
+            Sequence(request_id, prompt_ids, options, max_tokens, status=status, rules=rules),
             IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens),
-            StopChecker(options.stop),
+            StopChecker(options.stop, options.include_stop_str_in_output),
         )
         self.handles[request_id] = handle
         return handle

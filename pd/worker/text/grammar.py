@@ -112,9 +112,8 @@ class GrammarCompiler:
         self.eos = frozenset(tok.eos_token_ids)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
-        self._tok = llguidance.LLTokenizer(
-            tok.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(self.eos) or None
-        )
+        self._source = tok  # llguidance's tokenizer is built on the first compile (~0.25 s)
+        self._tok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the cache is read on the loop and written on the thread
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
@@ -150,6 +149,12 @@ class GrammarCompiler:
             cached = self._cache.get(grammar)
         if cached is not None:
             return cached
+        if self._tok is None:  # on the compile thread, like every build
+            self._tok = llguidance.LLTokenizer(
+                self._source.backend.to_str(),
+                n_vocab=self.vocab_size,
+                eos_token=sorted(self.eos) or None,
+            )
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
             raise GrammarError(" ".join(m.get_error().split())[:500])

@@ -203,7 +203,7 @@ class QueueingEngine:
         self.capacity = Capacity(max_model_len, PAGE, 64)
         self.queued: list[tuple[list[int], bool, str | None]] = []
 
-    def add_request(self, ids, options, remote_decode=False, cache_salt=None):
+    def add_request(self, ids, options, remote_decode=False, cache_salt=None, rules=None):
         self.queued.append((ids, remote_decode, cache_salt))
         return f"handle-{len(self.queued)}"
 
@@ -268,7 +268,7 @@ async def test_decode_pulls_with_params_and_prefills_here_without():
     engine = QueueingEngine()
     pulled = []
 
-    async def admit(kvp, options, cache_salt=None):
+    async def admit(kvp, options, cache_salt=None, rules=None):
         pulled.append((kvp, cache_salt))
         return "pulled"
 
