@@ -290,3 +290,35 @@ async def test_cache_salt_isolates_the_prefix_cache_and_its_hit_counts(client):
     assert await cached(cache_salt="tenant-a") > 0  # the same tenant hits its own pages
     status, body = await post(client, "/v1/completions", {"prompt": "x", "cache_salt": 7})
     assert status == 400 and body["error"]["param"] == "cache_salt"
+
+
+async def test_logit_bias_min_tokens_allowed_ids_and_include_stop_are_served(client, worker):
+    tok = worker.tokenizer
+    the = tok.encode(" the")[0]
+    status, body = await post(client, "/v1/completions", {
+        "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0,
+        "logit_bias": {str(the): 100},
+    })  # fmt: skip
+    assert status == 200 and body["choices"][0]["text"] == " the" * 5, body
+    eos = min(tok.eos_token_ids)
+    status, body = await post(client, "/v1/completions", {
+        "prompt": "Say nothing.", "max_tokens": 12, "temperature": 0, "min_tokens": 12,
+        "logit_bias": {str(eos): 100},  # it would stop at once
+    })  # fmt: skip
+    assert status == 200 and body["usage"]["completion_tokens"] == 12, body
+    allowed = tok.encode(" yes no maybe")
+    status, body = await post(client, "/v1/completions", {
+        "prompt": "Answer:", "max_tokens": 6, "temperature": 1.0, "seed": 3,
+        "allowed_token_ids": allowed, "logprobs": 1,
+    })  # fmt: skip
+    lp = body["choices"][0]["logprobs"]
+    assert status == 200 and set(tok.encode("".join(lp["tokens"]))) <= set(allowed), body
+    status, body = await post(client, "/v1/completions", {
+        "prompt": "Count: 1, 2, 3,", "max_tokens": 12, "temperature": 0, "stop": [" 5"],
+        "include_stop_str_in_output": True,
+    })  # fmt: skip
+    assert status == 200 and body["choices"][0]["text"].endswith(" 5"), body
+    status, body = await post(
+        client, "/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}
+    )
+    assert status == 400 and body["error"]["param"] == "logit_bias"
