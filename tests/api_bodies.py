@@ -12,7 +12,12 @@ import json
 from typing import Any
 
 import orjson
-from hypothesis import example
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+from aiohttp.test_utils import TestClient
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -155,3 +160,41 @@ def assert_openai_answer(status: int, raw: bytes, content_type: str) -> None:
             assert "error" not in payload, payload
     else:
         assert "choices" in orjson.loads(raw)
+
+
+# CI runs a bounded number of examples; PD_FUZZ_EXAMPLES=5000 searches longer.
+EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "150"))
+
+
+def fuzz(
+    loop: asyncio.AbstractEventLoop,
+    client: TestClient,
+    after_each: Callable[[], Awaitable[None]] | None = None,
+) -> dict[int, int]:
+    """Send `EXAMPLES` generated bodies (the known cases first) through `client` on `loop`,
+    holding each answer to `assert_openai_answer` (and `after_each`, e.g. a page check); the
+    answers counted by status."""
+    seen: dict[int, int] = {}
+
+    async def send(path: str, raw: bytes) -> None:
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        data = await resp.read()
+        seen[resp.status] = seen.get(resp.status, 0) + 1
+        assert_openai_answer(resp.status, data, resp.headers.get("Content-Type", ""))
+        if after_each is not None:
+            await after_each()
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(bodies())
+    @with_known_cases
+    def check(case: tuple[str, bytes]) -> None:
+        loop.run_until_complete(send(*case))
+
+    check()
+    print("answers by status:", seen)
+    return seen

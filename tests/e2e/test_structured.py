@@ -17,15 +17,14 @@ from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
 from tests.e2e.conftest import assert_all_pages_free, make_worker, wait_idle
-from tests.e2e.processes import start_worker, stop, wait_pages_free
-from tests.e2e.test_pd import start_router
+from tests.e2e.processes import wait_pages_free
+from tests.e2e.test_pd import pair, start_router  # noqa: F401 (pair: a fixture)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "128", "--max-model-len", "2048", "--threads", "1")
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -49,20 +48,6 @@ SCHEMA = {
 }
 PERSON = "Describe a made-up person as JSON with name, age, pet, friends and home."
 SEEDS = range(int(os.environ.get("PD_STRUCTURED_SEEDS", "5")))  # 20 in the reported run
-
-
-@pytest.fixture(scope="module")
-def pair():
-    procs = []
-    try:
-        p, p_url = start_worker("--role", "prefill", *FLAGS)
-        procs.append(p)
-        d, d_url = start_worker("--role", "decode", *FLAGS)
-        procs.append(d)
-        yield p_url, d_url
-    finally:
-        for proc in procs:
-            stop(proc)
 
 
 @pytest.fixture(scope="module")

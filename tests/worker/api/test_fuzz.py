@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from hypothesis import HealthCheck, given, settings
 
 from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
@@ -21,13 +19,11 @@ from pd.worker.disagg import CoLocated
 from pd.worker.engine import Engine, Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import SampleOutput
-from tests.api_bodies import assert_openai_answer, bodies, with_known_cases
+from tests.api_bodies import fuzz
 
 pytestmark = pytest.mark.slow  # loads the default model's tokenizer
 
 MAX_MODEL_LEN = 512
-# CI runs a bounded number of examples; PD_FUZZ_EXAMPLES=5000 searches longer.
-EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "150"))
 
 
 class Runner:
@@ -85,30 +81,9 @@ def test_generated_bodies_get_an_answer_or_a_clear_4xx():
     worker = make_worker()
     client = TestClient(TestServer(make_app(worker)), loop=loop)
     loop.run_until_complete(client.start_server())
-    seen: dict[int, int] = {}
-
-    async def send(path: str, raw: bytes) -> None:
-        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
-        data = await resp.read()
-        seen[resp.status] = seen.get(resp.status, 0) + 1
-        assert_openai_answer(resp.status, data, resp.headers.get("Content-Type", ""))
-        await settle(worker)
-
-    @settings(
-        max_examples=EXAMPLES,
-        deadline=None,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
-    @given(bodies())
-    @with_known_cases
-    def check(case: tuple[str, bytes]) -> None:
-        loop.run_until_complete(send(*case))
-
     try:
-        check()
+        seen = fuzz(loop, client, lambda: settle(worker))
     finally:
         loop.run_until_complete(client.close())
         loop.close()
-    print("answers by status:", seen)
     assert seen.get(200, 0) >= 5, seen  # a good share was served, not only refused
