@@ -34,7 +34,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             )
             continue
         if meta.get("repeat"):
-            parser.add_argument(name, action="append", default=[], metavar="URL", **kw)
+            parser.add_argument(
+                name, action="append", default=[], metavar=meta.get("metavar", "URL"), **kw
+            )
             continue
         default = f.default if f.default is not MISSING else None
         kind = str(f.type)

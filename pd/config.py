@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pd.cli_args import flag as _flag
+from pd.cors import ORIGINS_HELP, check_origins
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -136,6 +137,7 @@ class WorkerConfig:
     )
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
+    allowed_origins: tuple[str, ...] = _flag((), ORIGINS_HELP, repeat=True, metavar="ORIGIN")
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -184,3 +186,4 @@ class WorkerConfig:
             "--attention-backend must be one of auto, flashinfer, torch",
         )
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
+        check_origins(self.allowed_origins)

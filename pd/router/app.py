@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from pd.cors import enable_cors
 from pd.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -23,7 +24,7 @@ from pd.protocol import (
     parse_request,
     unknown_fields,
 )
-from pd.router import admin
+from pd.router import admin, tokenize
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
@@ -45,6 +46,9 @@ def _error(
     return json_response(error_body(message, type, code), status, headers)
 
 
+_AUTHED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
+
+
 def _middleware(cfg: RouterConfig):
     expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
@@ -52,7 +56,11 @@ def _middleware(cfg: RouterConfig):
     async def middleware(request: web.Request, handler) -> web.StreamResponse:
         """Client auth on /v1/*, and every error as an OpenAI-style JSON body (one place)."""
         try:
-            if expected is not None and request.path.startswith("/v1/"):
+            if (
+                expected is not None
+                and request.path.startswith(_AUTHED)
+                and request.method != "OPTIONS"  # a CORS preflight carries no credentials
+            ):
                 given = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(given, expected):
                     raise APIError(
@@ -219,5 +227,8 @@ def make_app(cfg: RouterConfig) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize.forward)
+    app.router.add_post("/detokenize", tokenize.forward)
     admin.add_routes(app)
+    enable_cors(app, cfg.allowed_origins)
     return app

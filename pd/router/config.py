@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.cli_args import flag as _flag
+from pd.cors import ORIGINS_HELP, check_origins
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
@@ -131,6 +132,7 @@ class RouterConfig:
         "the workers), as vLLM does; by default they are a 400, as OpenAI answers them",
         store_true=True,
     )
+    allowed_origins: tuple[str, ...] = _flag((), ORIGINS_HELP, repeat=True, metavar="ORIGIN")
     access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
     log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
 
@@ -176,6 +178,7 @@ class RouterConfig:
             self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024"
         )
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
+        check_origins(self.allowed_origins)
         for name in ("api_key", "admin_token", "worker_api_key"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
 

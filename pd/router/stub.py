@@ -74,7 +74,16 @@ class StubWorker:
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/kv/release", self._release)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._tokenize)
         return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize: the body back, with who answered and what it was sent."""
+        body = orjson.loads(await request.read())
+        self.requests.append(body)
+        self.headers.append(request.headers.copy())
+        return web.json_response({"path": request.path, "instance": self.instance, **body})
 
     async def _release(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

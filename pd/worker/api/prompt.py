@@ -80,9 +80,24 @@ class PromptBuilder:
             self._check_fits(len(text.encode()), param)  # character takes in UTF-8)
         return await self._run(len(text) >= INLINE_BYTES, self.tok.encode, text)
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    async def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """A conversation's text under the chat template (off the loop when large)."""
+        size = sum(len(m["content"]) for m in messages)
+        return await self._run(size >= INLINE_BYTES, self._render, messages, add_generation_prompt)
+
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """A text's token ids, whatever its length (off the loop when large)."""
+        return await self._run(len(text) >= INLINE_BYTES, self.tok.encode, text, add_special_tokens)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids' text, special tokens kept (off the loop when many)."""
+        return await self._run(len(ids) >= INLINE_BYTES // 4, self.tok.decode, ids, False)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 

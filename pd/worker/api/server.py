@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from pd.cors import enable_cors
 from pd.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -19,6 +20,7 @@ from pd.protocol import (
 )
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
 from pd.worker.api.prompt import PromptBuilder
+from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 from pd.worker.text.grammar import GrammarCompiler, GrammarError
@@ -88,6 +90,9 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/integrity", integrity)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/kv/release", kv_release)
+    app.router.add_post("/tokenize", tokenize_endpoint)
+    app.router.add_post("/detokenize", detokenize_endpoint)
+    enable_cors(app, worker.config.allowed_origins)
     app.cleanup_ctx.append(_engine_ctx)
     if worker.transfer is not None:
         app.cleanup_ctx.append(_transfer_ctx)
@@ -179,6 +184,27 @@ async def kv_release(request: web.Request) -> web.Response:
         raise APIError(400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id")
     released = worker.prefill.release(tid, reason[:200])
     return json_response({"transfer_id": tid, "released": released})
+
+
+async def tokenize_endpoint(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: the ids of a prompt or a conversation (pd/worker/api/tokenize.py)."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    body = parse_json_body(await request.read())
+    check_model(body.get("model"), worker.accepted_names, worker.model_name)
+    ignore = worker.config.ignore_unknown_fields
+    answer = await tokenize(request.app[PROMPTS], body, worker.engine.max_model_len, ignore)
+    return json_response(answer)
+
+
+async def detokenize_endpoint(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: the text of token ids."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    body = parse_json_body(await request.read())
+    check_model(body.get("model"), worker.accepted_names, worker.model_name)
+    ignore = worker.config.ignore_unknown_fields
+    return json_response(await detokenize(request.app[PROMPTS], body, ignore))
 
 
 async def metrics(request: web.Request) -> web.Response:
