@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 "${PYTHON:-python3}" -m mypy  # the type check: [tool.mypy] in pyproject.toml
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+exec "${PYTHON:-python3}" -m pytest -q --durations=30 "$@"  # the slowest, to budget CI time
