@@ -11,12 +11,15 @@ import orjson
 from aiohttp import web
 
 from pd.protocol import (
+    MAX_TOP_LOGPROBS,
     APIError,
     ChatCompletionRequest,
+    CompletionRequest,
     GenerationOptions,
     error_body,
     parse_json_body,
 )
+from pd.worker.api.echo import PromptPart, prompt_part
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
 from pd.worker.api.prompt import PromptBuilder
 from pd.worker.build import Worker
@@ -71,6 +74,9 @@ def make_app(worker: Worker) -> web.Application:
     # A body no prompt that fits could fill is refused before it is read whole or parsed
     # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
     limit = worker.config.max_body_bytes or prompts.max_body_bytes
+    if worker.config.role == "decode" and not worker.config.max_body_bytes:
+        # P's params may carry the prompt's logprobs: ~40 bytes an alternative, a position.
+        limit += worker.engine.max_model_len * (MAX_TOP_LOGPROBS + 2) * 40
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
@@ -239,6 +245,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         token_text=lambda t: worker.tokenizer.decode([t], False),
         wants_logprobs=req.options.wants_logprobs,
         cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
+        prompt_part=_prompt_part(worker, req, handle),
     )
     try:
         if req.stream:
@@ -252,6 +259,25 @@ async def generate(request: web.Request) -> web.StreamResponse:
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
         worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+
+
+def _prompt_part(
+    worker: Worker, req: CompletionRequest | ChatCompletionRequest, handle: RequestHandle
+) -> Callable[[], PromptPart] | None:
+    """What builds the answer's prompt part (echo, prompt_logprobs), when the request asks."""
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if not echo and req.prompt_logprobs is None:
+        return None
+    seq, tok = handle.seq, worker.tokenizer
+    return lambda: prompt_part(
+        seq.prompt_ids,
+        seq.prompt_logprobs,
+        tok,
+        lambda t: tok.decode([t], False),
+        echo=echo,
+        echo_logprobs=req.options.top_logprobs if echo and req.options.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+    )
 
 
 async def _rules(
