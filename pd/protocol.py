@@ -597,7 +597,8 @@ FIELDS: dict[str, FieldRule] = {
     "prompt": _rule(SERVED, "text or token ids (a batch of one)", "completions"),
     "model": _rule(SERVED, "checked against the served names (404 otherwise)"),
     # -- length and stopping
-    "max_tokens": _rule(SERVED, "completions: 16 by default; chat: the rest of the context"),
+    "max_tokens": _rule(SERVED, "completions: 16 by default, 0 only with echo; chat: the rest "
+                        "of the context"),
     "max_completion_tokens": _rule(SERVED, "wins over max_tokens", "chat"),
     "stop": _rule(SERVED, "strings; cut from the output"),
     "stop_token_ids": _rule(SERVED, "vLLM extra"),
