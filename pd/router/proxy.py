@@ -12,7 +12,9 @@ transfer. If it fails before its first byte, the request goes the PD way.
 
 PD: P gets the client's body with `max_tokens=1`, `stream=false` and
 `kv_transfer_params={"do_remote_decode": true, "max_tokens": <the client's>}` (P refuses what no
-D could take, before prefilling). If P's answer is final (no params), it is the answer. Else D
+D could take, before prefilling). If P's answer is final (no params, or the client asked for one
+token or, with echo, none), it is the answer. The prompt's logprobs, when asked, travel from P to
+D in the params (D answers them): the router never merges answers. Else D
 gets the client's body plus P's params with `stream=true`; its SSE is relayed byte for byte, or
 collected into one JSON answer when the client asked for no stream (so the router still tells
 the first token from the end, for TTFT). If D fails before its first byte, P is told to release
