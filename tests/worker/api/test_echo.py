@@ -9,6 +9,7 @@ import pytest
 
 from pd.protocol import APIError, KVTransferParams, parse_request
 from pd.worker.api.echo import prompt_part
+from pd.worker.api.server import make_app
 from pd.worker.api.openai_format import ResponseBuilder
 from pd.worker.engine import Delta
 
@@ -180,3 +181,35 @@ def test_kv_transfer_params_check_the_prompt_logprobs_field(value, ok):
     else:
         with pytest.raises(APIError, match="prompt_logprobs"):
             KVTransferParams.from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    "raw, code",
+    [
+        (b'{"prompt": "hi", "prompt_logprobs": 21}', "invalid_value"),
+        (b'{"prompt": "hi", "max_tokens": 0}', "invalid_value"),
+        (b'{"prompt": "hi", "echo": 1}', "invalid_type"),
+    ],
+)
+async def test_the_handler_answers_them_as_openai_errors_and_queues_nothing(
+    aiohttp_client, raw, code
+):
+    from tests.worker.api.test_handler import StandInRole, assert_error, post, worker
+
+    role = StandInRole()
+    client = await aiohttp_client(make_app(worker(role)))
+    resp, body = await post(client, raw)
+    assert_error(resp, body, 400, code)
+    chat = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "echo": True}
+    )
+    assert_error(chat, orjson.loads(await chat.read()), 400, "unsupported_value")
+    assert not role.prompts
+
+
+async def test_echo_through_the_handler_on_a_stand_in_engine(aiohttp_client):
+    from tests.worker.api.test_handler import StandInRole, post, worker
+
+    client = await aiohttp_client(make_app(worker(StandInRole())))
+    resp, body = await post(client, b'{"prompt": [1, 2, 3], "echo": true}')
+    assert resp.status == 200 and body["choices"][0]["text"] == "bcd" + "hi"
