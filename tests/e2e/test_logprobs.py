@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import aiohttp
 import openai
+import orjson
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from pd.transfer import nixl_available
 from pd.worker.api.server import make_app
@@ -62,8 +64,6 @@ async def ask(http, url: str, body: dict, path: str = "/v1/completions") -> dict
 
 async def collect(http, url: str, body: dict) -> dict:
     """A streamed completion put together as a client would: texts and logprob lists joined."""
-    import orjson
-
     resp = await http.post(f"{url}/v1/completions", json={**body, "stream": True})
     assert resp.status == 200, await resp.text()
     choice: dict = {"text": "", "logprobs": None}
@@ -165,8 +165,6 @@ async def test_chunked_prefill_and_repeats_give_the_colocated_values(client):
     prompt = [IDS[0] * 3]  # 39 tokens: two full pages to cache
     body = {**LM_EVAL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
     both = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]
-    from aiohttp.test_utils import TestClient, TestServer
-
     async with TestClient(TestServer(make_app(chunked))) as c:
         for _ in range(2):
             answer = await (await c.post("/v1/completions", json=body)).json()

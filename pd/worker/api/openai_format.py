@@ -50,9 +50,10 @@ class ResponseBuilder:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
     def add(self, delta: Delta) -> None:
-        if self.prompt is None and self.prompt_part is not None:
-            self.prompt = self.prompt_part()
-            self.chars = len(self.prompt.text)
+        if not self.text:  # the first delta: the prompt's part goes first (built here, or ahead)
+            if self.prompt is None and self.prompt_part is not None:
+                self.prompt = self.prompt_part()
+            self.chars = len(self.prompt.text) if self.prompt is not None else 0
         self.offsets.extend(self.chars for _ in delta.logprobs)
         self.chars += len(delta.text)
         self.text.append(delta.text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,6 +34,10 @@ WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 BODY_LIMIT = web.AppKey("body_limit", int)
+TOKEN_TEXT = web.AppKey[Callable[[int], str]]("token_text")  # a token's text, cached by id
+# An echoed prompt or prompt logprobs of this many entries (positions x alternatives) or more are
+# rendered on the text thread (~7 us an entry, on the event loop otherwise).
+LARGE_PROMPT_PART = 4096
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -86,6 +91,14 @@ def make_app(worker: Worker) -> web.Application:
         worker.config.grammar_timeout_s,
     )
     app[BODY_LIMIT] = limit
+    tokenizer = worker.tokenizer
+
+    @functools.lru_cache(maxsize=1 << 18)
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t], False)
+
+    text_of: Callable[[int], str] = token_text
+    app[TOKEN_TEXT] = text_of
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
@@ -242,10 +255,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         chat=isinstance(req, ChatCompletionRequest),
         model=worker.model_name,
         prompt_tokens=prompt_tokens,
-        token_text=lambda t: worker.tokenizer.decode([t], False),
+        token_text=request.app[TOKEN_TEXT],
         wants_logprobs=req.options.wants_logprobs,
         cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
-        prompt_part=_prompt_part(worker, req, handle),
+        prompt_part=_prompt_part(worker, req, handle, request.app[TOKEN_TEXT]),
     )
     try:
         if req.stream:
@@ -254,6 +267,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             delta = await handle.queue.get()
             if delta.error is not None:
                 raise delta.error
+            await _prompt_ready(prompts, builder, req.options)
             builder.add(delta)
         return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
     finally:
@@ -262,22 +276,35 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 def _prompt_part(
-    worker: Worker, req: CompletionRequest | ChatCompletionRequest, handle: RequestHandle
+    worker: Worker,
+    req: CompletionRequest | ChatCompletionRequest,
+    handle: RequestHandle,
+    token_text: Callable[[int], str],
 ) -> Callable[[], PromptPart] | None:
     """What builds the answer's prompt part (echo, prompt_logprobs), when the request asks."""
     echo = isinstance(req, CompletionRequest) and req.echo
     if not echo and req.prompt_logprobs is None:
         return None
-    seq, tok = handle.seq, worker.tokenizer
+    seq = handle.seq
     return lambda: prompt_part(
         seq.prompt_ids,
         seq.prompt_logprobs,
-        tok,
-        lambda t: tok.decode([t], False),
+        worker.tokenizer,
+        token_text,
         echo=echo,
         echo_logprobs=req.options.top_logprobs if echo and req.options.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
     )
+
+
+async def _prompt_ready(
+    prompts: PromptBuilder, builder: ResponseBuilder, options: GenerationOptions
+) -> None:
+    """Before the first delta: build the answer's prompt part, on the text thread when large."""
+    if builder.prompt_part is None or builder.prompt is not None or builder.text:
+        return
+    entries = builder.prompt_tokens * (1 + (options.prompt_logprobs or 0))
+    builder.prompt = await prompts.off_loop(entries >= LARGE_PROMPT_PART, builder.prompt_part)
 
 
 async def _rules(
@@ -314,6 +341,7 @@ async def _stream(
         if delta.error is not None:  # headers are out: the error is the stream's last event
             await resp.write(sse(delta.error.body()))
             break
+        await _prompt_ready(request.app[PROMPTS], builder, handle.seq.params)
         builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:

@@ -27,10 +27,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
-from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ import pytest
 
 from pd.protocol import APIError, KVTransferParams, parse_request
 from pd.worker.api.echo import prompt_part
-from pd.worker.api.server import make_app
 from pd.worker.api.openai_format import ResponseBuilder
+from pd.worker.api.server import make_app
 from pd.worker.engine import Delta
 
 
@@ -207,9 +207,20 @@ async def test_the_handler_answers_them_as_openai_errors_and_queues_nothing(
     assert not role.prompts
 
 
-async def test_echo_through_the_handler_on_a_stand_in_engine(aiohttp_client):
-    from tests.worker.api.test_handler import StandInRole, post, worker
+@pytest.mark.parametrize("large", [False, True])
+async def test_echo_through_the_handler_on_a_stand_in_engine(aiohttp_client, monkeypatch, large):
+    from pd.worker.api import server
+    from tests.worker.api.test_handler import StandInRole, worker
 
+    if large:  # rendered on the text thread
+        monkeypatch.setattr(server, "LARGE_PROMPT_PART", 1)
     client = await aiohttp_client(make_app(worker(StandInRole())))
-    resp, body = await post(client, b'{"prompt": [1, 2, 3], "echo": true}')
-    assert resp.status == 200 and body["choices"][0]["text"] == "bcd" + "hi"
+    for stream in (b"false", b"true"):
+        raw = b'{"prompt": [1, 2, 3], "echo": true, "stream": %s}' % stream
+        resp = await client.post("/v1/completions", data=raw)
+        assert resp.status == 200
+        text = await resp.text()
+        if stream == b"false":
+            assert orjson.loads(text)["choices"][0]["text"] == "bcd" + "hi"
+        else:
+            assert '"text":"bcdhi"' in text

@@ -11,6 +11,7 @@ import torch
 
 from pd.protocol import GenerationOptions
 from pd.worker.model.prompt_logprobs import prompt_logprobs
+from tests.model_fixtures import forward_chunk, make_runner
 
 PROMPT = [504, 3575, 282, 4649, 314, 7042, 30, 378, 3575, 282, 12050, 314, 253, 1345, 28, 216]
 
@@ -52,8 +53,6 @@ class Batch:
 @pytest.mark.slow  # loads the real model
 @pytest.mark.parametrize("chunk", [5, 16])
 def test_chunked_prefill_gives_a_full_forwards_log_softmax_at_every_position(chunk):
-    from tests.model_fixtures import forward_chunk, make_runner
-
     runner = make_runner()
     k = 4
     asks = Req(PROMPT, GenerationOptions(temperature=0, prompt_logprobs=k), [0, 1])
