@@ -49,7 +49,7 @@ class PrefillSide(TransferRole):
                 num_tokens=len(seq.prompt_ids),
                 cached_tokens=seq.num_cached_tokens or 0,
                 prompt_logprobs=(
-                    [[lp, rank, top] for lp, rank, top in seq.prompt_logprobs]
+                    [[lp, rank, [[t, v] for t, v in top]] for lp, rank, top in seq.prompt_logprobs]
                     if seq.params.prompt_logprobs is not None
                     else None
                 ),
