@@ -8,13 +8,8 @@ import pytest
 
 from pd.protocol import APIError, GenerationOptions
 from pd.worker.model import SampleOutput
-from tests.worker.disagg.test_lifecycle import (  # noqa: F401 (make_pair: a fixture)
-    PROMPT,
-    Runner,
-    drain,
-    make_pair,
-    until,
-)
+from tests.worker.disagg.test_lifecycle import PROMPT, Runner, drain, until
+from tests.worker.disagg.test_lifecycle import make_pair  # noqa: F401 (a fixture)
 
 
 class PromptRunner(Runner):
