@@ -267,7 +267,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             delta = await handle.queue.get()
             if delta.error is not None:
                 raise delta.error
-            await _prompt_ready(prompts, builder, req.options)
+            await _prompt_ready(prompts, builder, handle)
             builder.add(delta)
         return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
     finally:
@@ -298,12 +298,16 @@ def _prompt_part(
 
 
 async def _prompt_ready(
-    prompts: PromptBuilder, builder: ResponseBuilder, options: GenerationOptions
+    prompts: PromptBuilder, builder: ResponseBuilder, handle: RequestHandle
 ) -> None:
-    """Before the first delta: build the answer's prompt part, on the text thread when large."""
+    """Before the first delta: build the answer's prompt part, on the text thread when large
+    (none when P hands the request to D: D answers it, from the params)."""
     if builder.prompt_part is None or builder.prompt is not None or builder.text:
         return
-    entries = builder.prompt_tokens * (1 + (options.prompt_logprobs or 0))
+    if handle.kv_transfer_params is not None:
+        builder.prompt = PromptPart()
+        return
+    entries = builder.prompt_tokens * (1 + (handle.seq.params.prompt_logprobs or 0))
     builder.prompt = await prompts.off_loop(entries >= LARGE_PROMPT_PART, builder.prompt_part)
 
 
@@ -341,7 +345,7 @@ async def _stream(
         if delta.error is not None:  # headers are out: the error is the stream's last event
             await resp.write(sse(delta.error.body()))
             break
-        await _prompt_ready(request.app[PROMPTS], builder, handle.seq.params)
+        await _prompt_ready(request.app[PROMPTS], builder, handle)
         builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:

@@ -69,9 +69,8 @@ class OutputProcessor:
             if seq.is_finished:
                 continue
             acc = seq.prompt_logprobs
-            if first <= len(acc):
-                del acc[first:]
-                acc.extend(entries)
+            if first <= len(acc):  # a new list: whoever reads the old one (an answer being
+                seq.prompt_logprobs = acc[:first] + entries  # rendered) reads it whole
 
     def accept_tokens(
         self, handles: list[RequestHandle | None], out: SampleOutput
