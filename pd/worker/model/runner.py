@@ -229,7 +229,7 @@ class ModelRunner:
             meta = build_paged_metadata(specs, self.page_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-            logits = self.model.forward(ids, meta, rows)  # [S, V]
+            logits = self.model.forward(ids, meta, rows, eager=bool(prompt_rows))  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         prompt = self._prompt_logprobs(batch, prompt_rows, logits[num_sampled:])
         if not sampled:

@@ -60,9 +60,9 @@ def test_chunked_prefill_gives_a_full_forwards_log_softmax_at_every_position(chu
     rows_asked: list[int] = []
     forward = runner.model.forward
 
-    def counting(ids, meta, rows):
+    def counting(ids, meta, rows, eager=False):
         rows_asked.append(len(rows))
-        return forward(ids, meta, rows)
+        return forward(ids, meta, rows, eager)
 
     runner.model.forward = counting  # type: ignore[method-assign]
     got: list = []
