@@ -173,6 +173,10 @@ class GenerationOptions:
     allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: the only tokens it may sample
     bad_words: tuple[str, ...] = ()  # vLLM's: words whose tokens are never completed
     include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string
+    # The prompt's logprobs, with this many alternatives a position (None: not computed): for
+    # vLLM's `prompt_logprobs`, and for completions' `echo` with `logprobs` (the larger of the
+    # two). A request that asks skips the prefix cache's match: a cached page has no logits.
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -197,10 +201,13 @@ def _parse_options(
     default_max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    prompt_logprobs: int | None = None,
+    echo: bool = False,
 ) -> GenerationOptions:
     max_tokens = default_max_tokens
     for name in max_tokens_names:
-        value = _int(body, name, None, 1)
+        # 0 only with echo (as vLLM): the prompt and its logprobs, nothing generated.
+        value = _int(body, name, None, 0 if echo else 1)
         if value is not None:
             max_tokens = value
             break
@@ -256,6 +263,7 @@ def _parse_options(
         skip_special_tokens=bool(_opt(body, "skip_special_tokens", bool, True)),
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -400,6 +408,9 @@ class _RequestBase:
     # page's hash on the workers and the router's prefix index). None: the shared cache.
     cache_salt: str | None
     raw: dict[str, Any] = field(repr=False)  # the body as received
+    # vLLM's `prompt_logprobs` as the client asked (None: not asked; options.prompt_logprobs
+    # is what is computed).
+    prompt_logprobs: int | None = None
 
     @property
     def room_key(self) -> str | None:
@@ -457,14 +468,28 @@ class CompletionRequest(_RequestBase):
         elif not prompt:
             raise bad_request("'prompt' must not be empty", param="prompt")
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        echo = bool(_opt(body, "echo", bool, False))
+        asked = _prompt_logprobs(body)
+        computed = asked
+        if echo and logprobs is not None:  # the echoed prompt's logprobs, as vLLM computes them
+            computed = max(asked or 0, logprobs)
         options = _parse_options(
             body,
             ("max_tokens",),
             16,  # OpenAI's default for completions
             logprobs is not None,
             logprobs or 0,
+            computed,
+            echo,
         )
-        return cls(prompt=prompt, options=options, **_parse_common(body))
+        return cls(
+            prompt=prompt, options=options, echo=echo, prompt_logprobs=asked, **_parse_common(body)
+        )
+
+
+def _prompt_logprobs(body: dict) -> int | None:
+    """vLLM's `prompt_logprobs`: alternatives per prompt position, 0..MAX_TOP_LOGPROBS."""
+    return _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -516,10 +541,17 @@ class ChatCompletionRequest(_RequestBase):
             raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) if logprobs else 0
         assert top_logprobs is not None  # it has a default
+        if body.get("echo") not in (None, False):  # vLLM echoes the last message: not here
+            raise bad_request(
+                "'echo' is served on /v1/completions only", param="echo", code="unsupported_value"
+            )
+        asked = _prompt_logprobs(body)
         options = _parse_options(
-            body, ("max_completion_tokens", "max_tokens"), None, logprobs, top_logprobs
+            body, ("max_completion_tokens", "max_tokens"), None, logprobs, top_logprobs, asked
         )
-        return cls(messages=messages, options=options, **_parse_common(body))
+        return cls(
+            messages=messages, options=options, prompt_logprobs=asked, **_parse_common(body)
+        )
 
 
 def parse_request(
@@ -565,7 +597,8 @@ FIELDS: dict[str, FieldRule] = {
     "prompt": _rule(SERVED, "text or token ids (a batch of one)", "completions"),
     "model": _rule(SERVED, "checked against the served names (404 otherwise)"),
     # -- length and stopping
-    "max_tokens": _rule(SERVED, "completions: 16 by default; chat: the rest of the context"),
+    "max_tokens": _rule(SERVED, "completions: 16 by default, 0 only with echo; chat: the rest "
+                        "of the context"),
     "max_completion_tokens": _rule(SERVED, "wins over max_tokens", "chat"),
     "stop": _rule(SERVED, "strings; cut from the output"),
     "stop_token_ids": _rule(SERVED, "vLLM extra"),
@@ -592,8 +625,9 @@ FIELDS: dict[str, FieldRule] = {
     # -- logprobs
     "logprobs": _rule(SERVED, "chat: a boolean; completions: 0..20 alternatives"),
     "top_logprobs": _rule(SERVED, "0..20, with logprobs: true", "chat"),
-    "prompt_logprobs": _rule(REFUSED, "vLLM extra: not served yet"),
-    "echo": _rule(REFUSED, "the prompt is not echoed (nor its logprobs)", "both", False),
+    "prompt_logprobs": _rule(SERVED, "vLLM extra: 0..20 alternatives per prompt position"),
+    "echo": _rule(SERVED, "completions: the prompt before the completion (with logprobs: "
+                  "theirs first); chat: false only"),
     "return_tokens_as_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     "return_token_ids": _rule(REFUSED, "vLLM extra: not served", "both", False),
     # -- structured outputs and tools
@@ -783,6 +817,10 @@ class KVTransferParams:
     # [logprob, [[token id, logprob], ...]] of the first token when the request asked for them
     first_token_logprobs: list | None = None
     cached_tokens: int = 0  # prompt tokens P's prefix cache served (D reports them in usage)
+    # When the request asked for the prompt's logprobs (P computes them as it prefills, D
+    # answers them): per prompt token after the first, [logprob, rank, [[token id, logprob],
+    # ...]] (that token's logprob and rank at its position, then the most likely alternatives).
+    prompt_logprobs: list | None = None
     do_remote_prefill: bool = True
     pd_version: int = PD_VERSION
 
@@ -852,6 +890,25 @@ def _is_first_logprobs(v: Any) -> bool:  # [logprob, [[token id, logprob], ...]]
     )
 
 
+def _is_prompt_logprobs(v: Any) -> bool:  # [[logprob, rank, [[token id, logprob], ...]], ...]
+    return v is None or (
+        isinstance(v, list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 3
+            and _is_logprob(e[0])
+            and _is_int(e[1], 1)
+            and isinstance(e[2], list)
+            and len(e[2]) <= MAX_TOP_LOGPROBS
+            and all(
+                isinstance(t, list) and len(t) == 2 and _is_int(t[0]) and _is_logprob(t[1])
+                for t in e[2]
+            )
+            for e in v
+        )
+    )
+
+
 # Per field of KVTransferParams: its check, and what it must be (for the 400's message).
 _KV_FIELDS: dict[str, tuple[Any, str]] = {
     "remote_engine_id": (_is_str, "a string of 1..256 characters"),
@@ -877,6 +934,10 @@ _KV_FIELDS: dict[str, tuple[Any, str]] = {
     "lease_ttl_s": (lambda v: _is_logprob(v) and v > 0, "a positive number"),
     "first_token_logprobs": (_is_first_logprobs, "null or [logprob, [[id, logprob], ...]]"),
     "cached_tokens": (_is_int, "a non-negative integer"),
+    "prompt_logprobs": (
+        _is_prompt_logprobs,
+        "null or [[logprob, rank, [[id, logprob], ...]], ...]",
+    ),
     "do_remote_prefill": (lambda v: isinstance(v, bool), "a boolean"),
     "pd_version": (lambda v: v == PD_VERSION, f"{PD_VERSION}"),
 }

@@ -27,6 +27,7 @@ KNOWN_CASES = [
     ("/v1/completions", b'{"prompt": [123], "max_tokens": 2}'),
     ("/v1/completions", b'{"prompt": [4294967296], "max_tokens": 2}'),
     ("/v1/completions", b'{"prompt": [[5, 6]], "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": [5, 6], "max_tokens": 0, "echo": true, "logprobs": 1}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
      b'"kv_transfer_params": {"pd_version": 1, "prompt_token_ids": "x"}}'),
 ]  # fmt: skip
@@ -102,6 +103,7 @@ _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans() | _json,
     "n": _ints,
     "echo": st.booleans(),
+    "prompt_logprobs": st.integers(-1, 3) | _json,
     "user": _text | _json,
     "session_id": _text | _json,
     "cache_salt": _text | _json,

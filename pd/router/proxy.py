@@ -12,7 +12,9 @@ transfer. If it fails before its first byte, the request goes the PD way.
 
 PD: P gets the client's body with `max_tokens=1`, `stream=false` and
 `kv_transfer_params={"do_remote_decode": true, "max_tokens": <the client's>}` (P refuses what no
-D could take, before prefilling). If P's answer is final (no params), it is the answer. Else D
+D could take, before prefilling). If P's answer is final (no params, or the client asked for one
+token or, with echo, none), it is the answer. The prompt's logprobs, when asked, travel from P to
+D in the params (D answers them): the router never merges answers. Else D
 gets the client's body plus P's params with `stream=true`; its SSE is relayed byte for byte, or
 collected into one JSON answer when the client asked for no stream (so the router still tells
 the first token from the end, for TTFT). If D fails before its first byte, P is told to release
@@ -150,16 +152,19 @@ class Proxy:
         stream = body if ex.stream else {**body, "stream": True, "stream_options": _USAGE}
         if route == "both":
             return Plan("both", stream)
-        prefill = {**body, "stream": False, "max_tokens": 1}
+        # max_tokens 0 (echo: the prompt and its logprobs alone) stays 0.
+        prefill = {**body, "stream": False, "max_tokens": 0 if ex.max_tokens == 0 else 1}
         prefill.pop("stream_options", None)
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
-        # A client asking one token gets it from P alone: P is not told to keep KV for D.
-        final = ex.max_tokens == 1
+        # A client asking one token (or none) gets it from P alone: P keeps no KV for D.
+        final = ex.max_tokens in (0, 1)
         if not final:
             prefill[KV] = {"do_remote_decode": True, "max_tokens": ex.max_tokens}
         decode = self.registry.decode
-        d = decode.choose(ex.key, (), ex.prompt) if self.cfg.local_prefill_max_tokens else None
+        # The prompt's logprobs need the whole prompt prefilled (no cache hit serves them): P's.
+        local = self.cfg.local_prefill_max_tokens and not _wants_prompt_logprobs(body)
+        d = decode.choose(ex.key, (), ex.prompt) if local else None
         if d is not None:
             lacks = self._lacks(decode, d, ex)
             log.debug("decode worker %s lacks ~%d prompt tokens", d.url, lacks)
@@ -678,6 +683,13 @@ class _Deadline:
     async def __aexit__(self, *exc: Any) -> None:
         self.w.cancels.discard(self)
         await self.cm.__aexit__(*exc)
+
+
+def _wants_prompt_logprobs(body: dict[str, Any]) -> bool:
+    """vLLM's prompt_logprobs, or completions' echo with logprobs."""
+    return body.get("prompt_logprobs") is not None or (
+        body.get("echo") is True and body.get("logprobs") is not None
+    )
 
 
 def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:

@@ -35,6 +35,7 @@ def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> by
             obj["usage"] = None
         events.append(_event(obj))
     if include_usage and answer.get("usage") is not None:
+        head.pop("prompt_logprobs", None)  # a chat answer's (vLLM's place): in its first event
         events.append(_event({**head, "choices": [], "usage": answer["usage"]}))
     events.append(DONE)
     return b"".join(events)

@@ -186,3 +186,14 @@ async def test_retry_releases_the_charge_when_the_attempt_is_cancelled():
     with pytest.raises(asyncio.CancelledError):
         await px.retry(pool, exchange(BODY), attempt, charge=lambda w: 3)
     assert not any(w.inflight or w.inflight_tokens for w in pool.workers.values())
+
+
+def test_max_tokens_0_is_p_alone_with_0_and_prompt_logprobs_never_go_decode_local():
+    plan = proxy().plan(exchange({**BODY, "max_tokens": 0, "echo": True, "logprobs": 1}), "pd")
+    assert plan.final and KV not in plan.prefill and plan.prefill["max_tokens"] == 0
+    px = proxy(local_prefill_max_tokens=16)  # a short prompt: decode-local, unless it asks for
+    assert px.plan(exchange(BODY), "pd").route == "local"  # the prompt's logprobs
+    for asks in ({"echo": True, "logprobs": 0}, {"prompt_logprobs": 2}):
+        plan = px.plan(exchange({**BODY, **asks}), "pd")
+        assert plan.route == "pd" and plan.decode is None and not plan.final
+    assert px.plan(exchange({**BODY, "echo": True}), "pd").route == "local"  # echo alone: text

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from pd.worker.api.echo import PromptPart
 from pd.worker.engine import Delta
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -36,12 +37,25 @@ class ResponseBuilder:
     finish_reason: str | None = None
     # Prompt tokens the prefix cache served (read when the usage is rendered: known at admission).
     cached_tokens: Callable[[], int] = lambda: 0
+    # The prompt's part (echo, prompt_logprobs: echo.py), built at the first delta, when the
+    # prompt's logprobs are complete; None when the request asks for neither.
+    prompt_part: Callable[[], PromptPart] | None = None
+    prompt: PromptPart | None = None
+    offsets: list[int] = field(default_factory=list)  # text_offset of each entry of `logprobs`
+    chars: int = 0  # characters of the choice's text so far (the echoed prompt's included)
+    _prompt_sent: bool = False  # the stream's first chunk carried the prompt's part
 
     @property
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
     def add(self, delta: Delta) -> None:
+        if not self.text:  # the first delta: the prompt's part goes first (built here, or ahead)
+            if self.prompt is None and self.prompt_part is not None:
+                self.prompt = self.prompt_part()
+            self.chars = len(self.prompt.text) if self.prompt is not None else 0
+        self.offsets.extend(self.chars for _ in delta.logprobs)
+        self.chars += len(delta.text)
         self.text.append(delta.text)
         self.completion_tokens += len(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
@@ -58,7 +72,7 @@ class ResponseBuilder:
 
     # ----------------------------------------------------------------------------- logprobs
 
-    def _logprobs(self, entries: list) -> dict | None:
+    def _logprobs(self, entries: list, offsets: list[int]) -> dict | None:
         if not self.wants_logprobs:
             return None
         if self.chat:
@@ -85,22 +99,32 @@ class ResponseBuilder:
             "tokens": [self.token_text(t) for t, _, _ in entries],
             "token_logprobs": [lp for _, lp, _ in entries],
             "top_logprobs": [
-                {self.token_text(t): logprob for t, logprob in (top or [])} for _, _, top in entries
+                None if top is None else {self.token_text(t): logprob for t, logprob in top}
+                for _, _, top in entries
             ],
+            "text_offset": offsets,
         }
+
+    def _prompt_fields(self, choice: dict[str, Any], body: dict[str, Any]) -> None:
+        """vLLM's prompt_logprobs: in the choice (completions), or the body (chat, as vLLM)."""
+        if self.prompt is not None and self.prompt.prompt_logprobs is not None:
+            (body if self.chat else choice)["prompt_logprobs"] = self.prompt.prompt_logprobs
 
     # ----------------------------------------------------------------------------- bodies
 
     def final(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         text = "".join(self.text)
+        prompt = self.prompt or PromptPart()
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(self.logprobs)
+            choice["text"] = prompt.text + text
+        choice["logprobs"] = self._logprobs(
+            prompt.entries + self.logprobs, prompt.offsets + self.offsets
+        )
         choice["finish_reason"] = self.finish_reason
-        body = {
+        body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -108,12 +132,17 @@ class ResponseBuilder:
             "choices": [choice],
             "usage": self.usage(),
         }
+        self._prompt_fields(choice, body)
         if extra:
             body.update(extra)
         return body
 
     def chunk(self, delta: Delta | None, role: bool = False) -> bytes:
-        """One SSE event for a delta (or the chat stream's opening role chunk)."""
+        """One SSE event for a delta (or the chat stream's opening role chunk), after `add`
+        took it; the first delta's carries the prompt's part (echo, prompt_logprobs)."""
+        prompt = PromptPart()
+        if delta is not None and not self._prompt_sent and self.prompt is not None:
+            prompt, self._prompt_sent = self.prompt, True
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = (
@@ -122,18 +151,26 @@ class ResponseBuilder:
                 else {"content": delta.text}
             )
         else:
-            choice["text"] = delta.text if delta else ""
-        choice["logprobs"] = self._logprobs(delta.logprobs) if delta else None
-        choice["finish_reason"] = delta.finish_reason if delta else None
-        return sse(
-            {
-                "id": self.response_id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
+            choice["text"] = prompt.text + delta.text if delta else ""
+        choice["logprobs"] = (
+            self._logprobs(
+                prompt.entries + delta.logprobs,
+                prompt.offsets + self.offsets[len(self.offsets) - len(delta.logprobs) :],
+            )
+            if delta
+            else None
         )
+        choice["finish_reason"] = delta.finish_reason if delta else None
+        body = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if prompt is self.prompt:
+            self._prompt_fields(choice, body)
+        return sse(body)
 
     def usage_chunk(self) -> bytes:
         return sse(

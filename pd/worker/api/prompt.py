@@ -58,6 +58,10 @@ class PromptBuilder:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    async def off_loop(self, large: bool, fn: Callable[[], T]) -> T:
+        """`fn()`, on the text thread when `large` (an answer's echoed prompt, say)."""
+        return await self._run(large, fn)
+
     async def parse(self, path: str, raw: bytes) -> Request:
         """The parsed, validated request of a body."""
         return await self._run(

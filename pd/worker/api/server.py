@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,12 +13,15 @@ from aiohttp import web
 
 from pd.cors import enable_cors
 from pd.protocol import (
+    MAX_TOP_LOGPROBS,
     APIError,
     ChatCompletionRequest,
+    CompletionRequest,
     GenerationOptions,
     error_body,
     parse_json_body,
 )
+from pd.worker.api.echo import PromptPart, prompt_part
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
 from pd.worker.api.prompt import PromptBuilder
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
@@ -32,6 +36,10 @@ WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
 BODY_LIMIT = web.AppKey("body_limit", int)
+TOKEN_TEXT = web.AppKey[Callable[[int], str]]("token_text")  # a token's text, cached by id
+# An echoed prompt or prompt logprobs of this many entries (positions x alternatives) or more are
+# rendered on the text thread (~7 us an entry, on the event loop otherwise).
+LARGE_PROMPT_PART = 4096
 
 
 def json_response(body: object, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -73,6 +81,9 @@ def make_app(worker: Worker) -> web.Application:
     # A body no prompt that fits could fill is refused before it is read whole or parsed
     # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
     limit = worker.config.max_body_bytes or prompts.max_body_bytes
+    if worker.config.role == "decode" and not worker.config.max_body_bytes:
+        # P's params may carry the prompt's logprobs: ~40 bytes an alternative, a position.
+        limit += worker.engine.max_model_len * (MAX_TOP_LOGPROBS + 2) * 40
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
@@ -82,6 +93,14 @@ def make_app(worker: Worker) -> web.Application:
         worker.config.grammar_timeout_s,
     )
     app[BODY_LIMIT] = limit
+    tokenizer = worker.tokenizer
+
+    @functools.lru_cache(maxsize=1 << 18)
+    def token_text(t: int) -> str:
+        return tokenizer.decode([t], False)
+
+    text_of: Callable[[int], str] = token_text
+    app[TOKEN_TEXT] = text_of
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
@@ -262,9 +281,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         chat=isinstance(req, ChatCompletionRequest),
         model=worker.model_name,
         prompt_tokens=prompt_tokens,
-        token_text=lambda t: worker.tokenizer.decode([t], False),
+        token_text=request.app[TOKEN_TEXT],
         wants_logprobs=req.options.wants_logprobs,
         cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
+        prompt_part=_prompt_part(worker, req, handle, request.app[TOKEN_TEXT]),
     )
     try:
         if req.stream:
@@ -273,11 +293,48 @@ async def generate(request: web.Request) -> web.StreamResponse:
             delta = await handle.queue.get()
             if delta.error is not None:
                 raise delta.error
+            await _prompt_ready(prompts, builder, handle)
             builder.add(delta)
         return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
     finally:
         worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
         worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+
+
+def _prompt_part(
+    worker: Worker,
+    req: CompletionRequest | ChatCompletionRequest,
+    handle: RequestHandle,
+    token_text: Callable[[int], str],
+) -> Callable[[], PromptPart] | None:
+    """What builds the answer's prompt part (echo, prompt_logprobs), when the request asks."""
+    echo = isinstance(req, CompletionRequest) and req.echo
+    if not echo and req.prompt_logprobs is None:
+        return None
+    seq = handle.seq
+    return lambda: prompt_part(
+        seq.prompt_ids,
+        seq.prompt_logprobs,
+        worker.tokenizer,
+        token_text,
+        echo=echo,
+        echo_logprobs=req.options.top_logprobs if echo and req.options.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+    )
+
+
+async def _prompt_ready(
+    prompts: PromptBuilder, builder: ResponseBuilder, handle: RequestHandle
+) -> None:
+    """Before the first delta: build the answer's prompt part, on the text thread when large
+    (none when P hands the request to D: D answers it, from the params)."""
+    if builder.prompt_part is None or builder.prompt is not None or builder.text:
+        return
+    if handle.kv_transfer_params is not None:
+        builder.prompt = PromptPart()
+        return
+    entries = builder.prompt_tokens * (1 + (handle.seq.params.prompt_logprobs or 0))
+    builder.prompt = await prompts.off_loop(entries >= LARGE_PROMPT_PART, builder.prompt_part)
 
 
 async def _rules(
@@ -314,6 +371,7 @@ async def _stream(
         if delta.error is not None:  # headers are out: the error is the stream's last event
             await resp.write(sse(delta.error.body()))
             break
+        await _prompt_ready(request.app[PROMPTS], builder, handle)
         builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:

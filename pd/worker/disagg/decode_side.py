@@ -102,10 +102,24 @@ class DecodeSide(TransferRole):
     ) -> RequestHandle:
         """Queue the request, dial P, then emit P's first token; the pull goes on in a task.
         Its pages join this worker's prefix cache under the client's `cache_salt`."""
+        prompt_logprobs = None
+        if options.prompt_logprobs is not None:  # P computed them as it prefilled: D answers them
+            if kvp.prompt_logprobs is None or len(kvp.prompt_logprobs) != kvp.num_tokens - 1:
+                raise bad_request(
+                    "the request asks for the prompt's logprobs but kv_transfer_params do not "
+                    "carry one entry per prompt token after the first",
+                    param="kv_transfer_params",
+                )
+            prompt_logprobs = [
+                (float(lp), int(rank), [(int(t), float(v)) for t, v in top])
+                for lp, rank, top in kvp.prompt_logprobs
+            ]
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
         handle = self.engine.add_pulled(
             kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt, rules
         )
+        if prompt_logprobs is not None:
+            handle.seq.prompt_logprobs = prompt_logprobs
         try:
             rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
         except BaseException:

@@ -48,6 +48,11 @@ class PrefillSide(TransferRole):
                 ),
                 num_tokens=len(seq.prompt_ids),
                 cached_tokens=seq.num_cached_tokens or 0,
+                prompt_logprobs=(
+                    [[lp, rank, [[t, v] for t, v in top]] for lp, rank, top in seq.prompt_logprobs]
+                    if seq.params.prompt_logprobs is not None
+                    else None
+                ),
                 page_size=c.page_size,
                 tp_size=self.tp_size,
                 kv_layout=c.kv_layout,

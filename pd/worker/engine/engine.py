@@ -361,6 +361,8 @@ class Engine:
             return
         out = await self.execute(batch, while_running=self._emit_pending_text)
         self.scheduler.advance(batch)
+        if out.prompt_logprobs:
+            self.postprocess.accept_prompt_logprobs(batch, out)
         live = [self.handles.get(seq.request_id) for seq in batch.sampled]
         self._pending_text, finished = self.postprocess.accept_tokens(live, out)
         for done in finished:  # before the next step is scheduled: none computes for them

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
@@ -58,6 +59,19 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.metrics = metrics
 
+    @staticmethod
+    def accept_prompt_logprobs(batch: ScheduledBatch, out: SampleOutput) -> None:
+        """Add the step's prompt logprobs to their requests (before their tokens: the first
+        token's delta finds them complete). A request recomputed after a preemption gets the
+        same entries again: they replace those from its position on."""
+        for i, first, entries in out.prompt_logprobs:
+            seq = batch.seqs[i]
+            if seq.is_finished:
+                continue
+            acc = seq.prompt_logprobs
+            if first <= len(acc):  # a new list: whoever reads the old one (an answer being
+                seq.prompt_logprobs = acc[:first] + entries  # rendered) reads it whole
+
     def accept_tokens(
         self, handles: list[RequestHandle | None], out: SampleOutput
     ) -> tuple[list[PendingText], list[Finished]]:
@@ -70,6 +84,9 @@ class OutputProcessor:
             if handle is None or handle.finished:
                 continue
             token = out.token_ids[row]
+            if handle.seq.max_tokens == 0:  # echo with max_tokens 0: the prompt alone (the
+                finished.append(Finished(handle, Delta("", [], [], "length")))  # token dropped)
+                continue
             logprobs: list[LogprobEntry] = []
             if handle.seq.params.wants_logprobs:
                 lp = out.logprobs[row]

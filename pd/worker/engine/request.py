@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pd.protocol import APIError, GenerationOptions
+from pd.worker.model.prompt_logprobs import PromptLogprob
 from pd.worker.text.detokenizer import IncrementalDetokenizer
 from pd.worker.text.stop import StopChecker
 from pd.worker.text.token_rules import TokenRules
@@ -53,6 +54,9 @@ class Sequence:
     num_cached_tokens: int | None = None
     cache_salt: str | None = None  # the client's: its pages are shared only with the same salt
     rules: TokenRules | None = None  # what its next token may be (grammar, min_tokens, ...)
+    # When params.prompt_logprobs asks: entry p for prompt token p + 1, filled as the prompt is
+    # prefilled (postprocess), or from P's params on D; complete once the first token is out.
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

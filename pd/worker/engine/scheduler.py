@@ -108,8 +108,11 @@ class Scheduler:
         return batch
 
     def _reuse_prefix(self, seq: Sequence) -> None:
-        """Take references on the cached pages of `seq`'s longest cached prefix."""
+        """Take references on the cached pages of `seq`'s longest cached prefix (none when it
+        wants its prompt's logprobs: a cached page has no logits; its pages are still cached)."""
         limit = seq.num_tokens - 1  # the last token is computed: its logits sample the next
+        if seq.params.prompt_logprobs is not None:
+            limit = 0
         pages, hashes = self.cache.match(seq.token_slice(0, limit), limit, seq.cache_salt)
         self.cache.acquire(pages)
         seq.page_ids = pages

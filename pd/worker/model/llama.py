@@ -156,6 +156,7 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T] on ranks[0].device
         meta: PagedMetadata,  # on ranks[0].device
         logits_indices: torch.Tensor,  # [S] rows of T whose next-token logits are wanted
+        eager: bool = False,  # not the compiled step (extra rows: the prompt's logprobs)
     ) -> torch.Tensor:  # [S, V] fp32
         cfg = self.config
         metas = [
@@ -174,7 +175,7 @@ class LlamaModel:
         kv_rows = [
             rank.kv.rows_of(m.write_page_ids, m.write_offsets) for rank, m in zip(self.ranks, metas)
         ]
-        if self.compiled_decode is not None and meta.is_decode_only:
+        if self.compiled_decode is not None and meta.is_decode_only and not eager:
             # At least 2 pages: a size of 1 would be a graph of its own (dynamo specializes it).
             decode = [rank.attn.decode_inputs(min_pages=2) for rank in self.ranks]
             return self.compiled_decode(input_ids, angles, kv_rows, decode, logits_indices)

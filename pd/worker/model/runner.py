@@ -25,6 +25,7 @@ from pd.worker.model.compiled_decode import compile_decode
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.decode_graphs import DecodeGraphs
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
+from pd.worker.model.prompt_logprobs import prompt_logprobs
 from pd.worker.model.quant import (
     QUANTIZATIONS,
     GroupQuant,
@@ -199,17 +200,27 @@ class ModelRunner:
         """Run one step; returns a token for every seq with `sample` set, in batch order."""
         input_ids: list[int] = []
         logits_rows: list[int] = []
-        for seq, cached, n, sample in zip(
-            batch.seqs, batch.num_cached, batch.num_new, batch.sample
+        # Requests that want their prompt's logprobs: (index, first position, first row, rows)
+        # for the positions of this chunk that predict a prompt token.
+        prompt_rows: list[tuple[int, int, int, int]] = []
+        for i, (seq, cached, n, sample) in enumerate(
+            zip(batch.seqs, batch.num_cached, batch.num_new, batch.sample)
         ):
+            if seq.params.prompt_logprobs is not None:
+                end = min(cached + n, len(seq.prompt_ids) - 1)
+                if end > cached:
+                    prompt_rows.append((i, cached, len(input_ids), end - cached))
             input_ids.extend(seq.token_slice(cached, cached + n))
             if sample:
                 logits_rows.append(len(input_ids) - 1)
+        num_sampled = len(logits_rows)
+        for _, _, row, count in prompt_rows:  # after the sampled rows: logits[:num_sampled]
+            logits_rows.extend(range(row, row + count))
         specs: list[SeqSpec] = [
             (s.page_ids, c, n) for s, c, n in zip(batch.seqs, batch.num_cached, batch.num_new)
         ]
         graphs = self.graphs
-        if graphs is not None and self._fits_graph(batch):
+        if graphs is not None and not prompt_rows and self._fits_graph(batch):
             specs, input_ids = graphs.padded(specs, input_ids)
             meta = build_paged_metadata(specs, self.page_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -218,21 +229,40 @@ class ModelRunner:
             meta = build_paged_metadata(specs, self.page_size, self.device)
             ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
             rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-            logits = self.model.forward(ids, meta, rows)  # [S, V]
+            logits = self.model.forward(ids, meta, rows, eager=bool(prompt_rows))  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        prompt = self._prompt_logprobs(batch, prompt_rows, logits[num_sampled:])
         if not sampled:
             # NOTE: the engine takes our return as "the KV writes are done" and may free or hand
             # these pages to a pull; with no sample to wait for, wait for the device here.
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            return SampleOutput(token_ids=[])
-        return self.sampler.sample(
-            logits,
+            return SampleOutput(token_ids=[], prompt_logprobs=prompt)
+        out = self.sampler.sample(
+            logits[:num_sampled],
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],
             self._masks(sampled),
         )
+        out.prompt_logprobs = prompt
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(
+        batch: StepBatch, prompt_rows: list[tuple[int, int, int, int]], logits: torch.Tensor
+    ) -> list:
+        """The prompt logprobs of the rows `execute` added past the sampled ones ([P, V])."""
+        out = []
+        at = 0
+        for i, first, _, count in prompt_rows:
+            seq = batch.seqs[i]
+            k = seq.params.prompt_logprobs
+            assert k is not None
+            targets = seq.prompt_ids[first + 1 : first + 1 + count]  # the next prompt tokens
+            out.append((i, first, prompt_logprobs(logits[at : at + count], targets, k)))
+            at += count
+        return out
 
     def _masks(self, sampled: list[StepRequest]) -> torch.Tensor | None:
         """The allowed-token bitmasks of the sampled rows, when any has rules (filled here, on

@@ -28,6 +28,7 @@ from math import inf
 import torch
 
 from pd.protocol import GenerationOptions
+from pd.worker.model.prompt_logprobs import PromptLogprob
 
 TOP_P_CANDIDATES = 1024
 
@@ -40,6 +41,10 @@ class SampleOutput:
     # Per row: the top_logprobs most likely (token id, logprob), most likely first; [] when the row
     # asked for logprobs but top_logprobs=0; None when it did not ask.
     top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    # The step's prompt logprobs (prompt_logprobs.py): (index of the request in the batch, the
+    # prompt position of the first entry, one entry per position from there), for the requests
+    # that asked whose prompt this step computed (rows of sampled or not).
+    prompt_logprobs: list[tuple[int, int, list[PromptLogprob]]] = field(default_factory=list)
 
 
 def uniform_for_position(seed: int, position: int) -> float:
