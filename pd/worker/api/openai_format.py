@@ -36,6 +36,7 @@ class ResponseBuilder:
     finish_reason: str | None = None
     # Prompt tokens the prefix cache served (read when the usage is rendered: known at admission).
     cached_tokens: Callable[[], int] = lambda: 0
+    index: int = 0  # the choice's (n > 1, lists of prompts: choices.py combines builders)
 
     @property
     def response_id(self) -> str:
@@ -92,29 +93,33 @@ class ResponseBuilder:
     # ----------------------------------------------------------------------------- bodies
 
     def final(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        text = "".join(self.text)
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = self._logprobs(self.logprobs)
-        choice["finish_reason"] = self.finish_reason
         body = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": [self.choice()],
             "usage": self.usage(),
         }
         if extra:
             body.update(extra)
         return body
 
+    def choice(self) -> dict[str, Any]:
+        """The choice of a JSON answer."""
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": self.index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(self.logprobs)
+        choice["finish_reason"] = self.finish_reason
+        return choice
+
     def chunk(self, delta: Delta | None, role: bool = False) -> bytes:
         """One SSE event for a delta (or the chat stream's opening role chunk)."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = (
                 {"role": "assistant", "content": ""}
@@ -135,7 +140,7 @@ class ResponseBuilder:
             }
         )
 
-    def usage_chunk(self) -> bytes:
+    def usage_chunk(self, usage: dict[str, Any] | None = None) -> bytes:
         return sse(
             {
                 "id": self.response_id,
@@ -143,6 +148,6 @@ class ResponseBuilder:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": self.usage(),
+                "usage": usage or self.usage(),
             }
         )

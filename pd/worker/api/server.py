@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,12 +14,14 @@ from aiohttp import web
 from pd.protocol import (
     APIError,
     ChatCompletionRequest,
+    CompletionRequest,
     GenerationOptions,
     error_body,
     parse_json_body,
 )
+from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.api.prompt import PromptBuilder
+from pd.worker.api.prompt import PromptBuilder, Request
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 from pd.worker.text.grammar import GrammarCompiler, GrammarError
@@ -227,31 +230,77 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    rules = await _rules(request.app[GRAMMARS], worker, req.options)
-    # The role (co-located, prefill or decode: build.py) queues it, tokenizing when it must.
-    handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req), rules)
-    prompt_tokens = len(handle.seq.prompt_ids)
-    worker.metrics.prompt_tokens.inc(prompt_tokens)
-    builder = ResponseBuilder(
-        chat=isinstance(req, ChatCompletionRequest),
-        model=worker.model_name,
-        prompt_tokens=prompt_tokens,
-        token_text=lambda t: worker.tokenizer.decode([t], False),
-        wants_logprobs=req.options.wants_logprobs,
-        cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
-    )
+    reqs = [req] if not isinstance(req, CompletionRequest) or req.batch is None else [
+        dataclasses.replace(req, prompt=p, batch=None) for p in req.batch
+    ]
+    if len(reqs) > 1 and req.kv_transfer_params is not None:
+        raise APIError(400, "kv_transfer_params take one prompt", param="kv_transfer_params")
+    handles: list[RequestHandle] = []
     try:
-        if req.stream:
-            return await _stream(request, handle, builder, req.include_usage)
-        while builder.finish_reason is None:
-            delta = await handle.queue.get()
-            if delta.error is not None:
-                raise delta.error
-            builder.add(delta)
-        return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
+        for r in reqs:
+            rules = await _rules(request.app[GRAMMARS], worker, req.options)
+            # Each choice its own rules (a grammar's state is the choice's).
+            choice_rules = None
+            if rules is not None and req.n > 1:
+                choice_rules = [
+                    await _rules(request.app[GRAMMARS], worker, req.options)
+                    for _ in range(req.n - 1)
+                ]
+            # The role (co-located, prefill or decode: build.py) queues it, tokenizing when
+            # it must.
+            handles.append(
+                await worker.role.admit(
+                    r, _prompt_ids(prompts, r), rules, choice_rules
+                )
+            )
+        return await _answer(request, worker, req, handles)
     finally:
-        worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
-        worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+        for h in choices_of(handles):
+            worker.engine.abort(h)  # no-op when finished; frees pages when the client left
+            worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
+
+
+async def _answer(
+    request: web.Request, worker: Worker, req: Request, handles: list[RequestHandle]
+) -> web.StreamResponse:
+    chat = isinstance(req, ChatCompletionRequest)
+    builders, per_prompt = [], []
+    for j, handle in enumerate(handles):
+        prompt_tokens = len(handle.seq.prompt_ids)
+        worker.metrics.prompt_tokens.inc(prompt_tokens)
+        for i, choice in enumerate((handle, *handle.forks)):
+            builders.append(
+                ResponseBuilder(
+                    chat=chat,
+                    model=worker.model_name,
+                    prompt_tokens=prompt_tokens,
+                    token_text=lambda t: worker.tokenizer.decode([t], False),
+                    wants_logprobs=req.options.wants_logprobs,
+                    cached_tokens=_cached_tokens(handle),
+                    index=j * req.n + i,
+                )
+            )
+            if i == 0:
+                per_prompt.append(builders[-1])
+    for b in builders[1:]:  # one answer: one id and time
+        b.id, b.created = builders[0].id, builders[0].created
+    choices = choices_of(handles)
+    if req.stream:
+        return await _stream(request, choices, builders, per_prompt, req.include_usage)
+    await collect(choices, builders)
+    body = builders[0].final({"kv_transfer_params": handles[0].kv_transfer_params})
+    if len(builders) > 1:
+        body["choices"] = [b.choice() for b in builders]
+        body["usage"] = usage(per_prompt, builders)
+    return json_response(body)
+
+
+def _cached_tokens(handle: RequestHandle) -> Callable[[], int]:
+    return lambda: handle.seq.num_cached_tokens or 0
+
+
+def _prompt_ids(prompts: PromptBuilder, req: Request) -> Callable[[], Awaitable[list[int]]]:
+    return lambda: prompts.prompt_ids(req)
 
 
 async def _rules(
@@ -275,23 +324,27 @@ async def _rules(
 
 
 async def _stream(
-    request: web.Request, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool
+    request: web.Request,
+    choices: list[RequestHandle],
+    builders: list[ResponseBuilder],
+    per_prompt: list[ResponseBuilder],
+    include_usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    if builder.chat:
-        await resp.write(builder.chunk(None, role=True))
-    while builder.finish_reason is None:
-        delta = await handle.queue.get()
+    if builders[0].chat:
+        for b in builders:
+            await resp.write(b.chunk(None, role=True))
+    async for builder, delta in interleave(choices, builders):
         if delta.error is not None:  # headers are out: the error is the stream's last event
             await resp.write(sse(delta.error.body()))
             break
         builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:
-        await resp.write(builder.usage_chunk())
+        await resp.write(builders[0].usage_chunk(usage(per_prompt, builders)))
     await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp

@@ -70,6 +70,8 @@ class StepBatch(Protocol):
     def num_new(self) -> list[int]: ...  # tokens computed this step
     @property
     def sample(self) -> list[bool]: ...  # whether this step samples the request's next token
+    @property
+    def riders(self) -> Sequence[tuple[int, StepRequest]]: ...  # (sampled row, a fork child)
 
 
 class ModelRunner:
@@ -220,6 +222,9 @@ class ModelRunner:
             rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
             logits = self.model.forward(ids, meta, rows)  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        if batch.riders:  # n > 1: each child samples its first token from its parent's row
+            logits = torch.cat([logits[: len(sampled)], logits[[r for r, _ in batch.riders]]])
+            sampled += [child for _, child in batch.riders]
         if not sampled:
             # NOTE: the engine takes our return as "the KV writes are done" and may free or hand
             # these pages to a pull; with no sample to wait for, wait for the device here.
