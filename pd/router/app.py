@@ -113,7 +113,6 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if cfg.ignore_unknown_fields:  # what the workers would refuse: they never see it
             for name in unknown_fields(body, chat):
                 del body[name]
-        route = proxy.registry.route()
         headers = proxy.headers
         request_id = request.headers.get("X-Request-Id")
         if request_id:
@@ -148,11 +147,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 for p in req.batch
             ]
             ex = subs[0]
+            route = proxy.registry.route()
             resp = await fanout.serve(
                 proxy, request, subs, route, req.n, req.include_usage, req.stream
             )
         else:
             ex = exchange(req, body)
+            route = proxy.registry.route()
             resp = await proxy.handle(ex, route)
         status = ex.status or str(resp.status)
         return resp
