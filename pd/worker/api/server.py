@@ -255,7 +255,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             )
         return await _answer(request, worker, req, handles)
     finally:
-        for h in choices_of(handles):
+        for h in handles:  # (each with its other choices)
             worker.engine.abort(h)  # no-op when finished; frees pages when the client left
             worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
 

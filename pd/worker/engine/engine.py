@@ -212,8 +212,11 @@ class Engine:
         return handle
 
     def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
-        """Stop a request (client gone). Its pages are freed at once, or, when the step that
-        computes it is running, as soon as that step ends; its side channel is told."""
+        """Stop a request (client gone), its other choices (n > 1) too. Its pages are freed at
+        once, or, when the step that computes it is running, as soon as that step ends; its side
+        channel is told."""
+        for child in handle.forks:
+            self.abort(child, reason)
         if not handle.finished:
             self._release(handle.seq, "abort")
             if self.metrics:

@@ -197,3 +197,53 @@ def test_riders_come_after_the_sampled_rows():
         sched.finish(s, "abort")
     sched.check_integrity()
     assert sched.cache.num_used == 0 and not sched.forks
+
+
+async def test_prefill_samples_n_first_tokens_and_hands_off_one_set_of_pages(runner):
+    calls = []
+
+    class Hooks:
+        def hand_off(self, seq, first_logprobs, choices):
+            calls.append((list(seq.output_ids), choices))
+            pages = engine.scheduler.pin(seq, "k")
+            return {"pages": pages}
+
+    engine = make_engine(runner)
+    engine.hooks = Hooks()
+    engine.start()
+    try:
+        opts = GenerationOptions(max_tokens=1, temperature=1.0, seed=11, logprobs=True)
+        handle = engine.add_request(list(PROMPT), opts, True, n=3)
+        out = await texts(handle)
+        [(first, choices)] = calls  # one hand-off for the three choices
+        assert [first[0], *(t for t, _ in choices)] == [ids[0] for ids, _ in out]
+        assert all(lp is not None and lp[0] == t for t, lp in choices)
+        assert handle.kv_transfer_params == {"pages": engine.scheduler.held["k"]}
+        assert all(not c.seq.page_ids for c in handle.forks)  # they never took a page
+        engine.scheduler.check_integrity()
+        engine.release_held("k")
+        await settle(engine)
+    finally:
+        await engine.stop()
+
+
+async def test_decode_forks_the_choices_from_the_one_pull(runner):
+    engine = make_engine(runner)
+    engine.start()
+    try:
+        opts = GenerationOptions(max_tokens=5, temperature=0.0)
+        handle = engine.add_pulled(list(PROMPT), opts, n=3)
+        for choice, token in zip((handle, *handle.forks), (11, 12, 13)):
+            engine.accept_first_token(choice, token, None)
+        pages = engine.scheduler.reserve("d", -(-len(PROMPT) // PAGE))
+        assert pages is not None
+        engine.admit_pulled(handle, "d")  # (the "pulled" KV is whatever the pages hold)
+        full = len(PROMPT) // PAGE
+        refs = engine.scheduler.cache._refs
+        assert all(c.seq.page_ids[:full] == pages[:full] for c in handle.forks)
+        assert all(refs[p] == 3 for p in pages[:full])
+        out = await texts(handle)
+        assert [ids[0] for ids, _ in out] == [11, 12, 13]
+        await settle(engine)
+    finally:
+        await engine.stop()
