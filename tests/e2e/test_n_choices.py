@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import aiohttp
+import orjson
 import pytest
 
 from pd.router import RouterConfig
@@ -166,3 +167,19 @@ async def test_a_list_of_three_prompts_stream_and_not(urls, kind):
                     ends.add(c.index)
         assert ends == {0, 1, 2} and [got[i] for i in range(3)] == singles
         await client.close()
+
+
+async def test_a_client_leaving_an_n4_stream_frees_every_choice(urls):
+    for url in urls:
+        async with aiohttp.ClientSession() as http:
+            body = {"prompt": "Count slowly:", "max_tokens": 400, "n": 4, "stream": True,
+                    "ignore_eos": True}  # fmt: skip
+            resp = await http.post(f"{url}/v1/completions", json=body)
+            assert resp.status == 200
+            seen = set()
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    seen.update(c["index"] for c in orjson.loads(line[6:])["choices"])
+                if len(seen) == 4:
+                    break
+            resp.close()  # gone mid-stream: the fixture checks every worker's pages
