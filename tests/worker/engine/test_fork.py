@@ -90,7 +90,8 @@ async def test_seeded_choice_i_is_the_n1_answer_with_seed_plus_i(runner):
         again = await run(engine, seeded, 3)
         assert again == three
         for i in range(3):
-            [alone] = await run(engine, GenerationOptions(max_tokens=8, temperature=1.0, seed=7 + i), 1)
+            alone_options = GenerationOptions(max_tokens=8, temperature=1.0, seed=7 + i)
+            [alone] = await run(engine, alone_options, 1)
             assert alone == three[i]
         await settle(engine)
     finally:
@@ -192,7 +193,8 @@ def test_riders_come_after_the_sampled_rows():
     assert batch.sampled == [a, b, *kids] and batch.riders == [(1, kids[0]), (1, kids[1])]
     sched.advance(batch)
     for k in kids:  # b's 2 full pages shared, its partial one recomputed into a page of k's own
-        assert k.status is SeqStatus.RUNNING and k.page_ids == b.page_ids[:2] and k.num_computed == 8
+        assert k.status is SeqStatus.RUNNING and k.page_ids == b.page_ids[:2]
+        assert k.num_computed == 8
     for s in (a, b, *kids):
         sched.finish(s, "abort")
     sched.check_integrity()
