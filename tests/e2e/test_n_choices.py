@@ -77,6 +77,7 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 
 
 async def test_n4_gives_four_choices_stream_and_not(urls):
+    seeded_texts = []
     for url in urls:
         client = sdk(url)
         greedy = await client.chat.completions.create(
@@ -109,7 +110,10 @@ async def test_n4_gives_four_choices_stream_and_not(urls):
             model="default", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=5, n=4
         )
         assert [c.message.content for c in seeded.choices] == [texts[i] for i in range(4)]
+        seeded_texts.append(texts)
         await client.close()
+    pd_texts, colocated_texts = seeded_texts
+    assert pd_texts == colocated_texts  # seeded choices: the same through P + D as on one worker
 
 
 async def test_n4_computes_the_prompt_once(urls, workers):
