@@ -126,6 +126,8 @@ def _token_ids(value: Any, name: str) -> list[int]:
 
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI and vLLM
+MAX_N = 16  # choices a request may ask for (`n`)
+MAX_PROMPTS = 64  # prompts a completions request may list
 MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (OpenAI allows 300)
 MAX_CACHE_SALT_CHARS = 256
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
@@ -224,9 +226,6 @@ def _parse_options(
         raise bad_request("'stop' strings must not be empty", param="stop")
     stop_token_ids = body.get("stop_token_ids")
     stop_token_ids = tuple(_token_ids(stop_token_ids, "stop_token_ids")) if stop_token_ids else ()
-    n = _int(body, "n", 1, 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", param="n", code="unsupported_value")
     best_of = _int(body, "best_of", 1, 1)
     if best_of != 1:
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_value")
@@ -407,6 +406,7 @@ class _RequestBase:
     # vLLM's `cache_salt`: requests with different salts share no cached KV (enters the first
     # page's hash on the workers and the router's prefix index). None: the shared cache.
     cache_salt: str | None
+    n: int  # choices per prompt, 1..MAX_N: the prompt is prefilled once and forked
     raw: dict[str, Any] = field(repr=False)  # the body as received
     # vLLM's `prompt_logprobs` as the client asked (None: not asked; options.prompt_logprobs
     # is what is computed).
@@ -438,35 +438,37 @@ def _parse_common(body: dict) -> dict[str, Any]:
         session_id=_opt(body, "session_id", str),
         kv_transfer_params=kvp,
         cache_salt=salt,
+        n=_int(body, "n", 1, 1, MAX_N) or 1,
         raw=body,
     )
 
 
 @dataclass
 class CompletionRequest(_RequestBase):
-    prompt: str | list[int] = ""  # text, or token ids
+    prompt: str | list[int] = ""  # text, or token ids (with `batch`: its first prompt)
     echo: bool = False
+    # A list of 2..MAX_PROMPTS prompts (None: one prompt, `prompt`): answered as one choice list,
+    # choice `prompt_index * n + choice_index` (vLLM's order).
+    batch: list[str | list[int]] | None = None
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> CompletionRequest:
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt", code="missing_field")
         prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):
-            prompt = _token_ids(prompt, "prompt")
-            if not prompt:
-                raise bad_request("'prompt' must not be empty", param="prompt")
-        elif not isinstance(prompt, str):
-            raise bad_request(
-                "'prompt' must be a string or a list of token ids (batches of several prompts "
-                "are not supported)",
-                param="prompt",
-                code="invalid_type",
-            )
-        elif not prompt:
-            raise bad_request("'prompt' must not be empty", param="prompt")
+        batch: list[str | list[int]] | None = None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > MAX_PROMPTS:
+                raise bad_request(
+                    f"'prompt' may be a list of at most {MAX_PROMPTS} prompts, got {len(prompt)}",
+                    param="prompt",
+                )
+            batch = [_one_prompt(p) for p in prompt]
+            prompt = batch[0]
+            if len(batch) == 1:
+                batch = None  # a batch of one: answered as a single prompt
+        else:
+            prompt = _one_prompt(prompt)
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         echo = bool(_opt(body, "echo", bool, False))
         asked = _prompt_logprobs(body)
@@ -483,13 +485,35 @@ class CompletionRequest(_RequestBase):
             echo,
         )
         return cls(
-            prompt=prompt, options=options, echo=echo, prompt_logprobs=asked, **_parse_common(body)
+            prompt=prompt,
+            options=options,
+            echo=echo,
+            prompt_logprobs=asked,
+            batch=batch,
+            **_parse_common(body),
         )
 
 
 def _prompt_logprobs(body: dict) -> int | None:
     """vLLM's `prompt_logprobs`: alternatives per prompt position, 0..MAX_TOP_LOGPROBS."""
     return _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
+    """One prompt of a completions request: a non-empty text or list of token ids."""
+    if isinstance(prompt, list):
+        prompt = _token_ids(prompt, "prompt")
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", param="prompt")
+    elif not isinstance(prompt, str):
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, or a list of those",
+            param="prompt",
+            code="invalid_type",
+        )
+    elif not prompt:
+        raise bad_request("'prompt' must not be empty", param="prompt")
+    return prompt
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -594,7 +618,7 @@ _SAMPLING = "sampling (vLLM extra)"
 FIELDS: dict[str, FieldRule] = {
     # -- the prompt
     "messages": _rule(SERVED, "the conversation, rendered by the model's chat template", "chat"),
-    "prompt": _rule(SERVED, "text or token ids (a batch of one)", "completions"),
+    "prompt": _rule(SERVED, "text or token ids, or a list of up to 64 of those", "completions"),
     "model": _rule(SERVED, "checked against the served names (404 otherwise)"),
     # -- length and stopping
     "max_tokens": _rule(SERVED, "completions: 16 by default, 0 only with echo; chat: the rest "
@@ -614,7 +638,7 @@ FIELDS: dict[str, FieldRule] = {
     "frequency_penalty": _rule(SERVED, "over the output tokens"),
     "repetition_penalty": _rule(SERVED, "vLLM extra: over prompt and output tokens"),
     "seed": _rule(SERVED, "the same text however the request is batched or routed"),
-    "n": _rule(SERVED, "1 only (400 otherwise)"),
+    "n": _rule(SERVED, "1..16 choices; the prompt is prefilled once"),
     "best_of": _rule(SERVED, "1 only (400 otherwise)", "completions"),
     "logit_bias": _rule(SERVED, "added to the logits of the named token ids, each in [-100, 100]"),
     "allowed_token_ids": _rule(SERVED, "vLLM extra: the only tokens it may sample (and stopping)"),
@@ -816,6 +840,10 @@ class KVTransferParams:
     lease_ttl_s: float
     # [logprob, [[token id, logprob], ...]] of the first token when the request asked for them
     first_token_logprobs: list | None = None
+    # With n > 1: every choice's first token (first_token_id is the first), all sampled by P from
+    # the prompt's last logits, and their logprobs entries (as first_token_logprobs) when asked.
+    first_token_ids: list[int] | None = None
+    first_tokens_logprobs: list | None = None
     cached_tokens: int = 0  # prompt tokens P's prefix cache served (D reports them in usage)
     # When the request asked for the prompt's logprobs (P computes them as it prefills, D
     # answers them): per prompt token after the first, [logprob, rank, [[token id, logprob],
@@ -933,6 +961,15 @@ _KV_FIELDS: dict[str, tuple[Any, str]] = {
     "model_fingerprint": (_is_str, "a string"),
     "lease_ttl_s": (lambda v: _is_logprob(v) and v > 0, "a positive number"),
     "first_token_logprobs": (_is_first_logprobs, "null or [logprob, [[id, logprob], ...]]"),
+    "first_token_ids": (
+        lambda v: v is None or (_is_ids(v) and 1 <= len(v) <= MAX_N),
+        f"null or a list of 1..{MAX_N} token ids",
+    ),
+    "first_tokens_logprobs": (
+        lambda v: v is None
+        or (isinstance(v, list) and len(v) <= MAX_N and all(map(_is_first_logprobs, v))),
+        "null or a list of first_token_logprobs",
+    ),
     "cached_tokens": (_is_int, "a non-negative integer"),
     "prompt_logprobs": (
         _is_prompt_logprobs,

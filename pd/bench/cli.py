@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",
     "stall": "the worst /health wait while 1, 4 and 7 MiB prompts arrive at a worker",
+    "fanout": "n = 8 against 8 separate requests of one prompt through router + P + D",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -24,7 +25,7 @@ from pd.protocol import (
     parse_request,
     unknown_fields,
 )
-from pd.router import admin, tokenize
+from pd.router import admin, fanout, tokenize
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
@@ -120,29 +121,48 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if cfg.ignore_unknown_fields:  # what the workers would refuse: they never see it
             for name in unknown_fields(body, chat):
                 del body[name]
-        data = prompt_bytes(req)
-        _check_prompt_size(proxy.cfg, data, req)
-        route = proxy.registry.route()
         headers = proxy.headers
         request_id = request.headers.get("X-Request-Id")
         if request_id:
             headers = {**headers, "X-Request-Id": request_id}
-        prompt = PromptKey.of(data, req.cache_salt, hashed=proxy.cfg.prefix_index_blocks > 0)
-        ex = Exchange(
-            request=request,
-            path=request.path,
-            body=body,
-            chat=chat,
-            stream=req.stream,
-            include_usage=req.include_usage,
-            max_tokens=req.options.max_tokens,
-            key=request.headers.get("X-Room-Id") or req.room_key,
-            prompt=prompt,
-            tokens=proxy.registry.estimate.tokens(len(data)) + 1,
-            headers=headers,
-            t0=t0,
-        )
-        resp = await proxy.handle(ex, route)
+        key = request.headers.get("X-Room-Id") or req.room_key
+
+        def exchange(sub: CompletionRequest | ChatCompletionRequest, body: dict) -> Exchange:
+            data = prompt_bytes(sub)
+            _check_prompt_size(proxy.cfg, data, sub)
+            return Exchange(
+                request=request,
+                path=request.path,
+                body=body,
+                chat=chat,
+                stream=req.stream,
+                include_usage=req.include_usage,
+                max_tokens=req.options.max_tokens,
+                key=key,
+                prompt=PromptKey.of(data, sub.cache_salt, hashed=cfg.prefix_index_blocks > 0),
+                tokens=proxy.registry.estimate.tokens(len(data)) + 1,
+                headers=headers,
+                t0=t0,
+            )
+
+        if isinstance(req, CompletionRequest) and req.batch is not None:
+            # A list of prompts: one sub-exchange each, routed by its own prompt (fanout.py).
+            subs = [
+                exchange(
+                    dataclasses.replace(req, prompt=p, batch=None),
+                    _sub_body(body, p, req.stream),
+                )
+                for p in req.batch
+            ]
+            ex = subs[0]
+            route = proxy.registry.route()
+            resp = await fanout.serve(
+                proxy, request, subs, route, req.n, req.include_usage, req.stream
+            )
+        else:
+            ex = exchange(req, body)
+            route = proxy.registry.route()
+            resp = await proxy.handle(ex, route)
         status = ex.status or str(resp.status)
         return resp
     except (APIError, web.HTTPException) as e:
@@ -155,6 +175,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if ex is not None and ex.route is not None:
             route = ex.route
         proxy.metrics.request_done(status, route, ex.ttft if ex else None, perf_counter() - t0)
+
+
+def _sub_body(body: dict, prompt: str | list[int], stream: bool) -> dict:
+    """One prompt's body of a list of prompts; a stream's reports its usage (summed)."""
+    sub = {**body, "prompt": prompt}
+    if stream:
+        sub["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return sub
 
 
 async def models(request: web.Request) -> web.Response:

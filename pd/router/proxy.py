@@ -95,6 +95,9 @@ class Exchange:
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
     timed_out: bool = False  # the idle watch closed the upstream
     ejected: bool = False  # the worker streaming the answer was ejected meanwhile
+    # A fan-out's sub-exchange (fanout.py): its stream goes here (prepare/write/write_eof), not
+    # to the client.
+    sink: Any = None
 
 
 @dataclass(slots=True, eq=False)
@@ -527,7 +530,7 @@ class Proxy:
         """Relay the stream; `complete(read)` runs once it has all come and ended well ([DONE],
         no error event), before its end goes out. A stream that did not is not learnt from:
         the worker may hold nothing of it."""
-        resp = _SSEResponse(headers=SSE_HEADERS)
+        resp = _SSEResponse(headers=SSE_HEADERS) if ex.sink is None else ex.sink
         content = upstream.content
         try:
             await resp.prepare(ex.request)

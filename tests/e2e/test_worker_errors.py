@@ -48,7 +48,7 @@ BAD_INPUT = [
         404,
         "model_not_found",
     ),
-    ("n > 1", "/v1/completions", b'{"prompt": "hi", "n": 2}', 400, "unsupported_value"),
+    ("n > 16", "/v1/completions", b'{"prompt": "hi", "n": 17}', 400, "invalid_value"),
     (
         "a field pd does not serve",
         "/v1/chat/completions",

@@ -44,6 +44,7 @@ class ResponseBuilder:
     offsets: list[int] = field(default_factory=list)  # text_offset of each entry of `logprobs`
     chars: int = 0  # characters of the choice's text so far (the echoed prompt's included)
     _prompt_sent: bool = False  # the stream's first chunk carried the prompt's part
+    index: int = 0  # the choice's (n > 1, lists of prompts: choices.py combines builders)
 
     @property
     def response_id(self) -> str:
@@ -105,17 +106,34 @@ class ResponseBuilder:
             "text_offset": offsets,
         }
 
-    def _prompt_fields(self, choice: dict[str, Any], body: dict[str, Any]) -> None:
-        """vLLM's prompt_logprobs: in the choice (completions), or the body (chat, as vLLM)."""
-        if self.prompt is not None and self.prompt.prompt_logprobs is not None:
-            (body if self.chat else choice)["prompt_logprobs"] = self.prompt.prompt_logprobs
+    def prompt_fields(self, body: dict[str, Any]) -> None:
+        """vLLM's prompt_logprobs of a chat answer: in the body (as vLLM puts them); a
+        completion's are in its choice."""
+        if self.chat and self.prompt is not None and self.prompt.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt.prompt_logprobs
 
     # ----------------------------------------------------------------------------- bodies
 
     def final(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice()],
+            "usage": self.usage(),
+        }
+        self.prompt_fields(body)
+        if extra:
+            body.update(extra)
+        return body
+
+    def choice(self) -> dict[str, Any]:
+        """The choice of a JSON answer (a completion's with the prompt's part: echo,
+        prompt_logprobs)."""
         text = "".join(self.text)
         prompt = self.prompt or PromptPart()
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -124,18 +142,9 @@ class ResponseBuilder:
             prompt.entries + self.logprobs, prompt.offsets + self.offsets
         )
         choice["finish_reason"] = self.finish_reason
-        body: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(),
-        }
-        self._prompt_fields(choice, body)
-        if extra:
-            body.update(extra)
-        return body
+        if not self.chat and prompt.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt.prompt_logprobs
+        return choice
 
     def chunk(self, delta: Delta | None, role: bool = False) -> bytes:
         """One SSE event for a delta (or the chat stream's opening role chunk), after `add`
@@ -143,7 +152,7 @@ class ResponseBuilder:
         prompt = PromptPart()
         if delta is not None and not self._prompt_sent and self.prompt is not None:
             prompt, self._prompt_sent = self.prompt, True
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = (
                 {"role": "assistant", "content": ""}
@@ -161,18 +170,18 @@ class ResponseBuilder:
             else None
         )
         choice["finish_reason"] = delta.finish_reason if delta else None
-        body = {
+        body: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [choice],
         }
-        if prompt is self.prompt:
-            self._prompt_fields(choice, body)
+        if prompt is self.prompt and prompt.prompt_logprobs is not None:
+            (body if self.chat else choice)["prompt_logprobs"] = prompt.prompt_logprobs
         return sse(body)
 
-    def usage_chunk(self) -> bytes:
+    def usage_chunk(self, usage: dict[str, Any] | None = None) -> bytes:
         return sse(
             {
                 "id": self.response_id,
@@ -180,6 +189,6 @@ class ResponseBuilder:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": self.usage(),
+                "usage": usage or self.usage(),
             }
         )

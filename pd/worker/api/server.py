@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -21,9 +22,10 @@ from pd.protocol import (
     error_body,
     parse_json_body,
 )
+from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.echo import PromptPart, prompt_part
 from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
-from pd.worker.api.prompt import PromptBuilder
+from pd.worker.api.prompt import PromptBuilder, Request
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
@@ -272,33 +274,85 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
-    rules = await _rules(request.app[GRAMMARS], worker, req.options)
-    # The role (co-located, prefill or decode: build.py) queues it, tokenizing when it must.
-    handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req), rules)
-    prompt_tokens = len(handle.seq.prompt_ids)
-    worker.metrics.prompt_tokens.inc(prompt_tokens)
-    builder = ResponseBuilder(
-        chat=isinstance(req, ChatCompletionRequest),
-        model=worker.model_name,
-        prompt_tokens=prompt_tokens,
-        token_text=request.app[TOKEN_TEXT],
-        wants_logprobs=req.options.wants_logprobs,
-        cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
-        prompt_part=_prompt_part(worker, req, handle, request.app[TOKEN_TEXT]),
-    )
+    reqs = [req] if not isinstance(req, CompletionRequest) or req.batch is None else [
+        dataclasses.replace(req, prompt=p, batch=None) for p in req.batch
+    ]
+    if len(reqs) > 1 and req.kv_transfer_params is not None:
+        raise APIError(400, "kv_transfer_params take one prompt", param="kv_transfer_params")
+    handles: list[RequestHandle] = []
     try:
-        if req.stream:
-            return await _stream(request, handle, builder, req.include_usage)
-        while builder.finish_reason is None:
-            delta = await handle.queue.get()
-            if delta.error is not None:
-                raise delta.error
-            await _prompt_ready(prompts, builder, handle)
-            builder.add(delta)
-        return json_response(builder.final({"kv_transfer_params": handle.kv_transfer_params}))
+        for r in reqs:
+            rules = await _rules(request.app[GRAMMARS], worker, req.options)
+            # Each choice its own rules (a grammar's state is the choice's).
+            choice_rules = None
+            if rules is not None and req.n > 1:
+                choice_rules = [
+                    await _rules(request.app[GRAMMARS], worker, req.options)
+                    for _ in range(req.n - 1)
+                ]
+            # The role (co-located, prefill or decode: build.py) queues it, tokenizing when
+            # it must.
+            handles.append(
+                await worker.role.admit(
+                    r, _prompt_ids(prompts, r), rules, choice_rules
+                )
+            )
+        return await _answer(request, worker, req, handles)
     finally:
-        worker.engine.abort(handle)  # no-op when finished; frees pages when the client left
-        worker.metrics.requests.labels(handle.seq.finish_reason or "abort").inc()
+        for h in handles:  # (each with its other choices)
+            worker.engine.abort(h)  # no-op when finished; frees pages when the client left
+            worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
+
+
+async def _answer(
+    request: web.Request, worker: Worker, req: Request, handles: list[RequestHandle]
+) -> web.StreamResponse:
+    chat = isinstance(req, ChatCompletionRequest)
+    builders, per_prompt = [], []
+    token_text = request.app[TOKEN_TEXT]
+    # Before a choice's first delta: its prompt part (echo, prompt_logprobs), from its prompt's
+    # first handle (the one that prefilled it).
+    readies: dict[int, Callable[[], Awaitable[None]]] = {}
+    for j, handle in enumerate(handles):
+        prompt_tokens = len(handle.seq.prompt_ids)
+        worker.metrics.prompt_tokens.inc(prompt_tokens)
+        part = _prompt_part(worker, req, handle, token_text)
+        for i, _ in enumerate((handle, *handle.forks)):
+            builder = ResponseBuilder(
+                chat=chat,
+                model=worker.model_name,
+                prompt_tokens=prompt_tokens,
+                token_text=token_text,
+                wants_logprobs=req.options.wants_logprobs,
+                cached_tokens=_cached_tokens(handle),
+                prompt_part=part,
+                index=j * req.n + i,
+            )
+            builders.append(builder)
+            readies[id(builder)] = functools.partial(
+                _prompt_ready, request.app[PROMPTS], builder, handle
+            )
+            if i == 0:
+                per_prompt.append(builder)
+    for b in builders[1:]:  # one answer: one id and time
+        b.id, b.created = builders[0].id, builders[0].created
+    choices = choices_of(handles)
+    if req.stream:
+        return await _stream(request, choices, builders, per_prompt, readies, req.include_usage)
+    await collect(choices, builders, lambda b: readies[id(b)]())
+    body = builders[0].final({"kv_transfer_params": handles[0].kv_transfer_params})
+    if len(builders) > 1:
+        body["choices"] = [b.choice() for b in builders]
+        body["usage"] = usage(per_prompt, builders)
+    return json_response(body)
+
+
+def _cached_tokens(handle: RequestHandle) -> Callable[[], int]:
+    return lambda: handle.seq.num_cached_tokens or 0
+
+
+def _prompt_ids(prompts: PromptBuilder, req: Request) -> Callable[[], Awaitable[list[int]]]:
+    return lambda: prompts.prompt_ids(req)
 
 
 def _prompt_part(
@@ -358,24 +412,29 @@ async def _rules(
 
 
 async def _stream(
-    request: web.Request, handle: RequestHandle, builder: ResponseBuilder, include_usage: bool
+    request: web.Request,
+    choices: list[RequestHandle],
+    builders: list[ResponseBuilder],
+    per_prompt: list[ResponseBuilder],
+    readies: dict[int, Callable[[], Awaitable[None]]],
+    include_usage: bool,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    if builder.chat:
-        await resp.write(builder.chunk(None, role=True))
-    while builder.finish_reason is None:
-        delta = await handle.queue.get()
+    if builders[0].chat:
+        for b in builders:
+            await resp.write(b.chunk(None, role=True))
+    async for builder, delta in interleave(choices, builders):
         if delta.error is not None:  # headers are out: the error is the stream's last event
             await resp.write(sse(delta.error.body()))
             break
-        await _prompt_ready(request.app[PROMPTS], builder, handle)
+        await readies[id(builder)]()
         builder.add(delta)
         await resp.write(builder.chunk(delta))
     if include_usage:
-        await resp.write(builder.usage_chunk())
+        await resp.write(builders[0].usage_chunk(usage(per_prompt, builders)))
     await resp.write(SSE_DONE)
     await resp.write_eof()
     return resp

@@ -57,8 +57,15 @@ class DecodeSide(TransferRole):
         self.vocab_size = min(engine.tokenizer.vocab_size, runner.config.vocab_size)
         self._tasks: set[asyncio.Task] = set()
 
-    def validate(self, raw: dict[str, Any]) -> KVTransferParams:
+    def validate(self, raw: dict[str, Any], n: int = 1) -> KVTransferParams:
         kvp = KVTransferParams.from_dict(raw)
+        firsts = kvp.first_token_ids or [kvp.first_token_id]
+        lps = kvp.first_tokens_logprobs
+        if len(firsts) != n or firsts[0] != kvp.first_token_id or (lps and len(lps) != n):
+            raise bad_request(
+                f"kv_transfer_params carry {len(firsts)} first tokens for n={n}",
+                param="kv_transfer_params",
+            )
         ours = self.contract
         for name in ("model_fingerprint", "page_size", "kv_layout", "dtype"):
             theirs = getattr(kvp, name)
@@ -86,7 +93,7 @@ class DecodeSide(TransferRole):
                 param="kv_transfer_params",
             )
         vocab = self.vocab_size
-        if max(kvp.prompt_token_ids) >= vocab or kvp.first_token_id >= vocab:
+        if max(kvp.prompt_token_ids) >= vocab or max(firsts) >= vocab:
             raise bad_request(
                 f"kv_transfer_params carry a token id out of the vocabulary (size {vocab})",
                 param="kv_transfer_params",
@@ -99,9 +106,12 @@ class DecodeSide(TransferRole):
         options: GenerationOptions,
         cache_salt: str | None = None,
         rules: TokenRules | None = None,
+        n: int = 1,
+        choice_rules: list[TokenRules | None] | None = None,
     ) -> RequestHandle:
-        """Queue the request, dial P, then emit P's first token; the pull goes on in a task.
-        Its pages join this worker's prefix cache under the client's `cache_salt`."""
+        """Queue the request, dial P, then emit P's first token (each choice's, with n > 1: the
+        choices fork from the one pull); the pull goes on in a task. Its pages join this
+        worker's prefix cache under the client's `cache_salt`."""
         prompt_logprobs = None
         if options.prompt_logprobs is not None:  # P computed them as it prefilled: D answers them
             if kvp.prompt_logprobs is None or len(kvp.prompt_logprobs) != kvp.num_tokens - 1:
@@ -116,7 +126,7 @@ class DecodeSide(TransferRole):
             ]
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
         handle = self.engine.add_pulled(
-            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt, rules
+            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt, rules, n, choice_rules
         )
         if prompt_logprobs is not None:
             handle.seq.prompt_logprobs = prompt_logprobs
@@ -126,6 +136,8 @@ class DecodeSide(TransferRole):
             self.engine.abort(handle)
             raise
         handle.on_abort = lambda reason: _abort_unless_settled(rx, reason)
+        firsts = kvp.first_token_ids or [kvp.first_token_id]
+        lps = kvp.first_tokens_logprobs or [kvp.first_token_logprobs] * len(firsts)
         try:
             while rx.poll() is KVPoll.Bootstrapping:  # bounded by the handshake deadline
                 await asyncio.sleep(0.001)
@@ -136,7 +148,8 @@ class DecodeSide(TransferRole):
                     "upstream_error",
                     "kv_transfer_failed",
                 )
-            self.engine.accept_first_token(handle, kvp.first_token_id, kvp.first_token_logprobs)
+            for choice, token, lp in zip([handle, *handle.forks], firsts, lps):
+                self.engine.accept_first_token(choice, token, lp)
         except BaseException:  # refused, or the client left during the handshake: tell P
             self.engine.abort(handle, "the decode request ended before the pull")
             raise
@@ -157,7 +170,8 @@ class DecodeSide(TransferRole):
             if pages is None:
                 self._end(handle, rx)
                 return
-            if handle.finished:  # finished by its first token, or aborted: no pull needed
+            if all(c.finished for c in [handle, *handle.forks]):  # by the first tokens, or
+                # aborted: no pull needed
                 rx.abort("request finished before the pull")
                 self.engine.release_held(key)
                 return

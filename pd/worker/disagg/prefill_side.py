@@ -29,8 +29,15 @@ class PrefillSide(TransferRole):
         self.tp_size = tp_size
         self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
 
-    def hand_off(self, seq: Sequence, first_logprobs: LogprobEntry | None) -> dict[str, Any]:
-        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer."""
+    def hand_off(
+        self,
+        seq: Sequence,
+        first_logprobs: LogprobEntry | None,
+        choices: list[tuple[int, LogprobEntry | None]] | None = None,
+    ) -> dict[str, Any]:
+        """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer
+        (with n > 1, every choice's first token: `choices` are choices 1.., one set of pages)."""
+        firsts = [(seq.output_ids[0], first_logprobs), *(choices or [])]
         key = f"p-{seq.request_id}"
         pages = self.pages.pin(seq, key)
         sender: KVSender | None = None
@@ -43,8 +50,12 @@ class PrefillSide(TransferRole):
                 **sender.params().to_dict(),
                 prompt_token_ids=seq.prompt_ids,
                 first_token_id=seq.output_ids[0],
-                first_token_logprobs=(
-                    [first_logprobs[1], first_logprobs[2]] if first_logprobs else None
+                first_token_logprobs=_entry(first_logprobs),
+                first_token_ids=[t for t, _ in firsts] if len(firsts) > 1 else None,
+                first_tokens_logprobs=(
+                    [_entry(lp) for _, lp in firsts]
+                    if len(firsts) > 1 and first_logprobs
+                    else None
                 ),
                 num_tokens=len(seq.prompt_ids),
                 cached_tokens=seq.num_cached_tokens or 0,
@@ -75,3 +86,8 @@ class PrefillSide(TransferRole):
         self.released[reason] = self.released.get(reason, 0) + 1
         if reason != "done":
             log.info("released pinned KV %s: %s", key, reason)
+
+
+def _entry(lp: LogprobEntry | None) -> list | None:
+    """A first token's logprobs as kv_transfer_params carry them: [logprob, top]."""
+    return [lp[1], lp[2]] if lp else None

@@ -27,12 +27,19 @@ Request = CompletionRequest | ChatCompletionRequest
 PromptIds = Callable[[], Awaitable[list[int]]]  # the request's prompt ids (tokenized when awaited)
 
 
+ChoiceRules = list[TokenRules | None] | None  # n > 1: choices 1..n-1's rules (each its own)
+
+
 class Role(Protocol):
     async def admit(
-        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+        self,
+        req: Request,
+        prompt_ids: PromptIds,
+        rules: TokenRules | None = None,
+        choice_rules: ChoiceRules = None,
     ) -> RequestHandle:
-        """Queue `req` (with `rules` for its tokens: grammar, min_tokens, ...); raises APIError
-        when it is refused."""
+        """Queue `req` (with `rules` for its tokens: grammar, min_tokens, ...; with `n` > 1 its
+        other choices in `handle.forks`); raises APIError when it is refused."""
         ...
 
 
@@ -46,7 +53,11 @@ class CoLocated:
         self.engine = engine
 
     async def admit(
-        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+        self,
+        req: Request,
+        prompt_ids: PromptIds,
+        rules: TokenRules | None = None,
+        choice_rules: ChoiceRules = None,
     ) -> RequestHandle:
         if req.kv_transfer_params is not None:
             raise bad_request(
@@ -55,7 +66,12 @@ class CoLocated:
                 param="kv_transfer_params",
             )
         return self.engine.add_request(
-            await prompt_ids(), req.options, cache_salt=req.cache_salt, rules=rules
+            await prompt_ids(),
+            req.options,
+            cache_salt=req.cache_salt,
+            rules=rules,
+            n=req.n,
+            choice_rules=choice_rules,
         )
 
 
@@ -63,11 +79,15 @@ class Prefill(CoLocated):
     name = "prefill"
 
     async def admit(
-        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+        self,
+        req: Request,
+        prompt_ids: PromptIds,
+        rules: TokenRules | None = None,
+        choice_rules: ChoiceRules = None,
     ) -> RequestHandle:
         kvp = req.kv_transfer_params
         if kvp is None or kvp.get("do_remote_decode") is not True:
-            return await super().admit(req, prompt_ids, rules)  # here, or other params: a 400
+            return await super().admit(req, prompt_ids, rules, choice_rules)  # or a 400
         if req.stream:
             raise bad_request("a remote-decode prefill answers with stream=false", param="stream")
         # The client's max_tokens, which the router passes so that P refuses, before
@@ -83,7 +103,9 @@ class Prefill(CoLocated):
         ids = await prompt_ids()
         self.engine.capacity.max_tokens_for(len(ids), asked)  # the whole request, not one token
         # P samples the first token: its rules constrain it as D's constrain the rest.
-        return self.engine.add_request(ids, req.options, True, req.cache_salt, rules)
+        return self.engine.add_request(
+            ids, req.options, True, req.cache_salt, rules, req.n, choice_rules
+        )
 
 
 class Decode(CoLocated):
@@ -94,11 +116,15 @@ class Decode(CoLocated):
         self.side = side
 
     async def admit(
-        self, req: Request, prompt_ids: PromptIds, rules: TokenRules | None = None
+        self,
+        req: Request,
+        prompt_ids: PromptIds,
+        rules: TokenRules | None = None,
+        choice_rules: ChoiceRules = None,
     ) -> RequestHandle:
         if req.kv_transfer_params is None:  # decode-local prefill
-            return await super().admit(req, prompt_ids, rules)
-        kvp = self.side.validate(req.kv_transfer_params)
+            return await super().admit(req, prompt_ids, rules, choice_rules)
+        kvp = self.side.validate(req.kv_transfer_params, req.n)
         # Its pages join this worker's prefix cache under the client's salt; its rules are
         # built from the same request as P's, and take P's first token before anything else.
-        return await self.side.admit(kvp, req.options, req.cache_salt, rules)
+        return await self.side.admit(kvp, req.options, req.cache_salt, rules, req.n, choice_rules)

@@ -26,6 +26,7 @@ import torch
 from pd.protocol import APIError, GenerationOptions, WorkerLoad
 from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
+from pd.worker.engine.fork import choice_options
 from pd.worker.engine.hooks import HeldPages, PageWaiters, RoleHooks
 from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
@@ -122,15 +123,33 @@ class Engine:
         remote_decode: bool = False,
         cache_salt: str | None = None,
         rules: TokenRules | None = None,
+        n: int = 1,
+        choice_rules: list[TokenRules | None] | None = None,
     ) -> RequestHandle:
         """Queue a request; raises APIError (400 too long, 503 queue full or not running).
-        `rules` (its grammar, min_tokens, ...) say what each next token may be."""
+        `rules` (its grammar, min_tokens, ...) say what each next token may be. With `n` > 1 its
+        other choices (`handle.forks`, with `choice_rules`) fork from it (fork.py)."""
         handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules)
         handle.seq.remote_decode = remote_decode
         handle.seq.cache_salt = cache_salt
+        self._add_forks(handle, n, choice_rules)
         self.scheduler.add(handle.seq)
         self._wake()
         return handle
+
+    def _add_forks(
+        self, handle: RequestHandle, n: int, choice_rules: list[TokenRules | None] | None
+    ) -> None:
+        seq = handle.seq
+        for i in range(1, n):
+            rules = choice_rules[i - 1] if choice_rules else None
+            child = self._new_handle(
+                seq.prompt_ids, choice_options(seq.params, i), SeqStatus.FORKING, rules
+            )
+            child.seq.cache_salt = seq.cache_salt
+            child.seq.num_cached_tokens = seq.num_cached_tokens
+            handle.forks.append(child)
+        self.scheduler.add_children(seq, [c.seq for c in handle.forks])
 
     def add_pulled(
         self,
@@ -139,6 +158,8 @@ class Engine:
         cached_tokens: int = 0,
         cache_salt: str | None = None,
         rules: TokenRules | None = None,
+        n: int = 1,
+        choice_rules: list[TokenRules | None] | None = None,
     ) -> RequestHandle:
         """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
         cache served `cached_tokens` of its prompt). It emits P's first token through
@@ -147,6 +168,7 @@ class Engine:
         handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING, rules)
         handle.seq.num_cached_tokens = cached_tokens
         handle.seq.cache_salt = cache_salt
+        self._add_forks(handle, n, choice_rules)  # they fork from the pulled pages
         return handle
 
     def accept_first_token(
@@ -190,8 +212,11 @@ class Engine:
         return handle
 
     def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
-        """Stop a request (client gone). Its pages are freed at once, or, when the step that
-        computes it is running, as soon as that step ends; its side channel is told."""
+        """Stop a request (client gone), its other choices (n > 1) too. Its pages are freed at
+        once, or, when the step that computes it is running, as soon as that step ends; its side
+        channel is told."""
+        for child in handle.forks:
+            self.abort(child, reason)
         if not handle.finished:
             self._release(handle.seq, "abort")
             if self.metrics:
@@ -207,16 +232,29 @@ class Engine:
         self.handles.pop(handle.seq.request_id, None)
         handle.queue.put_nowait(Delta("", [], [], "error", error))
 
-    def _end(self, done: Finished) -> None:
+    def _end_all(self, finished: list[Finished]) -> None:
+        """End the requests a step finished (a parent with the last deltas of its choices)."""
+        by_handle = {d.handle.seq.request_id: d for d in finished}
+        for done in finished:
+            self._end(done, [by_handle.get(c.seq.request_id) for c in done.handle.forks])
+
+    def _end(self, done: Finished, choices: list[Finished | None] | None = None) -> None:
         """End a request postprocess finished: hand its pages to a decode worker (a prefill
-        worker's remote-decode request that reached its length) or free them, forget it, and
-        queue its last delta (an error one when the hand-off failed)."""
+        worker's remote-decode request that reached its length, or whose other `choices` did)
+        or free them, forget it, and queue its last delta (an error one when the hand-off
+        failed)."""
         handle, last = done.handle, done.last
         seq = handle.seq
-        if last.finish_reason == "length" and seq.remote_decode and self.hooks is not None:
+        choices = choices or []
+        goes_on = [last.finish_reason] + [c.last.finish_reason for c in choices if c is not None]
+        if "length" in goes_on and seq.remote_decode and self.hooks is not None:
             try:
+                firsts = [  # every choice has its first token (they rode on seq's row)
+                    (c.seq.output_ids[0], d.last.logprobs[0] if d and d.last.logprobs else None)
+                    for c, d in zip(handle.forks, choices)
+                ]
                 handle.kv_transfer_params = self.hooks.hand_off(
-                    seq, last.logprobs[0] if last.logprobs else None
+                    seq, last.logprobs[0] if last.logprobs else None, firsts
                 )
             except Exception as e:  # answered as a 5xx, so the router retries or reports it
                 log.exception("cannot hand %s to a decode worker", seq.request_id)
@@ -365,8 +403,7 @@ class Engine:
             self.postprocess.accept_prompt_logprobs(batch, out)
         live = [self.handles.get(seq.request_id) for seq in batch.sampled]
         self._pending_text, finished = self.postprocess.accept_tokens(live, out)
-        for done in finished:  # before the next step is scheduled: none computes for them
-            self._end(done)
+        self._end_all(finished)  # before the next step is scheduled: none computes for them
         if not self.overlap:
             self._emit_pending_text()
         self._pages_freed()  # finished requests freed pages; the batch may have shrunk
@@ -376,8 +413,7 @@ class Engine:
         if pending:
             # Requests aborted since their token was appended get no text.
             live = [p for p in pending if self.handles.get(p.handle.seq.request_id) is p.handle]
-            for done in self.postprocess.emit_text(live):
-                self._end(done)
+            self._end_all(self.postprocess.emit_text(live))
             self._pages_freed()
 
     async def execute(

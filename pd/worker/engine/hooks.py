@@ -31,9 +31,15 @@ class HeldPages(Protocol):
 class RoleHooks(Protocol):
     """What a role does at a request's end (the prefill side implements it)."""
 
-    def hand_off(self, seq: Sequence, first_logprobs: LogprobEntry | None) -> dict[str, Any]:
+    def hand_off(
+        self,
+        seq: Sequence,
+        first_logprobs: LogprobEntry | None,
+        choices: list[tuple[int, LogprobEntry | None]],
+    ) -> dict[str, Any]:
         """A remote-decode request has its first token: keep its KV for a decode worker and
-        return the `kv_transfer_params` to answer. Raising fails the request with a 503."""
+        return the `kv_transfer_params` to answer. `choices`: with n > 1, the first token (and
+        logprobs) of each other choice. Raising fails the request with a 503."""
         ...
 
 

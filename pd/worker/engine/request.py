@@ -29,6 +29,7 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no pages (new, or preempted)
     RUNNING = "running"  # admitted; holds pages for its computed tokens
     TRANSFERRING = "transferring"  # decode side: its KV is being pulled from prefill
+    FORKING = "forking"  # a choice of n > 1 waiting for its parent's prompt (fork.py); no pages
     FINISHED = "finished"  # done or aborted; its pages are freed
 
 
@@ -102,6 +103,8 @@ class RequestHandle:
     # the request is aborted, with the reason.
     on_abort: Callable[[str], None] | None = None
     kv_transfer_params: dict[str, Any] | None = None  # prefill role: what D needs, once handed off
+    # n > 1: choices 1..n-1, each a request of its own forked from this one (fork.py)
+    forks: list[RequestHandle] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

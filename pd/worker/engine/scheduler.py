@@ -27,6 +27,7 @@ from collections import deque
 
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.engine.batch import ScheduledBatch
+from pd.worker.engine.fork import Forks, attach_riders
 from pd.worker.engine.request import SeqStatus, Sequence
 
 
@@ -43,6 +44,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
+        self.forks: Forks = {}  # n > 1: parent -> its children until they fork (fork.py)
 
     # ------------------------------------------------------------------------------ queues
 
@@ -50,10 +52,17 @@ class Scheduler:
         assert seq.status is SeqStatus.WAITING and not seq.page_ids
         self.waiting.append(seq)
 
+    def add_children(self, parent: Sequence, children: list[Sequence]) -> None:
+        """n > 1: `children` (FORKING) fork from `parent` once its prompt is computed."""
+        assert all(c.status is SeqStatus.FORKING and not c.page_ids for c in children)
+        if children:
+            self.forks[parent] = children
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take a request out of the queues and free its pages (idempotent)."""
         if seq.is_finished:
             return
+        self._orphan(seq)
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
@@ -105,6 +114,7 @@ class Scheduler:
             self.running.append(seq)
             self._add(batch, seq, n)
             budget -= n
+        attach_riders(batch, self.forks)
         return batch
 
     def _reuse_prefix(self, seq: Sequence) -> None:
@@ -217,6 +227,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._cache_full_pages(seq)
+        self._fork_pulled(seq)
 
     @property
     def held(self) -> dict[str, list[int]]:
@@ -231,6 +242,49 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 seq.num_computed += n
                 self._cache_full_pages(seq)
+        sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
+        for row, child in batch.riders:
+            parent = sampled[row]
+            if parent.status is SeqStatus.RUNNING:
+                self._fork(child, parent.page_ids, parent.page_hashes, parent.num_cached_tokens)
+            self.forks.pop(parent, None)  # (a parent that ended meanwhile requeued them)
+
+    # ------------------------------------------------------------------------------ n > 1
+
+    def _fork_pulled(self, parent: Sequence) -> None:
+        """Decode, n > 1: the pull is done; the parent's children (each with its first token)
+        fork from its pages."""
+        for child in self.forks.pop(parent, ()):
+            self._fork(child, parent.page_ids, parent.page_hashes, child.num_cached_tokens)
+
+    def _fork(
+        self, child: Sequence, pages: list[int], hashes: list[bytes], cached: int | None
+    ) -> None:
+        """`child` shares the full prompt pages of `pages` (one reference each) and runs from the
+        page boundary: its next step recomputes the partial last page and its first token."""
+        if child.status is not SeqStatus.FORKING:
+            return
+        if child.max_tokens <= 1 and not child.output_ids:  # it ends on its first token
+            return
+        full = len(child.prompt_ids) // self.page_size
+        shared = pages[:full]
+        self.cache.acquire(shared)
+        child.page_ids = list(shared)
+        child.page_hashes = list(hashes[:full])
+        child.num_computed = full * self.page_size
+        child.num_cached_tokens = cached
+        # Its recomputed tokens count as computed prompt tokens (prefix cache queries - hits).
+        self.cache.count_query(len(child.prompt_ids), child.num_computed)
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
+    def _orphan(self, parent: Sequence) -> None:
+        """`parent` ends before its children forked: they become ordinary requests, prefilling
+        the prompt (and the first token each has, on D) themselves."""
+        for child in self.forks.pop(parent, ()):
+            if child.status is SeqStatus.FORKING:
+                child.status = SeqStatus.WAITING
+                self.waiting.append(child)
 
     def quick_check(self) -> None:
         """`check_integrity`'s counters only (time independent of the pages: /health runs it)."""

@@ -71,6 +71,8 @@ class StepBatch(Protocol):
     def num_new(self) -> list[int]: ...  # tokens computed this step
     @property
     def sample(self) -> list[bool]: ...  # whether this step samples the request's next token
+    @property
+    def riders(self) -> Sequence[tuple[int, StepRequest]]: ...  # (sampled row, a fork child)
 
 
 class ModelRunner:
@@ -232,6 +234,10 @@ class ModelRunner:
             logits = self.model.forward(ids, meta, rows, eager=bool(prompt_rows))  # [S, V]
         sampled = [s for s, flag in zip(batch.seqs, batch.sample) if flag]
         prompt = self._prompt_logprobs(batch, prompt_rows, logits[num_sampled:])
+        logits = logits[:num_sampled]
+        if batch.riders:  # n > 1: each child samples its first token from its parent's row
+            logits = torch.cat([logits, logits[[r for r, _ in batch.riders]]])
+            sampled += [child for _, child in batch.riders]
         if not sampled:
             # NOTE: the engine takes our return as "the KV writes are done" and may free or hand
             # these pages to a pull; with no sample to wait for, wait for the device here.
@@ -239,7 +245,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             return SampleOutput(token_ids=[], prompt_logprobs=prompt)
         out = self.sampler.sample(
-            logits[:num_sampled],
+            logits,
             [s.params for s in sampled],
             [s.prompt_ids for s in sampled],
             [s.output_ids for s in sampled],

@@ -35,9 +35,7 @@ class Runner:
 
     def execute(self, batch) -> SampleOutput:
         out = SampleOutput([])
-        for seq, sampled in zip(batch.seqs, batch.sample):
-            if not sampled:
-                continue
+        for seq in batch.sampled:  # n > 1: the fork children riding on a row too
             self.steps += 1
             out.token_ids.append(self.eos if self.steps % 11 == 0 else 260)
             wants = seq.params.wants_logprobs

@@ -60,7 +60,7 @@ class StandInRole:
         self.refuse = refuse
         self.prompts: list[list[int]] = []
 
-    async def admit(self, req, prompt_ids, rules=None) -> RequestHandle:
+    async def admit(self, req, prompt_ids, rules=None, choice_rules=None) -> RequestHandle:
         ids = await prompt_ids()  # the handler's PromptBuilder: its 400s come from here
         if self.refuse is not None:
             raise self.refuse

@@ -203,7 +203,9 @@ class QueueingEngine:
         self.capacity = Capacity(max_model_len, PAGE, 64)
         self.queued: list[tuple[list[int], bool, str | None]] = []
 
-    def add_request(self, ids, options, remote_decode=False, cache_salt=None, rules=None):
+    def add_request(
+        self, ids, options, remote_decode=False, cache_salt=None, rules=None, n=1, choice_rules=None
+    ):
         self.queued.append((ids, remote_decode, cache_salt))
         return f"handle-{len(self.queued)}"
 
@@ -268,11 +270,11 @@ async def test_decode_pulls_with_params_and_prefills_here_without():
     engine = QueueingEngine()
     pulled = []
 
-    async def admit(kvp, options, cache_salt=None, rules=None):
+    async def admit(kvp, options, cache_salt=None, rules=None, n=1, choice_rules=None):
         pulled.append((kvp, cache_salt))
         return "pulled"
 
-    side = SimpleNamespace(engine=engine, validate=lambda raw: ("checked", raw), admit=admit)
+    side = SimpleNamespace(engine=engine, validate=lambda raw, n=1: ("checked", raw), admit=admit)
     role = Decode(side)  # type: ignore[arg-type]
     ids, calls = tokenized()
     raw = {"transfer_id": "t"}

@@ -77,7 +77,7 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
 
 async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
     class BrokenHandOff:
-        def hand_off(self, seq, first_logprobs):
+        def hand_off(self, seq, first_logprobs, choices=()):
             engine.scheduler.pin(seq, "k")
             engine.scheduler.release("k")
             raise RuntimeError("no transfer manager")

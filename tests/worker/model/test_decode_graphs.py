@@ -144,6 +144,7 @@ class _Batch:
     num_cached: list[int]
     num_new: list[int]
     sample: list[bool]
+    riders: list = dataclasses.field(default_factory=list)  # no fork children
 
 
 def decode_through_execute(runner: ModelRunner) -> list[list[tuple[int, float]]]:
