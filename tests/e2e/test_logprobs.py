@@ -180,7 +180,6 @@ async def test_chunked_prefill_and_repeats_give_the_colocated_values(client):
         assert_all_pages_free(chunked)
 
 
-@pytest.mark.skip(reason="needs lists of prompts (branch nfork); the lead enables it at merge")
 async def test_lm_eval_batches_of_prompts_through_pd_equal_colocated(router, client):
     url, http = router
     prompts = [IDS[0], IDS[0][:-1] + [20003]]
