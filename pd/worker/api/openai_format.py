@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from pd.worker.engine import Delta
+from pd.worker.tools import ToolStream
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -36,6 +37,8 @@ class ResponseBuilder:
     finish_reason: str | None = None
     # Prompt tokens the prefix cache served (read when the usage is rendered: known at admission).
     cached_tokens: Callable[[], int] = lambda: 0
+    # Chat with tools (tool_choice other than none): the text parsed into content and tool_calls.
+    tools: ToolStream | None = None
 
     @property
     def response_id(self) -> str:
@@ -94,12 +97,18 @@ class ResponseBuilder:
     def final(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": 0}
-        if self.chat:
+        finish_reason = self.finish_reason
+        if self.chat and self.tools is not None:
+            if not self.tools.finished:
+                self.tools.whole(text)
+            choice["message"] = {"role": "assistant", **self.tools.message()}
+            finish_reason = self.tools.finish_reason(finish_reason)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(self.logprobs)
-        choice["finish_reason"] = self.finish_reason
+        choice["finish_reason"] = finish_reason
         body = {
             "id": self.response_id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -114,10 +123,13 @@ class ResponseBuilder:
 
     def chunk(self, delta: Delta | None, role: bool = False) -> bytes:
         """One SSE event for a delta (or the chat stream's opening role chunk)."""
+        if self.tools is not None and delta is not None and not role:
+            return self._tool_chunks(delta)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = (
-                {"role": "assistant", "content": ""}
+                # With tools, OpenAI's streams open with a null content (calls may follow).
+                {"role": "assistant", "content": None if self.tools is not None else ""}
                 if role or delta is None
                 else {"content": delta.text}
             )
@@ -125,6 +137,33 @@ class ResponseBuilder:
             choice["text"] = delta.text if delta else ""
         choice["logprobs"] = self._logprobs(delta.logprobs) if delta else None
         choice["finish_reason"] = delta.finish_reason if delta else None
+        return self._event(choice)
+
+    def _tool_chunks(self, delta: Delta) -> bytes:
+        """The events of a delta parsed for tool calls: one per content or call piece (none
+        while its text is held back), the logprobs and finish reason on the last."""
+        assert self.tools is not None
+        deltas = self.tools.feed(delta.text)
+        if delta.finish_reason:
+            deltas += self.tools.finish()
+        logprobs = self._logprobs(delta.logprobs)
+        finish_reason = self.tools.finish_reason(delta.finish_reason)
+        if not deltas and (finish_reason or logprobs is not None):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return b"".join(
+            self._event(
+                {
+                    "index": 0,
+                    "delta": d,
+                    "logprobs": logprobs if i == last else None,
+                    "finish_reason": finish_reason if i == last else None,
+                }
+            )
+            for i, d in enumerate(deltas)
+        )
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
         return sse(
             {
                 "id": self.response_id,

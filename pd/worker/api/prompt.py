@@ -17,6 +17,8 @@ from pd.protocol import (
     parse_request,
 )
 from pd.worker.text import Tokenizer
+from pd.worker.tools import template_inputs
+from pd.worker.tools.prompt import renders_tools
 
 Request = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
@@ -42,6 +44,7 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.ignore_unknown_fields = ignore_unknown_fields
         self.max_token_bytes = tok.max_token_bytes  # computed once, here (~50 ms)
+        self.template_renders_tools = renders_tools(tok.chat_template)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-text")
 
     @property
@@ -71,7 +74,7 @@ class PromptBuilder:
             return self._checked_ids(req.prompt)
         if isinstance(req, ChatCompletionRequest):
             size = sum(len(m["content"]) for m in req.messages)
-            text = await self._run(size >= INLINE_BYTES, self._render, req.messages)
+            text = await self._run(size >= INLINE_BYTES, self._render, req.messages, req.tools)
             param = "messages"
         else:
             assert isinstance(req.prompt, str)
@@ -80,9 +83,13 @@ class PromptBuilder:
             self._check_fits(len(text.encode()), param)  # character takes in UTF-8)
         return await self._run(len(text) >= INLINE_BYTES, self.tok.encode, text)
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+        # Tools and the history's calls as the template takes them (pd.worker.tools.prompt).
+        messages, template_tools = template_inputs(messages, tools, self.template_renders_tools)
         try:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tok.apply_chat_template(
+                messages, add_generation_prompt=True, tools=template_tools
+            )
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 

@@ -23,12 +23,14 @@ from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 from pd.worker.text.grammar import GrammarCompiler, GrammarError
 from pd.worker.text.token_rules import TokenRules, rules_for
+from pd.worker.tools import ToolCalling
 
 log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
+TOOLS = web.AppKey("tools", ToolCalling)
 BODY_LIMIT = web.AppKey("body_limit", int)
 
 
@@ -79,6 +81,7 @@ def make_app(worker: Worker) -> web.Application:
         worker.vocab_size or worker.tokenizer.vocab_size,
         worker.config.grammar_timeout_s,
     )
+    app[TOOLS] = ToolCalling(worker.tokenizer.chat_template, worker.config.tool_call_parser)
     app[BODY_LIMIT] = limit
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -227,18 +230,24 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
+    chat = isinstance(req, ChatCompletionRequest)
+    tool_stream = None
+    if isinstance(req, ChatCompletionRequest):  # its output parsed into tool calls, if asked
+        req.options = request.app[TOOLS].options(req.options, req.tools)
+        tool_stream = request.app[TOOLS].stream(req.tools)
     rules = await _rules(request.app[GRAMMARS], worker, req.options)
     # The role (co-located, prefill or decode: build.py) queues it, tokenizing when it must.
     handle = await worker.role.admit(req, lambda: prompts.prompt_ids(req), rules)
     prompt_tokens = len(handle.seq.prompt_ids)
     worker.metrics.prompt_tokens.inc(prompt_tokens)
     builder = ResponseBuilder(
-        chat=isinstance(req, ChatCompletionRequest),
+        chat=chat,
         model=worker.model_name,
         prompt_tokens=prompt_tokens,
         token_text=lambda t: worker.tokenizer.decode([t], False),
         wants_logprobs=req.options.wants_logprobs,
         cached_tokens=lambda: handle.seq.num_cached_tokens or 0,
+        tools=tool_stream,
     )
     try:
         if req.stream:
