@@ -91,7 +91,8 @@ def _schema(schema: dict[str, Any]) -> Constraint:
     try:
         return Constraint("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
     except TypeError as e:  # e.g. integers past 64 bits
-        raise bad_request(f"'tools' holds a schema that is not serializable: {e}", "tools") from None
+        message = f"'tools' holds a schema that is not serializable: {e}"
+        raise bad_request(message, "tools") from None
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -115,30 +116,31 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
         raise bad_request(f"'tools' must be a list of at most {MAX_TOOLS} tools", param="tools")
     seen: set[str] = set()
     for i, tool in enumerate(value):
-        where = f"'tools[{i}]'"
+        where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(
-                f"{where} must be {{'type': 'function', 'function': {{...}}}} (function tools "
+                f"'{where}' must be {{'type': 'function', 'function': {{...}}}} (function tools "
                 "only)",
                 param="tools",
             )
         if set(tool) - {"type", "function"}:
             extra = sorted(set(tool) - {"type", "function"})[0]
-            raise bad_request(f"{where} has an unknown field '{extra[:64]}'", param="tools")
+            raise bad_request(f"'{where}' has an unknown field '{extra[:64]}'", param="tools")
         fn = tool.get("function")
         if not isinstance(fn, dict):
-            raise bad_request(f"{where}.function must be an object", param="tools")
+            raise bad_request(f"'{where}.function' must be an object", param="tools")
         unknown = sorted(set(fn) - _FUNCTION_KEYS)
         if unknown:
-            raise bad_request(f"{where}.function has an unknown field '{unknown[0][:64]}'", "tools")
+            message = f"'{where}.function' has an unknown field '{unknown[0][:64]}'"
+            raise bad_request(message, param="tools")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad_request(
-                f"{where}.function.name must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
+                f"'{where}.function.name' must be 1 to 64 letters, digits, '_', '-', '.' or ':'",
                 param="tools",
             )
         if name in seen:
-            raise bad_request(f"{where}: two tools are named '{name}'", param="tools")
+            raise bad_request(f"'{where}': two tools are named '{name}'", param="tools")
         seen.add(name)
         for key, kind, label in (
             ("description", str, "a string"),
@@ -146,7 +148,7 @@ def _tools(value: Any) -> tuple[dict[str, Any], ...]:
             ("strict", bool, "a boolean"),
         ):
             if fn.get(key) is not None and not isinstance(fn[key], kind):
-                raise bad_request(f"{where}.function.{key} must be {label}", param="tools")
+                raise bad_request(f"'{where}.function.{key}' must be {label}", param="tools")
     return tuple(value)
 
 
@@ -185,7 +187,8 @@ def _choice(value: Any, tools: tuple[dict[str, Any], ...]) -> tuple[str, str | N
 def check_tool_message(i: int, message: dict[str, Any]) -> None:
     """A history message's tool fields: a `tool` message's `tool_call_id`, an assistant's
     `tool_calls` (each `{"id", "type": "function", "function": {"name", "arguments"}}`, the
-    arguments a string of JSON, as OpenAI sends them, or an object). A 400 naming the message otherwise."""
+    arguments a string of JSON, as OpenAI sends them, or an object). A 400 naming the message
+    otherwise."""
     where = f"'messages[{i}]"
     if message["role"] == "tool":
         if not isinstance(message.get("tool_call_id"), str):
@@ -212,7 +215,8 @@ def check_tool_message(i: int, message: dict[str, Any]) -> None:
             try:
                 orjson.loads(args)
             except orjson.JSONDecodeError:
-                raise bad_request(f"{at}.function.arguments' is not valid JSON", "messages") from None
+                message = f"{at}.function.arguments' is not valid JSON"
+                raise bad_request(message, param="messages") from None
         elif not isinstance(args, dict):
             raise bad_request(
                 f"{at}.function.arguments' must be a JSON string (or an object)", param="messages"

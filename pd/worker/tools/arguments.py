@@ -6,8 +6,8 @@ The finished call's arguments are `json.dumps(arguments, ensure_ascii=False)` (w
 Meanwhile the partial text is parsed with partial strings, objects and arrays allowed (partial
 numbers, booleans and nulls are left out until they end), serialized the same way, and cut back
 to what cannot change: the closing quotes and brackets the parse added, and a trailing lone
-surrogate (half of an escaped pair the next piece may complete). What is left is a prefix of the final serialization, since
-a partial value only grows at its end.
+surrogate (half of an escaped pair the next piece may complete). What is left is a prefix of the
+final serialization, since a partial value only grows at its end.
 """
 
 from __future__ import annotations

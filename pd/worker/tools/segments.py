@@ -80,6 +80,17 @@ class JsonEnd:
         return -1
 
 
+    def strings(self, text: str) -> None:
+        """Only follow whether `text` leaves it inside a string (brackets not counted)."""
+        for ch in text:
+            if self.escaped:
+                self.escaped = False
+            elif self.in_string and ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = not self.in_string
+
+
 class Segmenter(ABC):
     @abstractmethod
     def feed(self, text: str) -> list[Segment]: ...
@@ -89,13 +100,15 @@ class Segmenter(ABC):
 
 
 class TaggedSegmenter(Segmenter):
-    """Calls between a start and an end tag (Hermes: `<tool_call>` ... `</tool_call>`)."""
+    """Calls between a start and an end tag (Hermes: `<tool_call>` ... `</tool_call>`). An end
+    tag inside a JSON string of the call is the call's text, not its end."""
 
     def __init__(self, start: str = "<tool_call>", end: str = "</tool_call>") -> None:
         self.start, self.end = start, end
         self.held = ""
         self.inside = False
         self.called = False  # a call has begun: text outside calls is dropped from now on
+        self.json = JsonEnd()  # where the call's text is (in a string or not)
 
     def feed(self, text: str) -> list[Segment]:
         out: list[Segment] = []
@@ -108,14 +121,24 @@ class TaggedSegmenter(Segmenter):
                 self._text(text[: len(text) - keep], out)
                 self.held = text[len(text) - keep :]
                 return out
-            self._text(text[:at], out)
+            if self.inside:
+                self.json.strings(text[:at])
+                if self.json.in_string:  # the tag is text of the call
+                    self.json.strings(tag)
+                    self._text(text[: at + len(tag)], out, tracked=True)
+                    text = text[at + len(tag) :]
+                    continue
+            self._text(text[:at], out, tracked=True)
             out.append(End() if self.inside else Begin())
             self.called = True
             self.inside = not self.inside
+            self.json = JsonEnd()
             text = text[at + len(tag) :]
 
-    def _text(self, text: str, out: list[Segment]) -> None:
+    def _text(self, text: str, out: list[Segment], tracked: bool = False) -> None:
         if text and self.inside:
+            if not tracked:
+                self.json.strings(text)
             out.append(Body(text))
         elif text and not self.called:
             out.append(Content(text))
