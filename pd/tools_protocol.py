@@ -215,8 +215,8 @@ def check_tool_message(i: int, message: dict[str, Any]) -> None:
             try:
                 orjson.loads(args)
             except orjson.JSONDecodeError:
-                message = f"{at}.function.arguments' is not valid JSON"
-                raise bad_request(message, param="messages") from None
+                why = f"{at}.function.arguments' is not valid JSON"
+                raise bad_request(why, param="messages") from None
         elif not isinstance(args, dict):
             raise bad_request(
                 f"{at}.function.arguments' must be a JSON string (or an object)", param="messages"

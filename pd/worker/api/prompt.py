@@ -16,6 +16,7 @@ from pd.protocol import (
     parse_json_body,
     parse_request,
 )
+from pd.tools_protocol import ToolRequest
 from pd.worker.text import Tokenizer
 from pd.worker.tools import template_inputs
 from pd.worker.tools.prompt import renders_tools
@@ -83,7 +84,7 @@ class PromptBuilder:
             self._check_fits(len(text.encode()), param)  # character takes in UTF-8)
         return await self._run(len(text) >= INLINE_BYTES, self.tok.encode, text)
 
-    def _render(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+    def _render(self, messages: list[dict[str, Any]], tools: ToolRequest | None = None) -> str:
         # Tools and the history's calls as the template takes them (pd.worker.tools.prompt).
         messages, template_tools = template_inputs(messages, tools, self.template_renders_tools)
         try:
