@@ -90,3 +90,19 @@ def test_a_final_answer_with_calls_as_a_stream_collects_back_to_itself():
     collector.feed(answer_to_sse(answer, chat=True, include_usage=True))
     got = collector.result()
     assert got["choices"] == answer["choices"] and got["usage"] == answer["usage"]
+
+
+def test_logprobs_ride_on_the_events_of_their_delta_once_each():
+    stream = builder("hermes")
+    stream.wants_logprobs = True
+    text = OUTPUTS["hermes"]
+    data = stream.chunk(None, role=True)
+    deltas = pieces(text, 3)
+    for d in deltas:
+        d.logprobs.append((d.token_ids[0], -0.5, None))
+        stream.add(d)
+        data += stream.chunk(d)
+    events = [orjson.loads(e.removeprefix(b"data: ")) for e in data.split(b"\n\n")[1:-1]]
+    tokens = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert sum(len(lp["content"]) for lp in tokens) == len(deltas)  # held-back text's too
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
