@@ -9,6 +9,7 @@ from pd.cors import ORIGINS_HELP, check_origins
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class WorkerConfig:
         10.0,
         "structured outputs: longest a grammar may take to compile (a 400 beyond; compiles run "
         "off the event loop, and compiled grammars are cached)",
+    )
+    tool_call_parser: str = _flag(
+        "auto",
+        "the format the model writes tool calls in (auto: read off the chat template; a "
+        "template without tools gets pd's default tool prompt, in hermes' format)",
+        choices=TOOL_CALL_PARSERS,
     )
     ignore_unknown_fields: bool = _flag(
         False,
@@ -149,6 +156,10 @@ class WorkerConfig:
         check(self.tp >= 1, "--tp must be >= 1")
         check(self.threads >= 0, "--threads must be >= 0")
         check(self.grammar_timeout_s > 0, "--grammar-timeout-s must be > 0")
+        check(
+            self.tool_call_parser in TOOL_CALL_PARSERS,
+            f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
         check(
             self.max_body_bytes == 0 or self.max_body_bytes >= 1024,
             "--max-body-bytes must be 0 or >= 1024",

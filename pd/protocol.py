@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
+
+if TYPE_CHECKING:
+    from pd.tools_protocol import ToolRequest
 
 log = logging.getLogger("pd.protocol")
 
@@ -547,6 +550,10 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
             content = ""
         elif not isinstance(content, str):
             raise bad_request(f"'messages[{i}].content' must be a string", param="messages")
+        if role == "tool" or m.get("tool_calls") is not None:
+            from pd.tools_protocol import check_tool_message  # (it imports this module)
+
+            check_tool_message(i, m)
         messages.append({**m, "content": content})
     return messages
 
@@ -554,9 +561,12 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
 @dataclass
 class ChatCompletionRequest(_RequestBase):
     messages: list[dict[str, Any]] = field(default_factory=list)
+    tools: ToolRequest | None = None  # tools, tool_choice, parallel_tool_calls (tools_protocol)
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> ChatCompletionRequest:
+        from pd.tools_protocol import parse_tools  # (it imports this module)
+
         if "messages" not in body:
             raise bad_request("'messages' is required", param="messages", code="missing_field")
         messages = _parse_messages(body["messages"])
@@ -573,8 +583,21 @@ class ChatCompletionRequest(_RequestBase):
         options = _parse_options(
             body, ("max_completion_tokens", "max_tokens"), None, logprobs, top_logprobs, asked
         )
+        tools = parse_tools(body)
+        if tools is not None and tools.constrained:  # the output is the call(s): constrained
+            if options.constraint is not None:
+                raise bad_request(
+                    f"'tool_choice' {tools.choice!r} constrains the output to tool calls: it "
+                    "cannot be combined with another structured-output constraint",
+                    param="tool_choice",
+                )
+            options = replace(options, constraint=tools.constraint())
         return cls(
-            messages=messages, options=options, prompt_logprobs=asked, **_parse_common(body)
+            messages=messages,
+            options=options,
+            tools=tools,
+            prompt_logprobs=asked,
+            **_parse_common(body),
         )
 
 
@@ -667,11 +690,14 @@ FIELDS: dict[str, FieldRule] = {
     "regex": _rule(SERVED, "SGLang extra: a regex the output matches"),
     "ebnf": _rule(SERVED, "SGLang extra: a GBNF grammar"),
     "json_schema": _rule(SERVED, "SGLang extra: a JSON schema (as a string)"),
-    "tools": _rule(REFUSED, "tool calling: not served yet", "chat", []),
-    "tool_choice": _rule(REFUSED, "tool calling: not served yet", "chat", "none"),
-    "functions": _rule(REFUSED, "deprecated tool calling: not served", "chat", []),
-    "function_call": _rule(REFUSED, "deprecated tool calling: not served", "chat", "none"),
-    "parallel_tool_calls": _rule(ACCEPTED, "meaningless without tools", "chat"),
+    "tools": _rule(SERVED, "function tools, rendered by the chat template (or pd's default "
+                   "tool prompt); calls parsed into message.tool_calls", "chat"),
+    "tool_choice": _rule(SERVED, "none, auto, required or a named function (the last two "
+                         "constrain the output to calls)", "chat"),
+    "functions": _rule(REFUSED, "deprecated tool calling: not served (use tools)", "chat", []),
+    "function_call": _rule(REFUSED, "deprecated tool calling: not served (use tool_choice)",
+                           "chat", "none"),
+    "parallel_tool_calls": _rule(SERVED, "false: at most one call", "chat"),
     # -- the chat template
     "add_generation_prompt": _rule(REFUSED, "vLLM extra: always true here", "chat", True),
     "continue_final_message": _rule(REFUSED, "vLLM extra: not served yet", "chat", False),

@@ -81,6 +81,10 @@ _message = st.one_of(
 )  # fmt: skip
 _messages = st.lists(_message, min_size=0, max_size=4) | _json
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}  # fmt: skip
+_NAMED = {"type": "function", "function": {"name": "f"}}
+
 # Field -> values: mostly plausible ones, then anything.
 _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from(["stub-model", "default", "nope"]) | _json,
@@ -109,6 +113,9 @@ _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "cache_salt": _text | _json,
     "kv_transfer_params": _json
     | st.fixed_dictionaries({"do_remote_decode": st.booleans(), "max_tokens": _ints}),
+    "tools": st.just([_TOOL]) | st.lists(st.just(_TOOL) | _json, max_size=2) | _json,
+    "tool_choice": st.sampled_from(["none", "auto", "required", _NAMED]) | _json,
+    "parallel_tool_calls": st.booleans() | _json,
     "unknown_field": _json,
 }
 

@@ -30,3 +30,14 @@ def test_decode_speed_flags():
     assert (default.compile, default.cuda_graph_max_batch, default.overlap) == (False, 0, True)
     with pytest.raises(ValueError, match="--cuda-graph-max-batch"):
         WorkerConfig(cuda_graph_max_batch=-1)
+
+
+def test_tool_call_parser_flag():
+    from pd.worker.main import parse_args
+
+    assert parse_args([]).tool_call_parser == "auto"
+    assert parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parse_args(["--tool-call-parser", "pythonic"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        WorkerConfig(tool_call_parser="pythonic")

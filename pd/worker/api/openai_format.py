@@ -12,6 +12,7 @@ import orjson
 
 from pd.worker.api.echo import PromptPart
 from pd.worker.engine import Delta
+from pd.worker.tools import ToolStream
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -45,6 +46,8 @@ class ResponseBuilder:
     chars: int = 0  # characters of the choice's text so far (the echoed prompt's included)
     _prompt_sent: bool = False  # the stream's first chunk carried the prompt's part
     index: int = 0  # the choice's (n > 1, lists of prompts: choices.py combines builders)
+    # Chat with tools (tool_choice other than none): the text parsed into content and tool_calls.
+    tools: ToolStream | None = None
 
     @property
     def response_id(self) -> str:
@@ -130,18 +133,24 @@ class ResponseBuilder:
 
     def choice(self) -> dict[str, Any]:
         """The choice of a JSON answer (a completion's with the prompt's part: echo,
-        prompt_logprobs)."""
+        prompt_logprobs; a chat's with tools parsed into content and tool_calls)."""
         text = "".join(self.text)
         prompt = self.prompt or PromptPart()
         choice: dict[str, Any] = {"index": self.index}
-        if self.chat:
+        finish_reason = self.finish_reason
+        if self.chat and self.tools is not None:
+            if not self.tools.finished:
+                self.tools.whole(text)
+            choice["message"] = {"role": "assistant", **self.tools.message()}
+            finish_reason = self.tools.finish_reason(finish_reason)
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = prompt.text + text
         choice["logprobs"] = self._logprobs(
             prompt.entries + self.logprobs, prompt.offsets + self.offsets
         )
-        choice["finish_reason"] = self.finish_reason
+        choice["finish_reason"] = finish_reason
         if not self.chat and prompt.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt.prompt_logprobs
         return choice
@@ -152,10 +161,16 @@ class ResponseBuilder:
         prompt = PromptPart()
         if delta is not None and not self._prompt_sent and self.prompt is not None:
             prompt, self._prompt_sent = self.prompt, True
+        top: dict[str, Any] = {}  # a chat's prompt_logprobs go in the body (as vLLM's)
+        if prompt.prompt_logprobs is not None and self.chat:
+            top["prompt_logprobs"] = prompt.prompt_logprobs
+        if self.tools is not None and delta is not None and not role:
+            return self._tool_chunks(delta, top)
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = (
-                {"role": "assistant", "content": ""}
+                # With tools, OpenAI's streams open with a null content (calls may follow).
+                {"role": "assistant", "content": None if self.tools is not None else ""}
                 if role or delta is None
                 else {"content": delta.text}
             )
@@ -170,15 +185,47 @@ class ResponseBuilder:
             else None
         )
         choice["finish_reason"] = delta.finish_reason if delta else None
-        body: dict[str, Any] = {
+        if prompt.prompt_logprobs is not None and not self.chat:
+            choice["prompt_logprobs"] = prompt.prompt_logprobs
+        return self._event(choice, top)
+
+    def _tool_chunks(self, delta: Delta, top: dict[str, Any]) -> bytes:
+        """The events of a delta parsed for tool calls: one per content or call piece (none
+        while its text is held back), the logprobs and finish reason on the last; `top` (the
+        prompt's logprobs) goes with the first."""
+        assert self.tools is not None
+        deltas = self.tools.feed(delta.text)
+        if delta.finish_reason:
+            deltas += self.tools.finish()
+        offsets = self.offsets[len(self.offsets) - len(delta.logprobs) :]
+        logprobs = self._logprobs(delta.logprobs, offsets)
+        finish_reason = self.tools.finish_reason(delta.finish_reason)
+        if not deltas and (finish_reason or logprobs is not None or top):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return b"".join(
+            self._event(
+                {
+                    "index": self.index,
+                    "delta": d,
+                    "logprobs": logprobs if i == last else None,
+                    "finish_reason": finish_reason if i == last else None,
+                },
+                top if i == 0 else {},
+            )
+            for i, d in enumerate(deltas)
+        )
+
+    def _event(self, choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
+        body = {
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [choice],
         }
-        if prompt is self.prompt and prompt.prompt_logprobs is not None:
-            (body if self.chat else choice)["prompt_logprobs"] = prompt.prompt_logprobs
+        if top:
+            body.update(top)
         return sse(body)
 
     def usage_chunk(self, usage: dict[str, Any] | None = None) -> bytes:

@@ -16,7 +16,10 @@ from pd.protocol import (
     parse_json_body,
     parse_request,
 )
+from pd.tools_protocol import ToolRequest
 from pd.worker.text import Tokenizer
+from pd.worker.tools import template_inputs
+from pd.worker.tools.prompt import renders_tools
 
 Request = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
@@ -42,6 +45,7 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.ignore_unknown_fields = ignore_unknown_fields
         self.max_token_bytes = tok.max_token_bytes  # computed once, here (~50 ms)
+        self.template_renders_tools = renders_tools(tok.chat_template)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-text")
 
     @property
@@ -75,7 +79,7 @@ class PromptBuilder:
             return self._checked_ids(req.prompt)
         if isinstance(req, ChatCompletionRequest):
             size = sum(len(m["content"]) for m in req.messages)
-            text = await self._run(size >= INLINE_BYTES, self._render, req.messages)
+            text = await self._run(size >= INLINE_BYTES, self._render, req.messages, req.tools)
             param = "messages"
         else:
             assert isinstance(req.prompt, str)
@@ -87,7 +91,9 @@ class PromptBuilder:
     async def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """A conversation's text under the chat template (off the loop when large)."""
         size = sum(len(m["content"]) for m in messages)
-        return await self._run(size >= INLINE_BYTES, self._render, messages, add_generation_prompt)
+        return await self._run(
+            size >= INLINE_BYTES, self._render, messages, None, add_generation_prompt
+        )
 
     async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """A text's token ids, whatever its length (off the loop when large)."""
@@ -97,10 +103,17 @@ class PromptBuilder:
         """Token ids' text, special tokens kept (off the loop when many)."""
         return await self._run(len(ids) >= INLINE_BYTES // 4, self.tok.decode, ids, False)
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: ToolRequest | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        # Tools and the history's calls as the template takes them (pd.worker.tools.prompt).
+        messages, template_tools = template_inputs(messages, tools, self.template_renders_tools)
         try:
             return self.tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
+                messages, add_generation_prompt=add_generation_prompt, tools=template_tools
             )
         except Exception as e:  # a template's raise_exception, or a malformed conversation
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None

@@ -31,12 +31,14 @@ from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
 from pd.worker.text.grammar import GrammarCompiler, GrammarError
 from pd.worker.text.token_rules import TokenRules, rules_for
+from pd.worker.tools import ToolCalling
 
 log = logging.getLogger(__name__)
 
 WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
+TOOLS = web.AppKey("tools", ToolCalling)
 BODY_LIMIT = web.AppKey("body_limit", int)
 TOKEN_TEXT = web.AppKey[Callable[[int], str]]("token_text")  # a token's text, cached by id
 # An echoed prompt or prompt logprobs of this many entries (positions x alternatives) or more are
@@ -94,6 +96,7 @@ def make_app(worker: Worker) -> web.Application:
         worker.vocab_size or worker.tokenizer.vocab_size,
         worker.config.grammar_timeout_s,
     )
+    app[TOOLS] = ToolCalling(worker.tokenizer.chat_template, worker.config.tool_call_parser)
     app[BODY_LIMIT] = limit
     tokenizer = worker.tokenizer
 
@@ -274,6 +277,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
+    if isinstance(req, ChatCompletionRequest):  # its output parsed into tool calls, if asked
+        req.options = request.app[TOOLS].options(req.options, req.tools)
     reqs = [req] if not isinstance(req, CompletionRequest) or req.batch is None else [
         dataclasses.replace(req, prompt=p, batch=None) for p in req.batch
     ]
@@ -308,6 +313,7 @@ async def _answer(
     request: web.Request, worker: Worker, req: Request, handles: list[RequestHandle]
 ) -> web.StreamResponse:
     chat = isinstance(req, ChatCompletionRequest)
+    tools = req.tools if isinstance(req, ChatCompletionRequest) else None
     builders, per_prompt = [], []
     token_text = request.app[TOKEN_TEXT]
     # Before a choice's first delta: its prompt part (echo, prompt_logprobs), from its prompt's
@@ -327,6 +333,8 @@ async def _answer(
                 cached_tokens=_cached_tokens(handle),
                 prompt_part=part,
                 index=j * req.n + i,
+                # Each choice parses its own text for tool calls, if the request has tools.
+                tools=request.app[TOOLS].stream(tools) if chat else None,
             )
             builders.append(builder)
             readies[id(builder)] = functools.partial(

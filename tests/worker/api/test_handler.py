@@ -24,11 +24,12 @@ class Tok:
     vocab_size = 50
     max_token_bytes = 4
     eos_token_ids = frozenset({0})
+    chat_template = None
 
     def encode(self, text: str) -> list[int]:
         return [1 + ord(c) % 49 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tools=None) -> str:
         return "|".join(m["content"] for m in messages)
 
     def decode(self, ids, skip_special_tokens=True) -> str:

@@ -9,6 +9,7 @@ from pd.worker.api.prompt import INLINE_BYTES, PromptBuilder
 class Tok:
     vocab_size = 50
     max_token_bytes = 4
+    chat_template = None
 
     def __init__(self) -> None:
         self.encoded = 0  # characters tokenized
@@ -17,7 +18,7 @@ class Tok:
         self.encoded += len(text)
         return [ord(c) % 50 for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tools=None) -> str:
         if messages[0]["content"] == "boom":
             raise ValueError("the template refused")
         return "|".join(m["content"] for m in messages) + (">" if add_generation_prompt else "")
