@@ -250,3 +250,44 @@ async def test_pydantic_function_tool_round_trips(client):
     assert completion.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "book_hotel" and isinstance(call.function.parsed_arguments, Booking)
     assert Booking.model_validate_json(call.function.arguments) == call.function.parsed_arguments
+
+
+async def test_n_choices_each_make_a_valid_call_streamed_and_not(client):
+    """`n: 3` with a `required` call: every choice parses its own output into calls (each with
+    its index in a stream), on P + D as on a co-located worker."""
+    body = {"model": "default", "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+            "n": 3, "temperature": 1.0, "seed": 7, "max_tokens": 200}  # fmt: skip
+    completion = await client.chat.completions.create(**body)
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    for choice in completion.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert valid_calls(choice.message.model_dump(exclude_none=True))
+    arguments: dict[int, dict[int, str]] = {}
+    finishes: dict[int, str] = {}
+    async for chunk in await client.chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            for c in choice.delta.tool_calls or ():
+                calls = arguments.setdefault(choice.index, {})
+                calls[c.index] = calls.get(c.index, "") + (c.function.arguments or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    for calls in arguments.values():
+        assert calls and all(json.loads(a) is not None for a in calls.values())
+
+
+async def test_tokenize_through_the_router_counts_the_tools_prompt(client):
+    """/tokenize (forwarded to a worker) gives the ids a chat request with the same tools uses:
+    its count is the request's prompt_tokens."""
+    url = str(client.base_url).removesuffix("/v1/")
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(f"{url}/tokenize", json={"messages": ASK, "tools": TOOLS})
+        tokenized = await resp.json()
+        assert resp.status == 200, tokenized
+        resp = await http.post(f"{url}/detokenize", json={"tokens": tokenized["tokens"]})
+        text = (await resp.json())["prompt"]
+    assert "get_weather" in text and text.endswith("<|im_start|>assistant\n")
+    completion = await client.chat.completions.create(
+        model="default", messages=ASK, tools=TOOLS, max_tokens=1, temperature=0
+    )
+    assert completion.usage.prompt_tokens == tokenized["count"]

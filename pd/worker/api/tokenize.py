@@ -27,7 +27,7 @@ _TOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "continue_final_message": (False,),
     "chat_template": (),
     "chat_template_kwargs": ({},),
-    "tools": ([],),
+    "tools": None,
     "mm_processor_kwargs": ({},),
 }
 _DETOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {"model": None, "tokens": None}
@@ -81,9 +81,12 @@ async def tokenize(
         raise bad_request("give exactly one of 'prompt' or 'messages'", param="prompt")
     # The ids pd's own endpoints use: special tokens are never added (docs/api.md).
     add_special = _flag(body, "add_special_tokens", False)
-    if has_messages:
-        messages = ChatCompletionRequest.parse({"messages": body["messages"]}).messages
-        text = await prompts.render(messages, _flag(body, "add_generation_prompt", True))
+    if has_messages:  # parsed as a chat request's: tools rendered (or pd's tool prompt) too
+        chat = {"messages": body["messages"], "tools": body.get("tools")}
+        req = ChatCompletionRequest.parse(chat)
+        text = await prompts.render(
+            req.messages, _flag(body, "add_generation_prompt", True), req.tools
+        )
     else:
         text = body["prompt"]
         if not isinstance(text, str):

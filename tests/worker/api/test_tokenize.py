@@ -83,6 +83,20 @@ async def test_tokenize_gives_the_ids_the_endpoints_use(aiohttp_client, tok):
     prompts.close()
 
 
+async def test_tokenize_renders_tools_as_a_chat_request_does(aiohttp_client, tok):
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    client = await aiohttp_client(make_app(worker(tok)))
+    resp, body = await post(client, "/tokenize", {"messages": MESSAGES, "tools": tools})
+    assert resp.status == 200, body
+    prompts = PromptBuilder(tok, MAX_MODEL_LEN)
+    chat = parse_request("/v1/chat/completions", {"messages": MESSAGES, "tools": tools})
+    assert body["tokens"] == await prompts.prompt_ids(chat)
+    assert "get_time" in tok.decode(body["tokens"], skip_special_tokens=False)
+    resp, body = await post(client, "/tokenize", {"messages": MESSAGES, "tools": [{"x": 1}]})
+    assert resp.status == 400 and body["error"]["param"] == "tools", body
+    prompts.close()
+
+
 async def test_a_prompt_longer_than_the_context_is_counted(aiohttp_client, tok):
     client = await aiohttp_client(make_app(worker(tok)))
     resp, body = await post(client, "/tokenize", {"prompt": "hello" + " hello" * 2999})
