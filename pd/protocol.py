@@ -752,20 +752,10 @@ def check_fields(body: dict[str, Any], chat: bool, ignore_unknown: bool = False)
             if ignore_unknown:
                 _warn_unknown(name)
                 continue
-            raise APIError(
-                400,
-                f"Unrecognized request argument supplied: {name[:64]}",
-                code="unknown_parameter",
-                param=name[:64],
-            )
+            raise unknown_parameter(name)
         rule = FIELDS[name]
         if rule.status == REFUSED and not any(value == v for v in rule.noop):
-            raise APIError(
-                400,
-                f"'{name}' is not supported by this server ({rule.note})",
-                code="unsupported_parameter",
-                param=name,
-            )
+            raise unsupported_parameter(name, rule.note)
     options = body.get("stream_options")
     if isinstance(options, dict) and options:
         if body.get("stream") is not True:
@@ -788,6 +778,26 @@ def check_fields(body: dict[str, Any], chat: bool, ignore_unknown: bool = False)
                     code="unknown_parameter",
                     param="stream_options",
                 )
+
+
+def unknown_parameter(name: str) -> APIError:
+    """The 400 of a field pd does not know (OpenAI's words)."""
+    return APIError(
+        400,
+        f"Unrecognized request argument supplied: {name[:64]}",
+        code="unknown_parameter",
+        param=name[:64],
+    )
+
+
+def unsupported_parameter(name: str, why: str) -> APIError:
+    """The 400 of a field pd knows and does not serve."""
+    return APIError(
+        400,
+        f"'{name}' is not supported by this server ({why})",
+        code="unsupported_parameter",
+        param=name,
+    )
 
 
 def unknown_fields(body: dict[str, Any], chat: bool) -> list[str]:

@@ -114,8 +114,8 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/integrity", integrity)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     app.router.add_post("/kv/release", kv_release)
-    app.router.add_post("/tokenize", tokenize_endpoint)
-    app.router.add_post("/detokenize", detokenize_endpoint)
+    app.router.add_post("/tokenize", tokenizer_endpoint)
+    app.router.add_post("/detokenize", tokenizer_endpoint)
     enable_cors(app, worker.config.allowed_origins)
     app.cleanup_ctx.append(_engine_ctx)
     if worker.transfer is not None:
@@ -210,25 +210,19 @@ async def kv_release(request: web.Request) -> web.Response:
     return json_response({"transfer_id": tid, "released": released})
 
 
-async def tokenize_endpoint(request: web.Request) -> web.Response:
-    """vLLM's /tokenize: the ids of a prompt or a conversation (pd/worker/api/tokenize.py)."""
+async def tokenizer_endpoint(request: web.Request) -> web.Response:
+    """vLLM's /tokenize (the ids of a prompt or a conversation) and /detokenize (the text of
+    token ids): pd/worker/api/tokenize.py."""
     worker = request.app[WORKER]
     _check_auth(worker, request)
     body = parse_json_body(await request.read())
     check_model(body.get("model"), worker.accepted_names, worker.model_name)
-    ignore = worker.config.ignore_unknown_fields
-    answer = await tokenize(request.app[PROMPTS], body, worker.engine.max_model_len, ignore)
+    ignore, prompts = worker.config.ignore_unknown_fields, request.app[PROMPTS]
+    if request.path == "/tokenize":
+        answer = await tokenize(prompts, body, worker.engine.max_model_len, ignore)
+    else:
+        answer = await detokenize(prompts, body, ignore)
     return json_response(answer)
-
-
-async def detokenize_endpoint(request: web.Request) -> web.Response:
-    """vLLM's /detokenize: the text of token ids."""
-    worker = request.app[WORKER]
-    _check_auth(worker, request)
-    body = parse_json_body(await request.read())
-    check_model(body.get("model"), worker.accepted_names, worker.model_name)
-    ignore = worker.config.ignore_unknown_fields
-    return json_response(await detokenize(request.app[PROMPTS], body, ignore))
 
 
 async def metrics(request: web.Request) -> web.Response:

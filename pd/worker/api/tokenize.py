@@ -13,7 +13,13 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from pd.protocol import APIError, ChatCompletionRequest, bad_request
+from pd.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    bad_request,
+    unknown_parameter,
+    unsupported_parameter,
+)
 from pd.worker.api.prompt import PromptBuilder, checked_token_ids
 
 # Per field: the values that ask for what pd does anyway (any value when None).
@@ -42,20 +48,10 @@ def _check_fields(
         if name not in known:
             if ignore_unknown:
                 continue
-            raise APIError(
-                400,
-                f"Unrecognized request argument supplied: {name[:64]}",
-                code="unknown_parameter",
-                param=name[:64],
-            )
+            raise unknown_parameter(name)
         noop = known[name]
         if noop is not None and not any(value == v for v in noop):
-            raise APIError(
-                400,
-                f"'{name}' is not supported by this server's /tokenize",
-                code="unsupported_parameter",
-                param=name,
-            )
+            raise unsupported_parameter(name, "not served by /tokenize")
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
