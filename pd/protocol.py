@@ -131,6 +131,9 @@ def _token_ids(value: Any, name: str) -> list[int]:
 MAX_TOP_LOGPROBS = 20  # as OpenAI and vLLM
 MAX_N = 16  # choices a request may ask for (`n`)
 MAX_PROMPTS = 64  # prompts a completions request may list
+# Choices one request may ask for in all (prompts x n): forks of a prompt join the running batch
+# beside their parent, past --max-waiting-requests, so one request's share is bounded here.
+MAX_CHOICES = 64
 MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (OpenAI allows 300)
 MAX_CACHE_SALT_CHARS = 256
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
@@ -472,6 +475,13 @@ class CompletionRequest(_RequestBase):
                 batch = None  # a batch of one: answered as a single prompt
         else:
             prompt = _one_prompt(prompt)
+        n = _int(body, "n", 1, 1, MAX_N) or 1
+        if batch is not None and len(batch) * n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(batch)} prompts x n={n} is {len(batch) * n} choices; at most "
+                f"{MAX_CHOICES} a request",
+                param="n",
+            )
         logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         echo = bool(_opt(body, "echo", bool, False))
         asked = _prompt_logprobs(body)
@@ -641,7 +651,8 @@ _SAMPLING = "sampling (vLLM extra)"
 FIELDS: dict[str, FieldRule] = {
     # -- the prompt
     "messages": _rule(SERVED, "the conversation, rendered by the model's chat template", "chat"),
-    "prompt": _rule(SERVED, "text or token ids, or a list of up to 64 of those", "completions"),
+    "prompt": _rule(SERVED, "text or token ids, or a list of up to 64 of those (prompts x n at "
+                    "most 64)", "completions"),
     "model": _rule(SERVED, "checked against the served names (404 otherwise)"),
     # -- length and stopping
     "max_tokens": _rule(SERVED, "completions: 16 by default, 0 only with echo; chat: the rest "

@@ -50,6 +50,12 @@ def test_prompt_lists():
     assert len(parse(prompt=["x"] * MAX_PROMPTS).batch) == MAX_PROMPTS
 
 
+def test_prompts_times_n_is_bounded():
+    assert len(parse(prompt=["x"] * 4, n=16).batch) == 4
+    body = refused("n", prompt=["x"] * 5, n=16)
+    assert "80 choices" in body["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "prompt",
     [["x"] * (MAX_PROMPTS + 1), ["a", ""], [[1], []], [[1], [-1]], ["a", 3], [[1], [1.5]],
