@@ -48,6 +48,7 @@ class Batch:
     num_cached: list[int]
     num_new: list[int]
     sample: list[bool]
+    riders: list = field(default_factory=list)  # n > 1: none here
 
 
 @pytest.mark.slow  # loads the real model
