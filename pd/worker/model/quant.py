@@ -9,8 +9,11 @@
 `GroupQuant` is a weight already quantized in groups (`w = q * scale + low`), as a GGUF file's
 Q4_1 blocks are (32 weights, a scale `d` and a minimum `m` each): it maps onto the int4 kernel
 exactly (`zero = low + 8 * scale`), so such weights are packed as they are, never rounded through
-bf16. Everything else is quantized at load from its float weights. Activations stay in the
-model's dtype (bf16 or fp32); only the weights are stored quantized.
+bf16. Everything else is quantized at load from its float weights. Only the weights are stored
+quantized; activations are the model's dtype, except inside the kernels: torch's CPU kernels have
+a vectorized path for bf16 only (measured with AVX512: 369 rows x 576 -> 1536, int8 225 ms in
+fp32 and 4.8 ms in bf16; int4 291 ms and 4.4 ms; one row 0.40 and 0.03 ms), so an fp32 model runs
+them on bf16 activations (`_kernel_dtype`) and gets fp32 back.
 """
 
 from __future__ import annotations
@@ -97,17 +100,25 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype inside the quantized kernels: fp32 runs them in bf16 (the only
+    dtype with a vectorized CPU path: the module's note)."""
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
 class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         w = weight.float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
         self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        self.scale = scale.to(dtype)
+        self.kernel_dtype = _kernel_dtype(dtype)
+        self.scale = scale.to(self.kernel_dtype)
         self.bias = bias
         self.nbytes = _nbytes(self.q, self.scale, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        y = torch.ops.aten._weight_int8pack_mm(x.to(self.kernel_dtype), self.q, self.scale)
+        y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -119,14 +130,17 @@ class Int4Linear:
         )
         zero = weight.low + 8 * weight.scale  # the kernel's (q - 8) * scale + zero
         # [in / group, out, 2]: per group, per output channel, (scale, zero)
-        self.scales_zeros = torch.stack([weight.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        self.kernel_dtype = _kernel_dtype(dtype)
+        self.scales_zeros = (
+            torch.stack([weight.scale.t(), zero.t()], dim=-1).to(self.kernel_dtype).contiguous()
+        )
         self.bias = bias
         self.nbytes = _nbytes(self.packed, self.scales_zeros, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, self.group, self.scales_zeros
-        )
+            x.to(self.kernel_dtype), self.packed, self.group, self.scales_zeros
+        ).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
