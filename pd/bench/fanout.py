@@ -66,19 +66,18 @@ async def _measure(args: argparse.Namespace, router: str, p_url: str) -> dict[st
         await _post(http, router, {**base, "max_tokens": 2})  # warm up every path once
         for _ in range(args.repeats):
             run = uuid.uuid4().hex[:8]
+            # Each mode its own salt in this repeat: no prefix hit across modes or repeats.
             modes = {
-                f"n={n}": lambda: [_post(http, router, {**base, "n": n, "cache_salt": run + "a"})],
-                f"{n} separate, concurrent": lambda: [
-                    _post(http, router, {**base, "cache_salt": run + "b"}) for _ in range(n)
-                ],
-                f"{n} separate, no cache": lambda: [
-                    _post(http, router, {**base, "cache_salt": f"{run}c{i}"}) for i in range(n)
+                f"n={n}": [{**base, "n": n, "cache_salt": run + "a"}],
+                f"{n} separate, concurrent": [{**base, "cache_salt": run + "b"}] * n,
+                f"{n} separate, no cache": [
+                    {**base, "cache_salt": f"{run}c{i}"} for i in range(n)
                 ],
             }
-            for name, requests in modes.items():
+            for name, bodies in modes.items():
                 before = await _computed(http, p_url)
                 t0 = time.perf_counter()
-                answers = await asyncio.gather(*requests())
+                answers = await asyncio.gather(*(_post(http, router, b) for b in bodies))
                 wall = time.perf_counter() - t0
                 computed = await _computed(http, p_url) - before
                 choices = sum(len(a["choices"]) for a in answers)

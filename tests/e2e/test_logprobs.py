@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pd.transfer import nixl_available
 from pd.worker.api.server import make_app
 from tests.e2e.conftest import assert_all_pages_free, make_worker, wait_idle
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import wait_pages_free
 from tests.e2e.test_pd import start_router
 
 pytestmark = [
@@ -25,7 +25,6 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "128", "--max-model-len", "2048", "--threads", "1")
 TOL = 1e-4  # fp32: chunk boundaries and batch shapes move the last bits only
 TEXT = "Question: What is the capital of France?\nAnswer: Paris"
 # lm-eval sends token ids (context + continuation), a batch of one.
@@ -33,17 +32,8 @@ IDS = [[17872, 42, 1812, 314, 260, 3575, 282, 4649, 47, 198, 21350, 42, 7042]]
 
 
 @pytest.fixture(scope="module")
-def pair():
-    procs = []
-    try:
-        p, p_url = start_worker("--role", "prefill", *FLAGS)
-        procs.append(p)
-        d, d_url = start_worker("--role", "decode", *FLAGS)
-        procs.append(d)
-        yield p_url, d_url
-    finally:
-        for proc in procs:
-            stop(proc)
+def pair(fp32_pair):
+    return fp32_pair
 
 
 @pytest.fixture

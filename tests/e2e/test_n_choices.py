@@ -13,7 +13,8 @@ import pytest
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.conftest import start_workers
+from tests.e2e.processes import stop, wait_pages_free
 from tests.e2e.test_pd import start_router
 
 openai = pytest.importorskip("openai")
@@ -23,22 +24,16 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "256", "--max-model-len", "2048", "--threads", "1")
 
 
 @pytest.fixture(scope="module")
-def workers():
-    procs = []
+def workers(fp32_pair):
+    """P, D (the session's pair) and a co-located worker."""
+    [(proc, both)] = start_workers("both")
     try:
-        urls = []
-        for role in ("prefill", "decode", "both"):
-            proc, url = start_worker("--role", role, *FLAGS)
-            procs.append(proc)
-            urls.append(url)
-        yield urls
+        yield (*fp32_pair, both)
     finally:
-        for proc in procs:
-            stop(proc)
+        stop(proc)
 
 
 @pytest.fixture

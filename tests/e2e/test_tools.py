@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -20,7 +19,7 @@ from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
 from tests.e2e.conftest import assert_all_pages_free, make_worker, wait_idle
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import wait_pages_free
 from tests.e2e.test_pd import start_router
 
 openai = pytest.importorskip("openai")
@@ -30,9 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "128", "--max-model-len", "2048", "--threads", "1")
 SEEDS = range(int(os.environ.get("PD_TOOL_SEEDS", "5")))  # 20 in the reported run
-ROLES = ("prefill", "decode")
 
 WEATHER = {
     "type": "object",
@@ -61,16 +58,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def pair():
-    with ThreadPoolExecutor(2) as pool:  # both load the model at once
-        started = [pool.submit(start_worker, "--role", role, *FLAGS) for role in ROLES]
-    procs = [f.result() for f in started if f.exception() is None]
-    try:
-        assert len(procs) == 2, [f.exception() for f in started]
-        yield tuple(url for _, url in procs)
-    finally:
-        for proc, _ in procs:
-            stop(proc)
+def pair(fp32_pair):
+    return fp32_pair
 
 
 @pytest.fixture(scope="module")

@@ -410,7 +410,9 @@ async def _rules(
     try:
         return await rules_for(options, worker.tokenizer, grammars)
     except GrammarError as e:
-        raise APIError(400, f"invalid structured-output constraint: {e}", code="invalid_grammar")
+        raise APIError(
+            400, f"invalid structured-output constraint: {e}", code="invalid_grammar"
+        ) from None
 
 
 async def _stream(
