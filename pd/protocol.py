@@ -417,6 +417,9 @@ class _RequestBase:
     # vLLM's `prompt_logprobs` as the client asked (None: not asked; options.prompt_logprobs
     # is what is computed).
     prompt_logprobs: int | None = None
+    # The router's `pd_continuation.output_token_ids` (docs/migration.md §3): the output the
+    # uninterrupted request had generated; this worker goes on from there. None: a new request.
+    continuation: list[int] | None = None
 
     @property
     def room_key(self) -> str | None:
@@ -436,6 +439,7 @@ def _parse_common(body: dict) -> dict[str, Any]:
             f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
             param="cache_salt",
         )
+    n = _int(body, "n", 1, 1, MAX_N) or 1
     return dict(
         model=_opt(body, "model", str),
         stream=stream,
@@ -444,9 +448,33 @@ def _parse_common(body: dict) -> dict[str, Any]:
         session_id=_opt(body, "session_id", str),
         kv_transfer_params=kvp,
         cache_salt=salt,
-        n=_int(body, "n", 1, 1, MAX_N) or 1,
+        n=n,
         raw=body,
+        continuation=parse_continuation(body.get("pd_continuation"), n),
     )
+
+
+def parse_continuation(value: Any, n: int = 1) -> list[int] | None:
+    """`pd_continuation` (set by the router only: docs/migration.md §3): its output token ids,
+    or None when absent. Whether the ids fit this worker (vocabulary, context) and agree with
+    `kv_transfer_params` is the worker's check."""
+    if value is None:
+        return None
+    param = "pd_continuation"
+    if not isinstance(value, dict):
+        raise bad_request("'pd_continuation' must be an object", param)
+    unknown = sorted(k for k in value if k != "output_token_ids")
+    if unknown:
+        raise bad_request(f"'pd_continuation' has unknown keys: {', '.join(unknown)}", param)
+    ids = value.get("output_token_ids")
+    if not _is_ids(ids):
+        raise bad_request(
+            f"'pd_continuation.output_token_ids' must be a list of token ids (0..{MAX_TOKEN_ID})",
+            param,
+        )
+    if n != 1:
+        raise bad_request(f"'pd_continuation' continues one choice: n must be 1, not {n}", param)
+    return [int(t) for t in ids]
 
 
 @dataclass
@@ -739,6 +767,7 @@ FIELDS: dict[str, FieldRule] = {
     "prompt_cache_key": _rule(ACCEPTED, "OpenAI's cache-routing hint; pd routes by the prompt"),
     "safety_identifier": _rule(ACCEPTED, "OpenAI platform field"),
     "kv_transfer_params": _rule(SERVED, "pd-internal: set by the router only"),
+    "pd_continuation": _rule(SERVED, "pd-internal: set by the router only"),
     "request_id": _rule(ACCEPTED, "vLLM extra: pd makes its own ids"),
     "rid": _rule(ACCEPTED, "SGLang extra: pd makes its own ids"),
     "vllm_xargs": _rule(REFUSED, "vLLM extra: not served"),
@@ -878,7 +907,7 @@ class KVTransferParams:
     prompt_token_ids: list[int]
     first_token_id: int
     page_ids: dict[str, list[int]]  # per pool name
-    num_tokens: int  # tokens whose KV P holds (the prompt)
+    num_tokens: int  # tokens whose KV P holds (the prompt, and a continuation's output ids)
     page_size: int
     tp_size: int
     kv_layout: str
@@ -896,6 +925,9 @@ class KVTransferParams:
     # answers them): per prompt token after the first, [logprob, rank, [[token id, logprob],
     # ...]] (that token's logprob and rank at its position, then the most likely alternatives).
     prompt_logprobs: list | None = None
+    # A continuation (docs/migration.md §3): the output ids P prefilled after the prompt (its
+    # KV covers prompt + these: num_tokens); D's request starts with them as its output.
+    output_token_ids: list[int] | None = None
     do_remote_prefill: bool = True
     pd_version: int = PD_VERSION
 
@@ -1021,6 +1053,10 @@ _KV_FIELDS: dict[str, tuple[Any, str]] = {
     "prompt_logprobs": (
         _is_prompt_logprobs,
         "null or [[logprob, rank, [[id, logprob], ...]], ...]",
+    ),
+    "output_token_ids": (
+        lambda v: v is None or _is_ids(v),
+        f"null or a list of token ids (0..{MAX_TOKEN_ID})",
     ),
     "do_remote_prefill": (lambda v: isinstance(v, bool), "a boolean"),
     "pd_version": (lambda v: v == PD_VERSION, f"{PD_VERSION}"),

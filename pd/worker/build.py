@@ -24,7 +24,7 @@ from pd.worker.disagg import (
     TransferRole,
 )
 from pd.worker.disagg.contract import make_transfer_manager
-from pd.worker.engine import Engine, Scheduler
+from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.torch_thread import TorchThread
@@ -52,6 +52,8 @@ class Worker:
     instance_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     attention_backend: str = ""  # the runner's (FlashInferAttentionBackend, TorchAttentionBackend)
     vocab_size: int = 0  # the model's logits rows (0: the tokenizer's): what token masks cover
+    # The choices of each stream opened with X-PD-Token-Ids: a drain migrates them.
+    migratable: set[tuple[RequestHandle, ...]] = field(default_factory=set)
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -64,6 +66,17 @@ class Worker:
 
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()
+
+    def migrate_streams(self) -> int:
+        """Drain by migration (docs/migration.md §2): abort the requests of every stream opened
+        with X-PD-Token-Ids (their pages freed, a decode request's pull too) and have each end
+        with `: pd-migrate` after the events already queued. Returns how many streams."""
+        streams = list(self.migratable)
+        for choices in streams:
+            for handle in choices:
+                self.engine.abort(handle, "the worker drains: the router migrates the request")
+                handle.queue.put_nowait(Delta("", [], [], migrate=True))
+        return len(streams)
 
 
 def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Worker:

@@ -15,6 +15,9 @@ from pd.worker.engine import Delta
 from pd.worker.tools import ToolStream
 
 SSE_DONE = b"data: [DONE]\n\n"
+# docs/migration.md: the router's request header, and the end of a stream a drain migrates.
+TOKEN_IDS_HEADER = "X-PD-Token-Ids"
+SSE_MIGRATE = b": pd-migrate draining\n\n"
 
 
 def sse(obj: Any) -> bytes:
@@ -48,6 +51,9 @@ class ResponseBuilder:
     index: int = 0  # the choice's (n > 1, lists of prompts: choices.py combines builders)
     # Chat with tools (tool_choice other than none): the text parsed into content and tool_calls.
     tools: ToolStream | None = None
+    # X-PD-Token-Ids (docs/migration.md §1): an event with new tokens opens with their ids
+    # (`: pd-ids <index> <id> ...`), for the router.
+    announce_ids: bool = False
 
     @property
     def response_id(self) -> str:
@@ -165,7 +171,7 @@ class ResponseBuilder:
         if prompt.prompt_logprobs is not None and self.chat:
             top["prompt_logprobs"] = prompt.prompt_logprobs
         if self.tools is not None and delta is not None and not role:
-            return self._tool_chunks(delta, top)
+            return self._ids(delta) + self._tool_chunks(delta, top)
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["delta"] = (
@@ -187,7 +193,13 @@ class ResponseBuilder:
         choice["finish_reason"] = delta.finish_reason if delta else None
         if prompt.prompt_logprobs is not None and not self.chat:
             choice["prompt_logprobs"] = prompt.prompt_logprobs
-        return self._event(choice, top)
+        return self._ids(delta) + self._event(choice, top)
+
+    def _ids(self, delta: Delta | None) -> bytes:
+        """The `: pd-ids` line of an event with new tokens, when announced (else nothing)."""
+        if not self.announce_ids or delta is None or not delta.token_ids:
+            return b""
+        return f": pd-ids {self.index} {' '.join(map(str, delta.token_ids))}\n".encode()
 
     def _tool_chunks(self, delta: Delta, top: dict[str, Any]) -> bytes:
         """The events of a delta parsed for tool calls: one per content or call piece (none
@@ -200,7 +212,9 @@ class ResponseBuilder:
         offsets = self.offsets[len(self.offsets) - len(delta.logprobs) :]
         logprobs = self._logprobs(delta.logprobs, offsets)
         finish_reason = self.tools.finish_reason(delta.finish_reason)
-        if not deltas and (finish_reason or logprobs is not None or top):
+        if not deltas and (
+            finish_reason or logprobs is not None or top or (self.announce_ids and delta.token_ids)
+        ):  # (the router's streams: an event per token, its ids before it)
             deltas = [{}]
         last = len(deltas) - 1
         return b"".join(

@@ -19,12 +19,19 @@ from pd.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationOptions,
+    bad_request,
     error_body,
     parse_json_body,
 )
 from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.echo import PromptPart, prompt_part
-from pd.worker.api.openai_format import SSE_DONE, ResponseBuilder, sse
+from pd.worker.api.openai_format import (
+    SSE_DONE,
+    SSE_MIGRATE,
+    TOKEN_IDS_HEADER,
+    ResponseBuilder,
+    sse,
+)
 from pd.worker.api.prompt import PromptBuilder, Request
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
@@ -273,6 +280,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
     if isinstance(req, ChatCompletionRequest):  # its output parsed into tool calls, if asked
         req.options = request.app[TOOLS].options(req.options, req.tools)
+    if req.continuation is not None:
+        req = _continuation(worker, req)
     reqs = [req] if not isinstance(req, CompletionRequest) or req.batch is None else [
         dataclasses.replace(req, prompt=p, batch=None) for p in req.batch
     ]
@@ -303,6 +312,24 @@ async def generate(request: web.Request) -> web.StreamResponse:
             worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
 
 
+def _continuation(worker: Worker, req: Request) -> Request:
+    """A continuation (docs/migration.md §3): one prompt, ids this model has; its prompt's part
+    (echo, prompt_logprobs) went out with the first worker's answer, so none is answered here."""
+    assert req.continuation is not None
+    if isinstance(req, CompletionRequest) and req.batch is not None:
+        raise bad_request("'pd_continuation' continues one prompt's choice", "pd_continuation")
+    vocab = worker.vocab_size or worker.tokenizer.vocab_size
+    if req.continuation and max(req.continuation) >= vocab:
+        raise bad_request(
+            f"'pd_continuation' names a token id past the vocabulary ({vocab})", "pd_continuation"
+        )
+    req.options = dataclasses.replace(req.options, prompt_logprobs=None)
+    req.prompt_logprobs = None
+    if isinstance(req, CompletionRequest):
+        req.echo = False
+    return req
+
+
 async def _answer(
     request: web.Request, worker: Worker, req: Request, handles: list[RequestHandle]
 ) -> web.StreamResponse:
@@ -310,6 +337,8 @@ async def _answer(
     tools = req.tools if isinstance(req, ChatCompletionRequest) else None
     builders, per_prompt = [], []
     token_text = request.app[TOKEN_TEXT]
+    # The router's streams: each event with new tokens says their ids (docs/migration.md §1).
+    announce_ids = req.stream and request.headers.get(TOKEN_IDS_HEADER) == "1"
     # Before a choice's first delta: its prompt part (echo, prompt_logprobs), from its prompt's
     # first handle (the one that prefilled it).
     readies: dict[int, Callable[[], Awaitable[None]]] = {}
@@ -329,7 +358,10 @@ async def _answer(
                 index=j * req.n + i,
                 # Each choice parses its own text for tool calls, if the request has tools.
                 tools=request.app[TOOLS].stream(tools) if chat else None,
+                announce_ids=announce_ids,
             )
+            if builder.tools is not None and handle.given_text:
+                builder.tools.feed(handle.given_text)  # a continuation's: its deltas went out
             builders.append(builder)
             readies[id(builder)] = functools.partial(
                 _prompt_ready, request.app[PROMPTS], builder, handle
@@ -340,7 +372,9 @@ async def _answer(
         b.id, b.created = builders[0].id, builders[0].created
     choices = choices_of(handles)
     if req.stream:
-        return await _stream(request, choices, builders, per_prompt, readies, req.include_usage)
+        return await _stream(
+            request, choices, builders, per_prompt, readies, req.include_usage, announce_ids
+        )
     await collect(choices, builders, lambda b: readies[id(b)]())
     body = builders[0].final({"kv_transfer_params": handles[0].kv_transfer_params})
     if len(builders) > 1:
@@ -422,21 +456,36 @@ async def _stream(
     per_prompt: list[ResponseBuilder],
     readies: dict[int, Callable[[], Awaitable[None]]],
     include_usage: bool,
+    migratable: bool = False,
 ) -> web.StreamResponse:
+    """The SSE answer. `migratable` (the router's, with X-PD-Token-Ids): a drain ends it with
+    `: pd-migrate draining` and no [DONE] (docs/migration.md §2; `Worker.migrate_streams`)."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
-    if builders[0].chat:
-        for b in builders:
-            await resp.write(b.chunk(None, role=True))
-    async for builder, delta in interleave(choices, builders):
-        if delta.error is not None:  # headers are out: the error is the stream's last event
-            await resp.write(sse(delta.error.body()))
-            break
-        await readies[id(builder)]()
-        builder.add(delta)
-        await resp.write(builder.chunk(delta))
+    worker = request.app[WORKER]
+    if migratable:
+        worker.migratable.add(tuple(choices))
+        if worker.draining:  # it came in as the drain began
+            worker.migrate_streams()
+    try:
+        if builders[0].chat:
+            for b in builders:
+                await resp.write(b.chunk(None, role=True))
+        async for builder, delta in interleave(choices, builders):
+            if delta.migrate:
+                await resp.write(SSE_MIGRATE)
+                await resp.write_eof()
+                return resp
+            if delta.error is not None:  # headers are out: the error is the stream's last event
+                await resp.write(sse(delta.error.body()))
+                break
+            await readies[id(builder)]()
+            builder.add(delta)
+            await resp.write(builder.chunk(delta))
+    finally:
+        worker.migratable.discard(tuple(choices))
     if include_usage:
         await resp.write(builders[0].usage_chunk(usage(per_prompt, builders)))
     await resp.write(SSE_DONE)

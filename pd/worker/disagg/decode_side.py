@@ -57,8 +57,18 @@ class DecodeSide(TransferRole):
         self.vocab_size = min(engine.tokenizer.vocab_size, runner.config.vocab_size)
         self._tasks: set[asyncio.Task] = set()
 
-    def validate(self, raw: dict[str, Any], n: int = 1) -> KVTransferParams:
+    def validate(
+        self, raw: dict[str, Any], n: int = 1, continuation: list[int] | None = None
+    ) -> KVTransferParams:
+        """P's params for this request (`continuation`: its pd_continuation's ids, which P's
+        `output_token_ids` must repeat); a 400 on anything that does not fit."""
         kvp = KVTransferParams.from_dict(raw)
+        if (kvp.output_token_ids or None) != (continuation or None):
+            raise bad_request(
+                "kv_transfer_params.output_token_ids disagree with pd_continuation",
+                param="pd_continuation",
+            )
+        given = kvp.output_token_ids or []
         firsts = kvp.first_token_ids or [kvp.first_token_id]
         lps = kvp.first_tokens_logprobs
         if len(firsts) != n or firsts[0] != kvp.first_token_id or (lps and len(lps) != n):
@@ -78,9 +88,9 @@ class DecodeSide(TransferRole):
                     param="kv_transfer_params",
                 )
         pages = kvp.page_ids.get(KV_POOL, [])
-        if len(pages) != -(-kvp.num_tokens // kvp.page_size) or len(kvp.prompt_token_ids) != (
-            kvp.num_tokens
-        ):
+        if len(pages) != -(-kvp.num_tokens // kvp.page_size) or len(kvp.prompt_token_ids) + len(
+            given
+        ) != kvp.num_tokens:
             raise bad_request("kv_transfer_params are inconsistent", param="kv_transfer_params")
         # Ids past the vocabulary would fail the forward pass of every request in the batch (on
         # CUDA a device-side assert): refused at the door, as a client's own prompt ids are.
@@ -93,7 +103,7 @@ class DecodeSide(TransferRole):
                 param="kv_transfer_params",
             )
         vocab = self.vocab_size
-        if max(kvp.prompt_token_ids) >= vocab or max(firsts) >= vocab:
+        if max([*kvp.prompt_token_ids, *given, *firsts]) >= vocab:
             raise bad_request(
                 f"kv_transfer_params carry a token id out of the vocabulary (size {vocab})",
                 param="kv_transfer_params",
@@ -126,7 +136,14 @@ class DecodeSide(TransferRole):
             ]
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
         handle = self.engine.add_pulled(
-            kvp.prompt_token_ids, options, kvp.cached_tokens, cache_salt, rules, n, choice_rules
+            kvp.prompt_token_ids,
+            options,
+            kvp.cached_tokens,
+            cache_salt,
+            rules,
+            n,
+            choice_rules,
+            given=kvp.output_token_ids,
         )
         if prompt_logprobs is not None:
             handle.seq.prompt_logprobs = prompt_logprobs

@@ -37,7 +37,9 @@ class PrefillSide(TransferRole):
     ) -> dict[str, Any]:
         """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer
         (with n > 1, every choice's first token: `choices` are choices 1.., one set of pages)."""
-        firsts = [(seq.output_ids[0], first_logprobs), *(choices or [])]
+        # A continuation's first token follows its given outputs (prefilled with the prompt).
+        given = seq.output_ids[: seq.num_given]
+        firsts = [(seq.output_ids[seq.num_given], first_logprobs), *(choices or [])]
         key = f"p-{seq.request_id}"
         pages = self.pages.pin(seq, key)
         sender: KVSender | None = None
@@ -49,7 +51,8 @@ class PrefillSide(TransferRole):
             return KVTransferParams(
                 **sender.params().to_dict(),
                 prompt_token_ids=seq.prompt_ids,
-                first_token_id=seq.output_ids[0],
+                first_token_id=firsts[0][0],
+                output_token_ids=given if seq.num_given else None,
                 first_token_logprobs=_entry(first_logprobs),
                 first_token_ids=[t for t, _ in firsts] if len(firsts) > 1 else None,
                 first_tokens_logprobs=(
@@ -57,7 +60,7 @@ class PrefillSide(TransferRole):
                     if len(firsts) > 1 and first_logprobs
                     else None
                 ),
-                num_tokens=len(seq.prompt_ids),
+                num_tokens=len(seq.prompt_ids) + len(given),
                 cached_tokens=seq.num_cached_tokens or 0,
                 prompt_logprobs=(
                     [[lp, rank, [[t, v] for t, v in top]] for lp, rank, top in seq.prompt_logprobs]

@@ -72,6 +72,7 @@ class CoLocated:
             rules=rules,
             n=req.n,
             choice_rules=choice_rules,
+            given=req.continuation,
         )
 
 
@@ -103,8 +104,9 @@ class Prefill(CoLocated):
         ids = await prompt_ids()
         self.engine.capacity.max_tokens_for(len(ids), asked)  # the whole request, not one token
         # P samples the first token: its rules constrain it as D's constrain the rest.
+        # A continuation: prompt + its output ids prefilled, one token sampled past them.
         return self.engine.add_request(
-            ids, req.options, True, req.cache_salt, rules, req.n, choice_rules
+            ids, req.options, True, req.cache_salt, rules, req.n, choice_rules, req.continuation
         )
 
 
@@ -124,7 +126,7 @@ class Decode(CoLocated):
     ) -> RequestHandle:
         if req.kv_transfer_params is None:  # decode-local prefill
             return await super().admit(req, prompt_ids, rules, choice_rules)
-        kvp = self.side.validate(req.kv_transfer_params, req.n)
+        kvp = self.side.validate(req.kv_transfer_params, req.n, req.continuation)
         # Its pages join this worker's prefix cache under the client's salt; its rules are
         # built from the same request as P's, and take P's first token before anything else.
         return await self.side.admit(kvp, req.options, req.cache_salt, rules, req.n, choice_rules)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from pd.protocol import APIError, GenerationOptions, WorkerLoad
+from pd.protocol import APIError, GenerationOptions, WorkerLoad, bad_request
 from pd.worker.engine.admission import Capacity
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.fork import choice_options
@@ -125,17 +125,33 @@ class Engine:
         rules: TokenRules | None = None,
         n: int = 1,
         choice_rules: list[TokenRules | None] | None = None,
+        given: list[int] | None = None,
     ) -> RequestHandle:
         """Queue a request; raises APIError (400 too long, 503 queue full or not running).
         `rules` (its grammar, min_tokens, ...) say what each next token may be. With `n` > 1 its
-        other choices (`handle.forks`, with `choice_rules`) fork from it (fork.py)."""
-        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules)
+        other choices (`handle.forks`, with `choice_rules`) fork from it (fork.py). `given`: a
+        continuation's output ids (docs/migration.md §3), prefilled after the prompt (on a
+        prefill worker, `remote_decode`, it samples one token past them)."""
+        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules, given)
         handle.seq.remote_decode = remote_decode
         handle.seq.cache_salt = cache_salt
+        if given is not None:
+            if remote_decode:  # P's budget is its one token past the given ones
+                handle.seq.max_tokens += len(given)
+            if (ends := self.postprocess.prime(handle, given)) is not None:
+                self._end_at_once(handle, ends)
+                return handle
         self._add_forks(handle, n, choice_rules)
         self.scheduler.add(handle.seq)
         self._wake()
         return handle
+
+    def _end_at_once(self, handle: RequestHandle, reason: str) -> None:
+        """A continuation its given outputs end already: no token is sampled, no page taken."""
+        handle.seq.status = SeqStatus.FINISHED
+        handle.seq.finish_reason = reason
+        self.handles.pop(handle.seq.request_id, None)
+        handle.queue.put_nowait(Delta("", [], [], reason))
 
     def _add_forks(
         self, handle: RequestHandle, n: int, choice_rules: list[TokenRules | None] | None
@@ -160,14 +176,24 @@ class Engine:
         rules: TokenRules | None = None,
         n: int = 1,
         choice_rules: list[TokenRules | None] | None = None,
+        given: list[int] | None = None,
     ) -> RequestHandle:
         """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
         cache served `cached_tokens` of its prompt). It emits P's first token through
-        `accept_first_token` and joins the batch through `admit_pulled`."""
+        `accept_first_token` and joins the batch through `admit_pulled`. `given`: a
+        continuation's output ids, whose KV P computed after the prompt (nothing is emitted
+        for them; P's first token follows them)."""
         # Its rules see P's first token first (`accept_first_token`), as P's did.
-        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING, rules)
+        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING, rules, given)
         handle.seq.num_cached_tokens = cached_tokens
         handle.seq.cache_salt = cache_salt
+        if given is not None and (ends := self.postprocess.prime(handle, given)) is not None:
+            # P sampled past them, so the router should not have sent it: refused.
+            self.handles.pop(handle.seq.request_id, None)
+            raise bad_request(
+                f"the continuation's output ids end the request already ({ends})",
+                "pd_continuation",
+            )
         self._add_forks(handle, n, choice_rules)  # they fork from the pulled pages
         return handle
 
@@ -190,8 +216,15 @@ class Engine:
         options: GenerationOptions,
         status: SeqStatus,
         rules: TokenRules | None = None,
+        given: list[int] | None = None,
     ) -> RequestHandle:
         max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens)
+        if given is not None and len(prompt_ids) + len(given) >= self.max_model_len:
+            raise bad_request(
+                f"the prompt's {len(prompt_ids)} tokens and the continuation's {len(given)} "
+                f"output ids leave no room in this model's context ({self.max_model_len})",
+                "pd_continuation",
+            )
         if self._wakeup is None:
             raise APIError(503, "the engine is not running", "server_busy", "not_ready")
         if len(self.scheduler.waiting) >= self.max_waiting:

@@ -116,6 +116,39 @@ class OutputProcessor:
         """Both phases for one token (P's first token on D)."""
         return self._emit(handle, token, logprobs, self.append_token(handle, token, now))
 
+    def prime(self, handle: RequestHandle, given: list[int]) -> str | None:
+        """A continuation (docs/migration.md §3): take `given` as outputs another worker
+        generated, as if they had been sampled here, without emitting anything: the request's
+        rules (grammar) advance by each, the detokenizer and the stop checker end up where the
+        first worker's were (the text they held back stays held), and `handle.given_text` is
+        the text its client was shown. Returns why the given outputs end the request already
+        ("stop" or "length"; then nothing more is sampled), or None."""
+        seq, params = handle.seq, handle.seq.params
+        assert not seq.output_ids, "a continuation starts with its given outputs"
+        ends: str | None = None
+        shown: list[str] = []
+        for token in given:
+            seq.output_ids.append(token)
+            if seq.rules is not None and not seq.rules.accept(token):
+                ends = "stop"
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids
+            ):
+                ends = "stop"
+            text, stopped = handle.stop.add(handle.detok.add(token))
+            shown.append(text)
+            if stopped:
+                ends = "stop"
+        seq.num_given = len(given)
+        handle.given_text = "".join(shown)
+        if ends is None and seq.rules is not None and seq.rules.complete:
+            ends = "stop"
+        if ends is None and (
+            len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            ends = "length"
+        return ends
+
     def append_token(self, handle: RequestHandle, token: int, now: float) -> str | None:
         """Append a sampled token to its request: the one place a token joins a request, once
         per token and in order (P's first token on D included). Returns why the token ends the

@@ -58,6 +58,9 @@ class Sequence:
     # When params.prompt_logprobs asks: entry p for prompt token p + 1, filled as the prompt is
     # prefilled (postprocess), or from P's params on D; complete once the first token is out.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # A continuation (docs/migration.md §3): its first `num_given` outputs came with the request
+    # (another worker generated them); they are prefilled with the prompt, never emitted.
+    num_given: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +94,9 @@ class Delta:
     logprobs: list[LogprobEntry]
     finish_reason: str | None = None  # "stop" | "length" | "error"
     error: APIError | None = None  # with finish_reason "error": what the client is answered
+    # Drain by migration (docs/migration.md §2): the stream ends here without [DONE], the
+    # request aborted; the router continues it elsewhere. Never from the engine.
+    migrate: bool = False
 
 
 @dataclass(eq=False)
@@ -105,6 +111,9 @@ class RequestHandle:
     kv_transfer_params: dict[str, Any] | None = None  # prefill role: what D needs, once handed off
     # n > 1: choices 1..n-1, each a request of its own forked from this one (fork.py)
     forks: list[RequestHandle] = field(default_factory=list)
+    # A continuation: the text the given outputs showed on the first worker (what its client
+    # has); the tool-call parser is fed it before this worker's deltas.
+    given_text: str = ""
 
     @property
     def finished(self) -> bool:

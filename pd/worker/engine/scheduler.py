@@ -106,8 +106,9 @@ class Scheduler:
                 self._release(seq)  # the prefix hit is looked up again next time
                 break
             if seq.num_cached_tokens is None:  # counted once, at the first admission
-                seq.num_cached_tokens = seq.num_computed
-                self.cache.count_query(len(seq.prompt_ids), seq.num_computed)
+                # (of its prompt: a continuation's given outputs are prefilled too)
+                seq.num_cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+                self.cache.count_query(len(seq.prompt_ids), seq.num_cached_tokens)
             self.waiting.popleft()
             seq.page_ids.extend(pages)
             seq.status = SeqStatus.RUNNING
@@ -223,7 +224,8 @@ class Scheduler:
         prompt, from there (and its full prompt pages become matchable on this worker)."""
         assert seq.status is SeqStatus.TRANSFERRING
         seq.page_ids = self.cache.take(key)
-        seq.num_computed = len(seq.prompt_ids)
+        # The KV covers the prompt (and a continuation's given outputs); P's first token next.
+        seq.num_computed = len(seq.prompt_ids) + seq.num_given
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._cache_full_pages(seq)

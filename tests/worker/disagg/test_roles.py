@@ -204,7 +204,15 @@ class QueueingEngine:
         self.queued: list[tuple[list[int], bool, str | None]] = []
 
     def add_request(
-        self, ids, options, remote_decode=False, cache_salt=None, rules=None, n=1, choice_rules=None
+        self,
+        ids,
+        options,
+        remote_decode=False,
+        cache_salt=None,
+        rules=None,
+        n=1,
+        choice_rules=None,
+        given=None,
     ):
         self.queued.append((ids, remote_decode, cache_salt))
         return f"handle-{len(self.queued)}"
@@ -274,7 +282,7 @@ async def test_decode_pulls_with_params_and_prefills_here_without():
         pulled.append((kvp, cache_salt))
         return "pulled"
 
-    side = SimpleNamespace(engine=engine, validate=lambda raw, n=1: ("checked", raw), admit=admit)
+    side = SimpleNamespace(engine=engine, validate=lambda raw, n=1, given=None: ("checked", raw), admit=admit)
     role = Decode(side)  # type: ignore[arg-type]
     ids, calls = tokenized()
     raw = {"transfer_id": "t"}
