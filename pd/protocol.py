@@ -466,7 +466,7 @@ def parse_continuation(value: Any, n: int = 1) -> list[int] | None:
     unknown = sorted(k for k in value if k != "output_token_ids")
     if unknown:
         raise bad_request(f"'pd_continuation' has unknown keys: {', '.join(unknown)}", param)
-    ids = value.get("output_token_ids")
+    ids: Any = value.get("output_token_ids")
     if not _is_ids(ids):
         raise bad_request(
             f"'pd_continuation.output_token_ids' must be a list of token ids (0..{MAX_TOKEN_ID})",
