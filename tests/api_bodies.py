@@ -113,6 +113,7 @@ _FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "cache_salt": _text | _json,
     "kv_transfer_params": _json
     | st.fixed_dictionaries({"do_remote_decode": st.booleans(), "max_tokens": _ints}),
+    "pd_continuation": st.fixed_dictionaries({"output_token_ids": _token_ids}) | _json,
     "tools": st.just([_TOOL]) | st.lists(st.just(_TOOL) | _json, max_size=2) | _json,
     "tool_choice": st.sampled_from(["none", "auto", "required", _NAMED]) | _json,
     "parallel_tool_calls": st.booleans() | _json,
