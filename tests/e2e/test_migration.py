@@ -61,7 +61,9 @@ class Stream:
         return out
 
     def text(self, index: int = 0) -> str:
-        return "".join(_text(c) for _, d in self.chunks() for c in d["choices"] if c["index"] == index)
+        return "".join(
+            _text(c) for _, d in self.chunks() for c in d["choices"] if c["index"] == index
+        )
 
     def finish(self, index: int = 0) -> str | None:
         reasons = [
@@ -300,7 +302,9 @@ async def test_the_budget_counts_the_given_ids(client, worker):
     whole = await sse(client.post, COMPLETION, body)
     ids = whole.ids()
     for given, new in ((ids[:3], 2), (ids, 0), (ids + ids[:2], 0)):
-        s = await sse(client.post, COMPLETION, {**body, "pd_continuation": {"output_token_ids": given}})
+        s = await sse(
+            client.post, COMPLETION, {**body, "pd_continuation": {"output_token_ids": given}}
+        )
         assert len(s.ids()) == new and s.finish() == "length" and s.done
         assert s.usage()["completion_tokens"] == new  # type: ignore[index]
     # Not streamed: the same answer, the prompt not echoed again.
@@ -309,7 +313,9 @@ async def test_the_budget_counts_the_given_ids(client, worker):
         COMPLETION, json={**body, "echo": True, "pd_continuation": {"output_token_ids": ids[:3]}}
     )
     answer = await resp.json()
-    assert answer["choices"][0]["text"] == "".join(_text(c) for _, cs in whole.groups()[3:] for c in cs)
+    assert answer["choices"][0]["text"] == "".join(
+        _text(c) for _, cs in whole.groups()[3:] for c in cs
+    )
     assert answer["usage"]["completion_tokens"] == 2
     await settled(worker)
 
@@ -425,7 +431,9 @@ async def test_pd_continuation_through_prefill_and_decode(fp32_pair):
         # D refuses params that disagree with the continuation.
         prefill = {"prompt": PROMPT, "temperature": 0, "max_tokens": 1,
                    "kv_transfer_params": {"do_remote_decode": True, "max_tokens": 64}}  # fmt: skip
-        kvp = (await (await http.post(p_url + COMPLETION, json=prefill)).json())["kv_transfer_params"]
+        kvp = (await (await http.post(p_url + COMPLETION, json=prefill)).json())[
+            "kv_transfer_params"
+        ]
         resp = await http.post(
             d_url + COMPLETION,
             json={**body, "stream": True, "kv_transfer_params": kvp,
