@@ -65,10 +65,14 @@ def make_worker() -> Worker:
 
 
 async def settle(worker: Worker) -> None:
-    for _ in range(500):
+    # Up to 30 s (it returns as soon as the engine is idle): a loaded 2-core machine runs a
+    # body's 16 choices of up to 512 tokens slowly, and a request that never ends still fails.
+    for _ in range(3000):
         if worker.engine.idle and not worker.engine.handles:
             break
         await asyncio.sleep(0.01)
+    engine = worker.engine
+    assert engine.idle and not engine.handles, (engine.load(), list(engine.handles))
     assert worker.engine.check_integrity() == "ok"
     cache = worker.engine.scheduler.cache
     assert cache.num_used == 0, cache
