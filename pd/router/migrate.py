@@ -314,6 +314,8 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
             t_break = perf_counter()
     if track.usage is not None:  # the first leg's usage went out already
         return Outcome(True, head=head)
+    if not ex.include_usage and ex.stream:  # the client's stream has no usage chunk
+        return Outcome(True, head=head)
     if prompt_usage is None:
         prompt_usage = await _probe_usage(proxy, ex, ids.get(0, []), exclude)
     prompt = prompt_usage.get("prompt_tokens") if prompt_usage else None
