@@ -78,6 +78,16 @@ class Tracker:
         return chunk
 
     def _strip(self, chunk: bytes) -> bytes:
+        if chunk.startswith(b": pd-ids "):  # the usual chunk: one event, its ids line first
+            nl = chunk.find(b"\n")
+            index, _, ids = chunk[9:nl].partition(b" ")
+            if index.isdigit() and chunk.find(b": pd-", nl) < 0:
+                i = int(index)
+                lines = self.ids.get(i)
+                if lines is None:
+                    lines = self.ids[i] = []
+                lines.append(ids)
+                return chunk[nl + 1 :]
         for kind, rest in _PD_LINE.findall(chunk):
             if kind == b"ids":
                 index, _, ids = rest.partition(b" ")
