@@ -52,20 +52,27 @@ class Tracker:
         self.on_drain = on_drain  # called once, when `: pd-migrate` comes
         self.carry = b""  # a trailing partial event, held back
         self.head: bytes | None = None  # the first data line
-        self.ids: dict[int, list[bytes]] = {}  # choice index -> its `: pd-ids` lines' ids
+        self.ids: dict[bytes, list[bytes]] = {}  # choice index (as written) -> its lines' ids
         self.finished: set[int] = set()  # choices whose finish_reason came
         self.usage: dict[str, Any] | None = None  # the usage chunk's, once relayed
         self.migrate = False  # `: pd-migrate` came
 
     def feed(self, chunk: bytes) -> bytes:
         """The next chunk read; returns the bytes to relay (whole events, no `: pd-` line)."""
-        if self.carry:
-            chunk, self.carry = self.carry + chunk, b""
-        if not chunk.endswith(b"\n\n"):
-            cut = chunk.rfind(b"\n\n") + 2
-            cut = 0 if cut == 1 else cut  # no event boundary at all: hold it all
-            chunk, self.carry = chunk[:cut], chunk[cut:]
-        if b": pd-" in chunk:
+        if self.carry or chunk[-2:] != b"\n\n":
+            chunk = self._whole(chunk)
+        if chunk[:9] == b": pd-ids ":  # the usual chunk: one event, its ids line first
+            nl = chunk.find(b"\n")
+            if chunk.find(b": pd-", nl) < 0:
+                index, _, ids = chunk[9:nl].partition(b" ")
+                lines = self.ids.get(index)
+                if lines is None:
+                    lines = self.ids[index] = []
+                lines.append(ids)
+                chunk = chunk[nl + 1 :]
+            else:
+                chunk = self._strip(chunk)
+        elif b": pd-" in chunk:
             chunk = self._strip(chunk)
         if self.head is None:
             at = chunk.find(b"data: {")
@@ -73,28 +80,26 @@ class Tracker:
                 self.head = chunk[at + 6 : chunk.find(b"\n", at)]
         if _FINISH in chunk:
             self._finishes(chunk)
-        if self.finished and b'"usage":{' in chunk:
+            if b'"usage":{' in chunk:
+                self._usage(chunk)
+        elif self.finished and b'"usage":{' in chunk:
             self._usage(chunk)
         return chunk
 
+    def _whole(self, chunk: bytes) -> bytes:
+        """Hold back a trailing partial event; returns the whole events, with any held before."""
+        if self.carry:
+            chunk, self.carry = self.carry + chunk, b""
+        cut = chunk.rfind(b"\n\n") + 2
+        cut = 0 if cut == 1 else cut  # no event boundary at all: hold it all
+        chunk, self.carry = chunk[:cut], chunk[cut:]
+        return chunk
+
     def _strip(self, chunk: bytes) -> bytes:
-        if chunk.startswith(b": pd-ids "):  # the usual chunk: one event, its ids line first
-            nl = chunk.find(b"\n")
-            index, _, ids = chunk[9:nl].partition(b" ")
-            if index.isdigit() and chunk.find(b": pd-", nl) < 0:
-                i = int(index)
-                lines = self.ids.get(i)
-                if lines is None:
-                    lines = self.ids[i] = []
-                lines.append(ids)
-                return chunk[nl + 1 :]
         for kind, rest in _PD_LINE.findall(chunk):
             if kind == b"ids":
                 index, _, ids = rest.partition(b" ")
-                try:
-                    self.ids.setdefault(int(index), []).append(ids)
-                except ValueError:
-                    continue
+                self.ids.setdefault(index, []).append(ids)
             elif kind == b"migrate" and not self.migrate:
                 self.migrate = True
                 if self.on_drain is not None:
@@ -123,7 +128,7 @@ class Tracker:
             self.usage = obj["usage"]
 
     def ids_of(self, index: int) -> list[int]:
-        return [int(x) for line in self.ids.get(index, ()) for x in line.split()]
+        return [int(x) for line in self.ids.get(str(index).encode(), ()) for x in line.split()]
 
     def count(self) -> int:
         """Tokens relayed, every choice together."""

@@ -23,9 +23,13 @@ may have aborted the transfer, so P's params cannot be used twice. P is told the
 is healthy, or when the client leaves before D answered.
 
 Deadlines: a prefill gets `--prefill-deadline-base` plus the tokens in flight on its worker over
-`--prefill-min-rate` (at most `--prefill-timeout`); a stream `--read-timeout` of silence. A worker
-ejected by the health checks fails its in-flight requests at once (retried elsewhere when the
-client has no byte yet).
+`--prefill-min-rate` (at most `--prefill-timeout`); a stream `--read-timeout` up to its first
+byte, then `--stream-idle-timeout-s` of silence. A worker ejected by the health checks fails its
+in-flight requests at once (retried elsewhere when the client has no byte yet).
+
+After the first byte, a stream that breaks (connection error, EOF before [DONE], ejection,
+silence, `: pd-migrate`) migrates: each unfinished choice is continued on another worker by the
+usual plan and relayed into the same client stream (migrate.py; docs/migration.md §4).
 
 Every worker picked is charged one in-flight request at once and released in `retry`'s
 `finally`, so finish, error and cancellation (a client that goes away cancels the handler, which
@@ -577,7 +581,8 @@ class Proxy:
                 if data:
                     await resp.write(data)
             if not (read.done or read.error):  # EOF before [DONE]
-                return await self._broke(ex, resp, track, "draining" if track.migrate else "eof")
+                reason = "draining" if track.migrate else "eof"
+                return await self._broke(ex, upstream, resp, track, reason)
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp
@@ -587,7 +592,7 @@ class Proxy:
                 with contextlib.suppress(ConnectionResetError):
                     await resp.write_eof()
                 return resp
-            return await self._broke(ex, resp, track, _reason(ex, track), _broken(ex, e))
+            return await self._broke(ex, upstream, resp, track, _reason(ex, track), _broken(ex, e))
         with contextlib.suppress(ConnectionResetError):  # it had the whole stream, then left
             await resp.write_eof()
         return resp
@@ -595,6 +600,7 @@ class Proxy:
     async def _broke(
         self,
         ex: Exchange,
+        upstream: aiohttp.ClientResponse,
         resp: web.StreamResponse,
         track: Tracker,
         reason: str,
@@ -605,6 +611,7 @@ class Proxy:
         if ex.leg:
             ex.broken = reason
             return resp
+        self._let_go(ex, upstream)
         try:
             out = await resume(self, ex, track, resp.write, reason)
         except ConnectionResetError:
@@ -626,6 +633,11 @@ class Proxy:
                 await resp.write(b"data: " + orjson.dumps(body) + b"\n\n")
             await resp.write_eof()
         return resp
+
+    def _let_go(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+        """The broken stream is done with while its continuation runs: closed, not watched."""
+        self.idle.unwatch(ex)
+        upstream.close()
 
     def _drained(self, pool: Pool, w: Worker) -> None:
         """`: pd-migrate`: the worker drains; no new request goes to it from now on."""
@@ -657,6 +669,7 @@ class Proxy:
             failure = Failure.local(502, "the decode stream carried bad JSON", "bad_stream")
             return failure.response(), None
         if reason is not None:
+            self._let_go(ex, upstream)
 
             async def emit(data: bytes) -> None:
                 collector.feed(data)

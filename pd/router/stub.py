@@ -314,9 +314,7 @@ class StubWorker:
                 await resp.write(b": pd-migrate draining\n\n")
                 await resp.write_eof()
                 return resp
-            if knobs and (
-                i == self.break_at or (self.break_before_done and i == tokens)
-            ):
+            if knobs and (i == self.break_at or (self.break_before_done and i == tokens)):
                 if self.break_mid:
                     await resp.write(event[: len(event) // 2])
                     await asyncio.sleep(0.01)

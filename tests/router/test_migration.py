@@ -176,7 +176,9 @@ async def test_a_list_of_prompts_migrates_each_prompt_on_its_own(stub, router, s
     raw = await resp.read()
     if stream:
         got, want = read_stream(raw, False), read_stream(reference, False)
-        assert got["text"] == want["text"] == {i: "".join(f"t{k} " for k in range(6)) for i in (0, 1)}
+        assert (
+            got["text"] == want["text"] == {i: "".join(f"t{k} " for k in range(6)) for i in (0, 1)}
+        )
         assert got["usage"] == want["usage"] and len(got["ids"]) == 1
     else:
         got, want = orjson.loads(raw), orjson.loads(reference)
@@ -275,3 +277,18 @@ async def test_a_client_cannot_send_its_own_continuation(stub, router):
     resp = await client.post(COMPLETION_PATH, json=body)
     assert resp.status == 200
     assert all("pd_continuation" not in b for w in ws for b in w.requests)
+
+
+async def test_a_worker_ejected_mid_stream_migrates(stub, router):
+    client, p, ws = await two_of(stub, router, "pd")
+    body = body_of(False, False, False)
+    reference = await answer_of(client, COMPLETION_PATH, body, False)  # on ws[0]
+    ws[1].chunk_delay = 0.1
+    task = asyncio.ensure_future(answer_of(client, COMPLETION_PATH, body, False))
+    await wait_for(lambda: len(ws[1].requests) == 1)
+    await asyncio.sleep(0.15)  # a token or two relayed
+    ws[1].health_status = 503  # the health checks eject it
+    assert await task == reference
+    assert metric(client, "pd_router_migrations_total", reason="ejected") == 1
+    assert not registry_of(client).decode.workers[ws[1].url].healthy
+    await wait_for(lambda: idle(client))
