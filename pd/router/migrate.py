@@ -5,7 +5,7 @@ Every stream worker is asked for `X-PD-Token-Ids: 1`, so its events carry `: pd-
 lines. The relay hands each chunk to `Tracker.feed`, which returns what goes to the client: whole
 events only (a trailing partial event waits for the rest, so that a break never leaves half an
 event with the client), without the `: pd-` lines. Per chunk that is a suffix check and two byte
-searches; the ids are kept as the bytes of their lines (parsed into ints only on a migration),
+searches; the ids lines are kept as bytes (parsed into ints only on a migration),
 and the first leg's events are never parsed but the first one (its `id`) and a finishing one.
 
 On a break (connection error, EOF without [DONE], the worker ejected, silence past
@@ -45,14 +45,14 @@ _FINISH = b'"finish_reason":"'
 class Tracker:
     """What the router reads of one relayed stream, chunk by chunk (see the module's doc)."""
 
-    __slots__ = ("worker", "on_drain", "carry", "head", "ids", "finished", "usage", "migrate")
+    __slots__ = ("worker", "on_drain", "carry", "head", "lines", "finished", "usage", "migrate")
 
     def __init__(self, worker: Worker, on_drain: Callable[[], None] | None = None) -> None:
         self.worker = worker
         self.on_drain = on_drain  # called once, when `: pd-migrate` comes
         self.carry = b""  # a trailing partial event, held back
         self.head: bytes | None = None  # the first data line
-        self.ids: dict[bytes, list[bytes]] = {}  # choice index (as written) -> its lines' ids
+        self.lines: list[bytes] = []  # the `: pd-ids` lines' "<choice> <id> ...", as they came
         self.finished: set[int] = set()  # choices whose finish_reason came
         self.usage: dict[str, Any] | None = None  # the usage chunk's, once relayed
         self.migrate = False  # `: pd-migrate` came
@@ -61,14 +61,10 @@ class Tracker:
         """The next chunk read; returns the bytes to relay (whole events, no `: pd-` line)."""
         if self.carry or chunk[-2:] != b"\n\n":
             chunk = self._whole(chunk)
-        if chunk[:9] == b": pd-ids ":  # the usual chunk: one event, its ids line first
+        if chunk.startswith(b": pd-ids "):  # the usual chunk: one event, its ids line first
             nl = chunk.find(b"\n")
             if chunk.find(b": pd-", nl) < 0:
-                index, _, ids = chunk[9:nl].partition(b" ")
-                lines = self.ids.get(index)
-                if lines is None:
-                    lines = self.ids[index] = []
-                lines.append(ids)
+                self.lines.append(chunk[9:nl])
                 chunk = chunk[nl + 1 :]
             else:
                 chunk = self._strip(chunk)
@@ -98,8 +94,7 @@ class Tracker:
     def _strip(self, chunk: bytes) -> bytes:
         for kind, rest in _PD_LINE.findall(chunk):
             if kind == b"ids":
-                index, _, ids = rest.partition(b" ")
-                self.ids.setdefault(index, []).append(ids)
+                self.lines.append(rest)
             elif kind == b"migrate" and not self.migrate:
                 self.migrate = True
                 if self.on_drain is not None:
@@ -128,11 +123,17 @@ class Tracker:
             self.usage = obj["usage"]
 
     def ids_of(self, index: int) -> list[int]:
-        return [int(x) for line in self.ids.get(str(index).encode(), ()) for x in line.split()]
+        """The token ids relayed for choice `index` (parsed only now: on a migration)."""
+        out: list[int] = []
+        for line in self.lines:
+            choice, *ids = line.split()
+            if choice.isdigit() and int(choice) == index:
+                out += map(int, ids)
+        return out
 
     def count(self) -> int:
         """Tokens relayed, every choice together."""
-        return sum(len(line.split()) for lines in self.ids.values() for line in lines)
+        return sum(len(line.split()) - 1 for line in self.lines)
 
 
 def _event_at(chunk: bytes, at: int) -> dict[str, Any] | None:
