@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 import orjson
 import pytest
@@ -292,3 +293,29 @@ async def test_a_worker_ejected_mid_stream_migrates(stub, router):
     assert metric(client, "pd_router_migrations_total", reason="ejected") == 1
     assert not registry_of(client).decode.workers[ws[1].url].healthy
     await wait_for(lambda: idle(client))
+
+
+def _event(i: int, finish: str | None = None, index: int = 0) -> bytes:
+    choice = {"index": index, "text": f"t{i} ", "finish_reason": finish}
+    data = orjson.dumps({"id": "cmpl-a", "created": 7, "choices": [choice]})
+    return f": pd-ids {index} {100 + i}\n".encode() + b"data: " + data + b"\n\n"
+
+
+def test_the_tracker_relays_whole_events_without_pd_lines_however_the_bytes_are_cut():
+    from pd.router.migrate import Tracker
+
+    stream = b"".join([_event(0), _event(1, index=1), b": pd-migrate draining\n\n"])
+    want = b"".join(e[e.index(b"data: ") :] for e in (_event(0), _event(1, index=1)))
+    for cut in range(1, len(stream)):  # every split of the stream into two reads
+        drained: list[int] = []
+        t = Tracker(None, partial(drained.append, 1))  # type: ignore[arg-type]
+        out = t.feed(stream[:cut]) + t.feed(stream[cut:])
+        assert out == want, cut
+        assert t.ids_of(0) == [100] and t.ids_of(1) == [101] and t.count() == 2
+        assert t.migrate and drained == [1]
+        assert orjson.loads(t.head or b"{}")["id"] == "cmpl-a"
+    t = Tracker(None)  # type: ignore[arg-type]
+    assert t.feed(_event(0)[:-5]) == b""  # a partial event is held back, its ids not counted
+    assert t.ids_of(0) == [] and t.finished == set()
+    assert t.feed(_event(0)[-5:] + _event(1, "length")).count(b"data: ") == 2
+    assert t.ids_of(0) == [100, 101] and t.finished == {0}
