@@ -319,3 +319,16 @@ def test_the_tracker_relays_whole_events_without_pd_lines_however_the_bytes_are_
     assert t.ids_of(0) == [] and t.finished == set()
     assert t.feed(_event(0)[-5:] + _event(1, "length")).count(b"data: ") == 2
     assert t.ids_of(0) == [100, 101] and t.finished == {0}
+
+
+async def test_a_decode_local_stream_migrates_decode_local(stub, router):
+    client, p, ws = await two_of(stub, router, "pd", local_prefill_max_tokens=1024)
+    body = body_of(True, True, True)
+    reference = await answer_of(client, CHAT_PATH, body, True)
+    assert p.requests == []  # decode-local: D prefilled itself
+    ws[1].break_at, ws[1].break_mid, ws[1].break_times = 3, True, 1
+    assert await answer_of(client, CHAT_PATH, body, True) == reference
+    (leg,) = [b for b in ws[0].requests if "pd_continuation" in b]
+    assert leg["pd_continuation"] == {"output_token_ids": [100, 101, 102]}
+    assert "kv_transfer_params" not in leg and p.requests == []
+    assert idle(client)
