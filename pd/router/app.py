@@ -30,6 +30,7 @@ from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
+from pd.router.migrate import CONTINUATION
 from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.proxy import KV, Exchange, Proxy, json_response
 from pd.router.registry import Registry
@@ -117,6 +118,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         cfg = proxy.cfg
         req = parse_request(request.path, body, ignore_unknown_fields=cfg.ignore_unknown_fields)
         body.pop(KV, None)  # only the router sets them (cache_salt stays: workers need it too)
+        body.pop(CONTINUATION, None)  # (as kv_transfer_params: set by the router only)
         chat = isinstance(req, ChatCompletionRequest)
         if cfg.ignore_unknown_fields:  # what the workers would refuse: they never see it
             for name in unknown_fields(body, chat):

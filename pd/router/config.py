@@ -69,8 +69,19 @@ class RouterConfig:
     )
     read_timeout: float = _flag(
         120.0,
-        "longest silence (seconds) of a decode or co-located worker, before its first byte "
-        "(then retried elsewhere) or between chunks (then the stream ends with an error)",
+        "longest wait (seconds) for a decode or co-located worker's first byte (then retried "
+        "elsewhere); between chunks see --stream-idle-timeout-s",
+    )
+    stream_idle_timeout_s: float = _flag(
+        30.0,
+        "longest silence (seconds) of a decode or co-located worker between stream chunks: "
+        "then the stream is continued on another worker (migrated)",
+    )
+    migration_limit: int = _flag(
+        3,
+        "most migrations of a request: a stream that breaks (connection, EOF before [DONE], "
+        "ejection, silence, drain) is continued on another worker, at most this many times, "
+        "then it ends with an error event",
     )
     max_retries: int = _flag(
         2, "retries on other workers per phase, only before the client got a byte"
@@ -162,6 +173,8 @@ class RouterConfig:
         check(self.prefill_deadline_base > 0, "--prefill-deadline-base must be > 0")
         check(self.prefill_min_rate > 0, "--prefill-min-rate must be > 0")
         check(self.read_timeout > 0, "--read-timeout must be > 0")
+        check(self.stream_idle_timeout_s > 0, "--stream-idle-timeout-s must be > 0")
+        check(self.migration_limit >= 0, "--migration-limit must be >= 0")
         check(self.max_retries >= 0, "--max-retries must be >= 0")
         check(self.max_body_bytes >= 1024, "--max-body-bytes must be >= 1024")
         check(self.max_prompt_bytes >= 1, "--max-prompt-bytes must be >= 1")

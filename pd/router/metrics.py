@@ -43,6 +43,7 @@ LATENCY_BUCKETS = (
 )
 # "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
 ROUTES = ("pd", "local", "both", "none")
+MIGRATION_REASONS = ("broken", "eof", "ejected", "idle", "draining")
 
 
 class Hist:
@@ -87,6 +88,8 @@ class RouterMetrics(Collector):
         # summed over the answers that reported them (estimates vs the workers' counts).
         self.cached_expected = dict.fromkeys(registry.pools, 0)
         self.cached_actual = dict.fromkeys(registry.pools, 0)
+        self.migrations: dict[str, int] = {}  # reason -> broken streams continued elsewhere
+        self.migration_wait = Hist()  # from a break to the continuation's first byte
         self.prom = CollectorRegistry()
         self.prom.register(self)
 
@@ -172,6 +175,23 @@ class RouterMetrics(Collector):
         )
         release_failures.add_metric([], self.prefill_release_failures)
         yield release_failures
+        migrations = CounterMetricFamily(
+            "pd_router_migrations",
+            "Broken streams continued on another worker, by why they broke (broken: a "
+            "connection error; eof: ended before [DONE]; ejected; idle: silent past "
+            "--stream-idle-timeout-s; draining: the worker sent pd-migrate)",
+            labels=["reason"],
+        )
+        for reason in sorted({*MIGRATION_REASONS, *self.migrations}):
+            migrations.add_metric([reason], self.migrations.get(reason, 0))
+        yield migrations
+        wait = HistogramMetricFamily(
+            "pd_router_migration_wait_seconds",
+            "What the client waited at a migration: from the break to the continuation's "
+            "first byte",
+        )
+        wait.add_metric([], self.migration_wait.buckets(), self.migration_wait.sum)
+        yield wait
         decisions = CounterMetricFamily(
             "pd_router_policy_decisions",
             "Routing decisions by pool, policy and kind",

@@ -23,9 +23,13 @@ may have aborted the transfer, so P's params cannot be used twice. P is told the
 is healthy, or when the client leaves before D answered.
 
 Deadlines: a prefill gets `--prefill-deadline-base` plus the tokens in flight on its worker over
-`--prefill-min-rate` (at most `--prefill-timeout`); a stream `--read-timeout` of silence. A worker
-ejected by the health checks fails its in-flight requests at once (retried elsewhere when the
-client has no byte yet).
+`--prefill-min-rate` (at most `--prefill-timeout`); a stream `--read-timeout` up to its first
+byte, then `--stream-idle-timeout-s` of silence. A worker ejected by the health checks fails its
+in-flight requests at once (retried elsewhere when the client has no byte yet).
+
+After the first byte, a stream that breaks (connection error, EOF before [DONE], ejection,
+silence, `: pd-migrate`) migrates: each unfinished choice is continued on another worker by the
+usual plan and relayed into the same client stream (migrate.py; docs/migration.md §4).
 
 Every worker picked is charged one in-flight request at once and released in `retry`'s
 `finally`, so finish, error and cancellation (a client that goes away cancels the handler, which
@@ -54,6 +58,7 @@ from pd.router.failure import JSON, Failure, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
+from pd.router.migrate import TOKEN_IDS_HEADER, Tracker, resume
 from pd.router.prefix_index import PromptKey, answer_bytes
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
@@ -95,6 +100,10 @@ class Exchange:
     reads: int = 0  # chunks read from the upstream stream (for the idle watch)
     timed_out: bool = False  # the idle watch closed the upstream
     ejected: bool = False  # the worker streaming the answer was ejected meanwhile
+    track: Tracker | None = None  # what was read of the stream being relayed (migrate.py)
+    leg: bool = False  # a continuation leg of a migration: a break ends it, `broken` says why
+    broken: str | None = None
+    exclude: tuple[Worker, ...] = ()  # workers whose stream broke: not chosen again
     # A fan-out's sub-exchange (fanout.py): its stream goes here (prepare/write/write_eof), not
     # to the client.
     sink: Any = None
@@ -114,10 +123,19 @@ class Plan:
 
 def _broken(ex: Exchange, e: BaseException) -> str:
     if ex.timed_out:
-        return "the worker's stream was silent for longer than the read timeout"
+        return "the worker's stream was silent for longer than the stream idle timeout"
     if ex.ejected:
         return "the worker was ejected (failed health checks) while it streamed"
     return f"the worker's stream broke off: {type(e).__name__}"
+
+
+def _reason(ex: Exchange, track: Tracker) -> str:
+    """Why a stream broke, as pd_router_migrations_total counts it."""
+    if ex.timed_out:
+        return "idle"
+    if ex.ejected:
+        return "ejected"
+    return "draining" if track.migrate else "broken"
 
 
 class Proxy:
@@ -135,7 +153,7 @@ class Proxy:
         # No total and no sock_read: a prefill is timed by its deadline, a stream by
         # `asyncio_timeout` up to the first byte, then by the idle watch (see idle.py).
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
-        self.idle = IdleWatch(cfg.read_timeout)
+        self.idle = IdleWatch(cfg.stream_idle_timeout_s)
         self.release_timeout = aiohttp.ClientTimeout(total=max(1.0, cfg.connect_timeout))
         self._background: set[asyncio.Future] = set()  # releases sent to P
 
@@ -167,7 +185,7 @@ class Proxy:
         decode = self.registry.decode
         # The prompt's logprobs need the whole prompt prefilled (no cache hit serves them): P's.
         local = self.cfg.local_prefill_max_tokens and not _wants_prompt_logprobs(body)
-        d = decode.choose(ex.key, (), ex.prompt) if local else None
+        d = decode.choose(ex.key, ex.exclude, ex.prompt) if local else None
         if d is not None:
             lacks = self._lacks(decode, d, ex)
             log.debug("decode worker %s lacks ~%d prompt tokens", d.url, lacks)
@@ -206,14 +224,14 @@ class Proxy:
         (--max-retries + 1). `before` runs ahead of each choice and may end the phase with its
         result: in PD, each try of D follows a prefill of its own. Returns what `attempt`
         returned, or the failure the client gets."""
-        tried: list[Worker] = []
+        tried: list[Worker] = [w for w in ex.exclude if w.role == pool.name]
         failure: Failure | None = None
         for n in range(self.cfg.max_retries + 1 if tries is None else tries):
             if before is not None:
                 done = await before()
                 if done is not None:
                     return done
-            if n == 0 and first is not None and first.healthy and first in pool.healthy:
+            if n == 0 and first is not None and first in pool.healthy and first not in tried:
                 w: Worker | None = first
             else:
                 w = pool.choose(ex.key, tried, ex.prompt)
@@ -431,7 +449,10 @@ class Proxy:
         try:
             async with _Deadline(w, self.cfg.read_timeout):  # up to the first byte
                 resp = await self._client.post(
-                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
+                    w.url + ex.path,
+                    data=payload,
+                    headers={**ex.headers, TOKEN_IDS_HEADER: "1"},
+                    timeout=self.stream_timeout,
                 )
                 if resp.status != 200:
                     return Failure.upstream(w, resp, await resp.read())
@@ -470,6 +491,7 @@ class Proxy:
             resp.close()
 
         w.cancels.add(ejected)
+        ex.track = Tracker(w, partial(self._drained, pool, w))
 
         def learn(text: str | None, usage: Any) -> None:
             blocks = ex.prompt.blocks
@@ -527,68 +549,148 @@ class Proxy:
         read: _StreamRead,
         complete: Callable[[_StreamRead], None],
     ) -> web.StreamResponse:
-        """Relay the stream; `complete(read)` runs once it has all come and ended well ([DONE],
-        no error event), before its end goes out. A stream that did not is not learnt from:
-        the worker may hold nothing of it."""
+        """Relay the stream (less its `: pd-` lines: `Tracker.feed`); `complete(read)` runs once
+        it has all come and ended well ([DONE], no error event), before its end goes out. A
+        stream that did not is not learnt from: the worker may hold nothing of it. A stream that
+        breaks before [DONE] migrates (`_broke`)."""
         resp = _SSEResponse(headers=SSE_HEADERS) if ex.sink is None else ex.sink
         content = upstream.content
+        track = ex.track
+        assert track is not None, "_serve sets the tracker"
         try:
             await resp.prepare(ex.request)
             # `complete()` runs before the client can see the stream's end: its last event.
-            if read.feed(first):
+            data = track.feed(first)
+            if read.feed(data):
                 complete(read)
-            if content.at_eof():  # the whole stream came at once: one write, headers included
-                await resp.write_eof(first)
+            if content.at_eof() and read.done:  # the whole stream at once: one write
+                await resp.write_eof(data)
                 ex.ttft = perf_counter() - ex.t0
                 return resp
-            await resp.write(first)
+            if data:
+                await resp.write(data)
             ex.ttft = perf_counter() - ex.t0
             async for chunk in content.iter_any():
                 ex.reads += 1
-                if read.feed(chunk):
+                data = track.feed(chunk)
+                if read.feed(data):
                     complete(read)
-                if content.at_eof():  # the last bytes go out with the end of the body
-                    await resp.write_eof(chunk)
+                if read.done and content.at_eof():  # the last bytes go with the body's end
+                    await resp.write_eof(data)
                     return resp
-                await resp.write(chunk)
+                if data:
+                    await resp.write(data)
+            if not (read.done or read.error):  # EOF before [DONE]
+                reason = "draining" if track.migrate else "eof"
+                return await self._broke(ex, upstream, resp, track, reason)
         except ConnectionResetError:  # the client went away; the caller closes the upstream
             ex.status = "499"
             return resp
         except aiohttp.ClientError as e:
-            # Bytes already reached the client: no retry; say so in the stream and end it.
-            ex.status = "stream_error"
-            tail = b"data: " + orjson.dumps(
-                error_body(_broken(ex, e), "upstream_error", "stream_broken")
-            )
-            with contextlib.suppress(ConnectionResetError):  # the client may be gone too
-                await resp.write(tail + b"\n\n")
-                await resp.write_eof()
-            return resp
+            if read.error:  # the worker said what went wrong: that ends it
+                ex.status = "stream_error"
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write_eof()
+                return resp
+            return await self._broke(ex, upstream, resp, track, _reason(ex, track), _broken(ex, e))
         with contextlib.suppress(ConnectionResetError):  # it had the whole stream, then left
             await resp.write_eof()
         return resp
 
+    async def _broke(
+        self,
+        ex: Exchange,
+        upstream: aiohttp.ClientResponse,
+        resp: web.StreamResponse,
+        track: Tracker,
+        reason: str,
+        why: str = "the worker's stream ended before [DONE]",
+    ) -> web.StreamResponse:
+        """The stream broke after bytes reached the client: continue it elsewhere (a leg of a
+        migration only says why it broke: `resume` goes on), else end it with an error event."""
+        if ex.leg:
+            ex.broken = reason
+            return resp
+        self._let_go(ex, upstream)
+        try:
+            out = await resume(self, ex, track, resp.write, reason)
+        except ConnectionResetError:
+            out = None
+        if out is None or out.gone:
+            ex.status = "499"
+            return resp
+        with contextlib.suppress(ConnectionResetError):  # the client may be gone too
+            if out.ok:
+                if out.usage is not None and ex.include_usage:
+                    await resp.write(_usage_event(out.head, ex.chat, out.usage))
+                await resp.write_eof(DONE)
+                return resp
+            ex.status = "stream_error"
+            if out.error is None:  # (a leg's error event went out already)
+                if out.why:
+                    why = f"{why}; {out.why}"
+                body = error_body(why, "upstream_error", "stream_broken")
+                await resp.write(b"data: " + orjson.dumps(body) + b"\n\n")
+            await resp.write_eof()
+        return resp
+
+    def _let_go(self, ex: Exchange, upstream: aiohttp.ClientResponse) -> None:
+        """The broken stream is done with while its continuation runs: closed, not watched."""
+        self.idle.unwatch(ex)
+        upstream.close()
+
+    def _drained(self, pool: Pool, w: Worker) -> None:
+        """`: pd-migrate`: the worker drains; no new request goes to it from now on."""
+        pool.set_draining(w)
+
     async def _collect(
         self, ex: Exchange, upstream: aiohttp.ClientResponse, first: bytes
     ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
-        """The stream as one JSON answer, and that answer (None when the stream failed)."""
+        """The stream as one JSON answer, and that answer (None when the stream failed). A
+        stream that breaks before [DONE] migrates, its continuation collected too."""
         ex.ttft = perf_counter() - ex.t0
         collector = SSECollector(ex.chat)
+        track = ex.track
+        assert track is not None, "_serve sets the tracker"
+        reason: str | None = None
+        why = "the decode stream ended before [DONE]"
         try:
-            collector.feed(first)
+            collector.feed(track.feed(first))
             async for chunk in upstream.content.iter_any():
                 ex.reads += 1
-                collector.feed(chunk)
+                collector.feed(track.feed(chunk))
+            if not collector.done:
+                reason = "draining" if track.migrate else "eof"
         except StreamError as e:
             return json_response(e.body, 502), None
         except aiohttp.ClientError as e:
-            return Failure.local(502, _broken(ex, e), "stream_broken").response(), None
+            reason, why = _reason(ex, track), _broken(ex, e)
         except ValueError:  # bad JSON (orjson's JSONDecodeError is one), or no JSON object
             failure = Failure.local(502, "the decode stream carried bad JSON", "bad_stream")
             return failure.response(), None
-        if not collector.done:
-            failure = Failure.local(502, "the decode stream ended before [DONE]", "stream_broken")
-            return failure.response(), None
+        if reason is not None:
+            self._let_go(ex, upstream)
+
+            async def emit(data: bytes) -> None:
+                collector.feed(data)
+
+            try:
+                out = await resume(self, ex, track, emit, reason)
+            except StreamError as e:
+                return json_response(e.body, 502), None
+            except ValueError:
+                failure = Failure.local(502, "the decode stream carried bad JSON", "bad_stream")
+                return failure.response(), None
+            if out.error is not None:
+                return json_response(out.error, 502), None
+            if not out.ok:
+                if out.gone:
+                    ex.status = "499"
+                why = f"{why}; {out.why}" if out.why else why
+                return Failure.local(502, why, "stream_broken").response(), None
+            if out.usage is not None:
+                collector.feed(_usage_event(out.head, ex.chat, out.usage))
+            collector.feed(DONE)
         answer = collector.result()
         return json_response(answer), answer
 
@@ -686,6 +788,11 @@ class _Deadline:
     async def __aexit__(self, *exc: Any) -> None:
         self.w.cancels.discard(self)
         await self.cm.__aexit__(*exc)
+
+
+def _usage_event(head: dict[str, Any], chat: bool, usage: dict[str, Any]) -> bytes:
+    obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+    return b"data: " + orjson.dumps({**obj, "choices": [], "usage": usage}) + b"\n\n"
 
 
 def _wants_prompt_logprobs(body: dict[str, Any]) -> bool:

@@ -66,6 +66,17 @@ class Pool:
         if not ok:
             w.fail_inflight()
 
+    def set_draining(self, w: Worker) -> None:
+        """The worker said it drains (`: pd-migrate`): no new request goes to it; its other
+        streams are not cut (each migrates when the worker ends it). The health checks re-admit
+        it once it answers well again."""
+        if not w.healthy or self.workers.get(w.url) is not w:
+            return
+        w.healthy = False
+        w.oks, w.last_error = 0, "draining"
+        log.warning("%s worker %s drains: no new requests", self.name, w.url)
+        self._refresh()
+
     def choose(
         self, key: str | None, exclude: Sequence[Worker] = (), prompt: PromptKey | None = None
     ) -> Worker | None:

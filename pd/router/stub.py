@@ -20,6 +20,8 @@ from pd.protocol import APIError, error_body, parse_request
 from pd.router.prefix_index import prompt_bytes
 
 KV = "kv_transfer_params"
+CONTINUATION = "pd_continuation"
+TOKEN_IDS = "X-PD-Token-Ids"
 
 
 class StubWorker:
@@ -49,6 +51,20 @@ class StubWorker:
         # engine failure does; `send_done=False` ends a stream cleanly without [DONE].
         self.error_after: int | None = None
         self.send_done = True
+        # Migration (docs/migration.md): with `X-PD-Token-Ids: 1` every token event carries a
+        # `: pd-ids` line (token id 100 + position); `pd_continuation` goes on from its ids'
+        # count. `positional`: token `pos`'s text is f"t{pos} " (f"s{seed}t{pos} " seeded),
+        # so a continuation's text is checkable; `seed_lengths`: seed -> tokens of a choice
+        # sampled with it (others have `chunks`). Knobs, counted in events (token events come
+        # first, one per choice and position), for `break_times` streams (None: all):
+        self.positional = False
+        self.seed_lengths: dict[int, int] = {}
+        self.break_at: int | None = None  # drop the connection before event `break_at`
+        self.break_mid = False  # ... after writing half of it
+        self.break_before_done = False  # drop it after the last token event (no usage, [DONE])
+        self.migrate_at: int | None = None  # `: pd-migrate` before this event, then the end
+        self.silent_at: int | None = None  # go silent before this event
+        self.break_times: int | None = None
         self.release_status = 200  # what /kv/release answers
         self.final = False  # as prefill: the first token ends the request (no params)
         self.instance = "stub-1"  # change it to look restarted
@@ -65,7 +81,7 @@ class StubWorker:
         self.cancelled = 0  # requests whose client (the router) went away
         self.completed = 0
         self._ids = itertools.count()
-        self._chunk_cache: dict[tuple[bool, int, str], list[bytes]] = {}
+        self._chunk_cache: dict[tuple, tuple[list[bytes], int]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -136,8 +152,7 @@ class StubWorker:
                 return self._prefill_answer(body, chat)
             if body.get("stream"):
                 return await self._stream(request, body, chat)
-            n = min(self.chunks, body.get("max_tokens") or self.chunks)
-            return web.json_response(self._answer(chat, "x" * n, "length", body))
+            return web.json_response(self._plain_answer(body, chat))
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled += 1
             raise
@@ -148,7 +163,8 @@ class StubWorker:
         """Usage with 4 prompt bytes to a token (as the router's initial estimate)."""
         try:
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            prompt = max(1, len(prompt_bytes(parse_request(path, body))) // 4)
+            plain = {k: v for k, v in body.items() if k != CONTINUATION}
+            prompt = max(1, len(prompt_bytes(parse_request(path, plain))) // 4)
         except APIError:
             prompt = 5
         return {
@@ -158,8 +174,33 @@ class StubWorker:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
-    def _answer(self, chat: bool, text: str, finish: str, body: dict) -> dict[str, Any]:
-        n = len(text)
+    # ------------------------------------------------------------------ tokens and choices
+
+    def _start(self, body: dict) -> int:
+        """Where a continuation (docs/migration.md §3) goes on from: its given ids' count."""
+        cont = body.get(CONTINUATION)
+        return len(cont.get("output_token_ids") or ()) if isinstance(cont, dict) else 0
+
+    def _seed(self, body: dict, choice: int) -> int | None:
+        seed = body.get("seed")
+        return seed + choice if type(seed) is int else None
+
+    def _length(self, body: dict, choice: int) -> int:
+        """Tokens the uninterrupted choice has: `chunks`, or `seed_lengths[seed + choice]`."""
+        seed = self._seed(body, choice)
+        return self.seed_lengths.get(seed, self.chunks) if seed is not None else self.chunks
+
+    def _text(self, body: dict, choice: int, pos: int) -> str:
+        """Token `pos`'s text: "x", or with `positional` f"t{pos} " (f"s{seed}t{pos} " seeded)."""
+        if not self.positional:
+            return "x"
+        seed = self._seed(body, choice)
+        return f"t{pos} " if seed is None else f"s{seed}t{pos} "
+
+    def _answer(
+        self, chat: bool, text: str, finish: str, body: dict, tokens: int | None = None
+    ) -> dict[str, Any]:
+        n = len(text) if tokens is None else tokens
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -175,25 +216,42 @@ class StubWorker:
         }
         return merged(answer, self.extra_answer_fields)
 
+    def _plain_answer(self, body: dict, chat: bool) -> dict[str, Any]:
+        """A non-streamed answer (a continuation's too: from its start, within max_tokens)."""
+        start, length = self._start(body), self._length(body, 0)
+        end = min(length, body.get("max_tokens") or length)
+        if not self.positional and not start:
+            return self._answer(chat, "x" * end, "length", body)
+        text = "".join(self._text(body, 0, pos) for pos in range(start, end))
+        finish = "stop" if end == length < self.chunks else "length"
+        return self._answer(chat, text, finish, body, max(0, end - start))
+
     def _prefill_answer(self, body: dict, chat: bool) -> web.Response:
         self.completed += 1
+        start = self._start(body)
+        if start >= self._length(body, 0):  # a continuation with nothing left: it ends at once
+            return web.json_response(self._answer(chat, "", "length", body, 0))
+        text = self._text(body, 0, start)
         if self.final:
-            return web.json_response(self._answer(chat, "x", "stop", body))
-        answer = self._answer(chat, "x", "length", body)
+            return web.json_response(self._answer(chat, text, "stop", body, 1))
+        answer = self._answer(chat, text, "length", body, 1)
         answer[KV] = {
             "do_remote_prefill": True,
             "transfer_id": answer["id"],
-            "first_token_id": 7,
+            "first_token_id": 100 + start if self.positional else 7,
             "pd_version": 1,
         }
         return web.json_response(answer)
 
-    def _events(self, chat: bool, usage: dict | None) -> list[bytes]:
-        # usage differs by prompt: a bounded cache, cleared when full
-        key = (chat, self.chunks, str(usage))
+    def _events(self, chat: bool, body: dict, usage: bool, ids: bool) -> tuple[list[bytes], int]:
+        """A stream's events, and how many of them carry tokens (they come first)."""
+        n = body.get("n") or 1
+        start = self._start(body)
+        prompt = body.get("messages") if chat else body.get("prompt")
+        key = (chat, self.chunks, n, start, usage, ids, body.get("seed"), orjson.dumps(prompt))
         cached = self._chunk_cache.get(key)
         extra = self.extra_chunk_fields
-        if cached is not None and not extra:
+        if cached is not None and not extra and not self.seed_lengths:
             return cached
         if len(self._chunk_cache) > 64:
             self._chunk_cache.clear()
@@ -203,40 +261,68 @@ class StubWorker:
             "model": self.model,
             "object": "chat.completion.chunk" if chat else "text_completion",
         }
-        events = []
-        for i in range(self.chunks):
-            last = i == self.chunks - 1
-            choice: dict[str, Any] = {
-                "index": 0,
-                "logprobs": None,
-                "finish_reason": "length" if last else None,
-            }
-            if chat:
-                choice["delta"] = (
-                    {"role": "assistant", "content": "x"} if i == 0 else {"content": "x"}
-                )
-            else:
-                choice["text"] = "x"
-            chunk = {**head, "choices": [choice]}
-            if i < len(extra):
-                chunk = merged(chunk, extra[i])
-            events.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        lengths = [self._length(body, c) for c in range(n)]
+        events: list[bytes] = []
+        generated = 0
+        for pos in range(start, max(lengths + [start + 1])):
+            for c in range(n):
+                if pos >= max(lengths[c], start + 1):
+                    continue
+                empty = pos >= lengths[c]  # a continuation with nothing left: no token
+                last = pos >= lengths[c] - 1
+                finish = None if not last else ("stop" if lengths[c] < self.chunks else "length")
+                choice: dict[str, Any] = {"index": c, "logprobs": None, "finish_reason": finish}
+                text = "" if empty else self._text(body, c, pos)
+                if chat:
+                    choice["delta"] = (
+                        {"role": "assistant", "content": text}
+                        if pos == start
+                        else {"content": text}
+                    )
+                else:
+                    choice["text"] = text
+                chunk = {**head, "choices": [choice]}
+                if len(events) < len(extra):
+                    chunk = merged(chunk, extra[len(events)])
+                line = f": pd-ids {c} {100 + pos}\n".encode() if ids and not empty else b""
+                events.append(line + b"data: " + orjson.dumps(chunk) + b"\n\n")
+                generated += 0 if empty else 1
+        tokens = len(events)
         if usage:
-            events.append(
-                b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
-            )
+            u = self._usage(body, chat, generated)
+            events.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": u}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
         if not extra:
-            self._chunk_cache[key] = events
-        return events
+            self._chunk_cache[key] = (events, tokens)
+        return events, tokens
+
+    def sse(self, chat: bool, body: dict | None = None, usage: bool = False) -> bytes:
+        """The stream it writes for `body` (default: a plain one), as a client gets it."""
+        return b"".join(self._events(chat, body or {}, usage, False)[0])
 
     async def _stream(self, request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
-        usage = None
-        if (body.get("stream_options") or {}).get("include_usage"):
-            usage = self._usage(body, chat, self.chunks)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        ids = request.headers.get(TOKEN_IDS) == "1"
+        events, tokens = self._events(chat, body, usage, ids)
+        knobs = self.break_times is None or self.break_times > 0
+        if knobs and self.break_times is not None and self._breaks_here(tokens, ids):
+            self.break_times -= 1
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i, event in enumerate(self._events(chat, usage)):
+        for i, event in enumerate(events):
+            if knobs and ids and i == self.migrate_at:
+                await resp.write(b": pd-migrate draining\n\n")
+                await resp.write_eof()
+                return resp
+            if knobs and (i == self.break_at or (self.break_before_done and i == tokens)):
+                if self.break_mid:
+                    await resp.write(event[: len(event) // 2])
+                    await asyncio.sleep(0.01)
+                assert request.transport is not None  # prepared above
+                request.transport.close()  # a crash mid-stream
+                return resp
+            if knobs and i == self.silent_at:
+                await asyncio.sleep(3600)
             if self.break_after is not None and i >= self.break_after:
                 assert request.transport is not None  # prepared above
                 request.transport.close()  # a crash mid-stream
@@ -255,6 +341,11 @@ class StubWorker:
         await resp.write_eof()
         self.completed += 1
         return resp
+
+    def _breaks_here(self, tokens: int, ids: bool) -> bool:
+        """Whether one of the break knobs applies to a stream of `tokens` token events."""
+        points = [self.break_at, self.silent_at, self.migrate_at if ids else None]
+        return any(p is not None and p <= tokens for p in points) or self.break_before_done
 
 
 def merged(base: Any, extra: Any) -> Any:

@@ -89,11 +89,13 @@ async def test_a_client_that_leaves_before_decode_answers_releases_p(stub, route
     await wait_for(lambda: idle(client))
 
 
-async def test_no_retry_after_the_first_byte(stub, router):
+async def test_no_retry_after_the_first_byte_without_migration(stub, router):
     p = await stub("prefill")
     d1 = await stub("decode", break_after=2)  # crashes mid-stream
     d2 = await stub("decode")
-    client = await router(prefill=[p], decode=[d1, d2], policy="round-robin")
+    client = await router(
+        prefill=[p], decode=[d1, d2], policy="round-robin", migration_limit=0
+    )
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     assert resp.status == 200
     events = sse_events(await resp.read())
@@ -164,10 +166,10 @@ async def test_prefill_timeout_is_a_504(stub, router):
     assert idle(client)
 
 
-async def test_decode_silence_past_read_timeout_fails(stub, router):
+async def test_decode_silence_past_the_idle_timeout_fails_without_migration(stub, router):
     p = await stub("prefill")
     d = await stub("decode", chunk_delay=2.0)
-    client = await router(prefill=[p], decode=[d], read_timeout=0.2)
+    client = await router(prefill=[p], decode=[d], stream_idle_timeout_s=0.2, migration_limit=0)
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
     events = sse_events(await resp.read())
     error = orjson.loads(events[-1])["error"]

@@ -40,14 +40,14 @@ async def test_a_streamed_list_interleaves_reindexed_events_and_one_done(stub, r
     assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
     chunks = [orjson.loads(e) for e in events[:-1]]
     *content, usage = chunks
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 * 4
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 * 2 * 4
     assert len({c["id"] for c in chunks}) == 1
-    # The stubs answer one choice per prompt (index 0): prompt j's is index j * n.
+    # The stubs answer n choices per prompt: prompt j's choice c is index j * n + c.
     indexes = {c["choices"][0]["index"] for c in content}
-    assert indexes == {0, 2, 4}
+    assert indexes == {0, 1, 2, 3, 4, 5}
     text = {i: "".join(c["choices"][0]["text"] for c in content if c["choices"][0]["index"] == i)
             for i in indexes}  # fmt: skip
-    assert text == {0: "xxxx", 2: "xxxx", 4: "xxxx"}
+    assert text == dict.fromkeys(range(6), "xxxx")
     # Each sub-stream asked its usage (summed here).
     assert all(b["stream_options"]["include_usage"] for b in d.requests)
 

@@ -20,7 +20,7 @@ async def test_pd_stream_relays_decode_sse(stub, router):
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     raw = await resp.read()
-    assert raw == b"".join(d._events(False, False))  # relayed byte for byte
+    assert raw == d.sse(False)  # relayed byte for byte
     (p_body,) = p.requests
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "max_tokens": 8}
@@ -92,7 +92,7 @@ async def test_colocated_workers_relay_stream_and_json(stub, router):
     w = await stub("both")
     client = await router(worker=[w])
     resp = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
-    assert await resp.read() == b"".join(w._events(False, False))
+    assert await resp.read() == w.sse(False)
     resp = await client.post("/v1/chat/completions", json=CHAT)
     assert (await resp.json())["choices"][0]["message"]["content"] == "xxxx"
     assert all("kv_transfer_params" not in b for b in w.requests)

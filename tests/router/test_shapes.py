@@ -140,7 +140,7 @@ async def test_every_field_a_worker_sends_reaches_the_client(stub, router, shape
     assert resp.status == 200
     raw = await resp.read()
     if route != "prefill-final":
-        assert raw == b"".join(worker._events(chat, None))
+        assert raw == worker.sse(chat)
     else:
         first, *rest = (orjson.loads(e) for e in sse_events(raw)[:-1])
         assert rest == [] and holds(first, expect.get("top", {}))
