@@ -145,6 +145,17 @@ class WorkerConfig:
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
     allowed_origins: tuple[str, ...] = _flag((), ORIGINS_HELP, repeat=True, metavar="ORIGIN")
+    simulate: str | None = _flag(
+        None,
+        "run a simulated device instead of a model: PROFILE is MODEL:DEVICE[:tpN][:LINK] or a "
+        ".toml file (`--simulate list` prints the presets); steps sleep for the cost model's "
+        "time, no weights or KV bytes are held (docs/simulation.md)",
+    )
+    time_scale: float = _flag(
+        1.0,
+        "--simulate: stretch every modeled duration (steps, KV pulls) by this factor; the "
+        "worker's reported latencies are then divided by it",
+    )
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -198,3 +209,4 @@ class WorkerConfig:
         )
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
         check_origins(self.allowed_origins)
+        check(self.time_scale > 0, "--time-scale must be > 0")

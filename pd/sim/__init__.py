@@ -1,0 +1,26 @@
+"""The simulated GPU cluster: profiles (a model's shape on a GPU's datasheet), the cost model
+every simulated part shares, and what runs on it (see docs/simulation.md).
+
+May import: pd.protocol, pd.kvcache, pd.transfer. Never the worker's torch model.
+"""
+
+from pd.sim.cost import CostModel, StepCost
+from pd.sim.profile import (
+    DeviceSpec,
+    LinkSpec,
+    ModelSpec,
+    Profile,
+    list_presets,
+    parse_profile,
+)
+
+__all__ = [
+    "CostModel",
+    "DeviceSpec",
+    "LinkSpec",
+    "ModelSpec",
+    "Profile",
+    "StepCost",
+    "list_presets",
+    "parse_profile",
+]
