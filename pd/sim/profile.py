@@ -30,7 +30,7 @@ from typing import Any
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[import-not-found]
 
 DEFAULT_LINK = "rdma-400g"
 BF16_BYTES = 2
