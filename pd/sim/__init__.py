@@ -1,7 +1,8 @@
 """The simulated GPU cluster: profiles (a model's shape on a GPU's datasheet), the cost model
 every simulated part shares, and what runs on it (see docs/simulation.md).
 
-May import: pd.protocol, pd.kvcache, pd.transfer. Never the worker's torch model.
+The profile and the cost model are pure Python (the planner imports nothing else); the simulated
+runner and the host of several workers in one process are built on the real worker (pd.worker).
 """
 
 from pd.sim.cost import CostModel, StepCost

@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         parser.error(str(e))
 
 
-async def serve(cfg: WorkerConfig) -> None:
+async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, or until `stop` is set when given (then the caller owns the
+    signals: several workers in one process, pd/sim/host.py), then drain."""
     from pd.worker.api.server import make_app
     from pd.worker.build import build_worker
 
@@ -55,9 +57,10 @@ async def serve(cfg: WorkerConfig) -> None:
     if cfg.register_with:
         await _register(cfg, my_url)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     # Drain: refuse new requests (503), migrate the router's streams, let the others finish,
     # then exit.
