@@ -187,9 +187,7 @@ class RouterConfig:
         check(self.prefix_index_blocks >= 0, "--prefix-index-blocks must be >= 0")
         check(self.prefix_index_ttl_s > 0, "--prefix-index-ttl-s must be > 0")
         check(self.prefix_index_answer_bytes >= 0, "--prefix-index-answer-bytes must be >= 0")
-        check(
-            self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024"
-        )
+        check(self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024")
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         check_origins(self.allowed_origins)
         for name in ("api_key", "admin_token", "worker_api_key"):

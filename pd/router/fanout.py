@@ -182,8 +182,10 @@ async def serve(
         return await fan.end()
     if isinstance(error, _Failed) and fan.resp is None:  # nothing sent yet: its answer as it is
         return error.resp
-    body = error.body if isinstance(error, SubStreamError) else error_body(
-        f"a prompt's answer failed: {error}", "upstream_error", "stream_broken"
+    body = (
+        error.body
+        if isinstance(error, SubStreamError)
+        else error_body(f"a prompt's answer failed: {error}", "upstream_error", "stream_broken")
     )
     with contextlib.suppress(ConnectionResetError):
         await fan.write(b"data: " + orjson.dumps(body) + b"\n\n")
@@ -239,4 +241,3 @@ async def _run_all(coros: list[Any]) -> BaseException | None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-

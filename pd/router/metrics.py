@@ -8,7 +8,6 @@ request costs a few dict and list operations, no label lookups and no locks.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -20,52 +19,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pd.router.hist import Hist
 from pd.router.registry import Registry
 
-LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
 # "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
 ROUTES = ("pd", "local", "both", "none")
 MIGRATION_REASONS = ("broken", "eof", "ejected", "idle", "draining")
-
-
-class Hist:
-    """A histogram's buckets as plain counts (`le` semantics: a value on a bound counts in it)."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
-            total += n
-            out.append((bound, total))
-        return out
 
 
 class RouterMetrics(Collector):
@@ -201,6 +160,14 @@ class RouterMetrics(Collector):
             for decision, n in sorted(pool.policy.decisions.items()):
                 decisions.add_metric([name, pool.policy.name, decision], n)
         yield decisions
+        decision_s = HistogramMetricFamily(
+            "pd_router_route_decision_seconds",
+            "The routing policy's time to choose a worker, by pool",
+            labels=["pool"],
+        )
+        for name, pool in self.registry.pools.items():
+            decision_s.add_metric([name], pool.decision_s.buckets(), pool.decision_s.sum)
+        yield decision_s
         ratio = GaugeMetricFamily(
             "pd_router_bytes_per_token",
             "Prompt bytes per token, calibrated from the workers' usage (the token estimate)",

@@ -4,11 +4,13 @@ prefix index (what the router expects each of its workers to have cached)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pd.protocol import APIError
 from pd.router.config import POOLS, RouterConfig, normalize_url
+from pd.router.hist import DECISION_BUCKETS, Hist
 from pd.router.policies import Policy, make_policy
 from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey, TokenEstimate
 from pd.router.worker import Worker
@@ -31,6 +33,7 @@ class Pool:
         self.workers: dict[str, Worker] = {}
         self.healthy: list[Worker] = []  # kept in step with the workers' `healthy` flags
         self.on_eject: Callable[[Worker], None] | None = None
+        self.decision_s = Hist(DECISION_BUCKETS)  # the policy's time per choice
 
     def add(self, url: str) -> Worker:
         w = self.workers.get(url)
@@ -80,7 +83,10 @@ class Pool:
     def choose(
         self, key: str | None, exclude: Sequence[Worker] = (), prompt: PromptKey | None = None
     ) -> Worker | None:
-        return self.policy.choose(self.healthy, key, exclude, prompt)
+        t0 = time.perf_counter()
+        w = self.policy.choose(self.healthy, key, exclude, prompt)
+        self.decision_s.observe(time.perf_counter() - t0)
+        return w
 
     # ------------------------------------------------------------------------ prefix index
 

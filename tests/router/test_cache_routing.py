@@ -175,6 +175,9 @@ async def test_cache_aware_keeps_each_conversation_on_the_prefill_worker_that_ha
     assert metric(client, "pd_router_cached_tokens_actual_total", pool="prefill") == 0
     assert metric(client, "pd_router_policy_decisions_total", policy="cache-aware") >= 12
     assert metric(client, "pd_router_prefix_index_blocks", pool="prefill") > 0
+    # Every choice of a prefill worker is timed (12 requests, one choice each).
+    assert metric(client, "pd_router_route_decision_seconds_count", pool="prefill") == 12
+    assert 0 < metric(client, "pd_router_route_decision_seconds_sum", pool="prefill") < 1
 
 
 async def test_prefill_is_charged_the_tokens_it_is_expected_to_lack(stub, router):
