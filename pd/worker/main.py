@@ -24,9 +24,19 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     add_dataclass_arguments(parser, WorkerConfig)
     args = parser.parse_args(argv)
     try:
-        return dataclass_from_args(WorkerConfig, args)
+        cfg = dataclass_from_args(WorkerConfig, args)
     except ValueError as e:
         parser.error(str(e))
+    if cfg.simulate is not None and cfg.simulate != "list":
+        from pd.sim.profile import parse_profile
+
+        try:  # a bad profile, or a model the profile's GPUs cannot hold, is refused here
+            profile = parse_profile(cfg.simulate)
+            if not cfg.kv_pages:
+                profile.kv_pages(cfg.page_size)
+        except (OSError, ValueError) as e:
+            parser.error(f"--simulate {cfg.simulate}: {e}")
+    return cfg
 
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
@@ -103,6 +113,11 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.simulate == "list":
+        from pd.sim.profile import list_presets
+
+        print(list_presets())
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
