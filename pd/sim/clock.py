@@ -6,6 +6,13 @@ machine kept up with the model.
 step: its modeled seconds, its real seconds (from `start` to the end of the sleep) and the
 overshoot (`real - time_scale * modeled`; a step whose own Python work took longer than its
 modeled time overshoots by that much, a step that slept overshoots by the sleep's lateness).
+
+The clock also records the host gap: from one step's end to the next step's start, the engine's
+own work between steps (scheduling, accepting tokens, streaming text) that the modeled time does
+not include and that adds to every inter-token latency a client sees (gaps of `IDLE_GAP_S` or more
+are taken as an idle engine and not counted). On a GPU the same engine spends that time too, on
+a faster CPU; `--time-scale` K shrinks its share by about K.
+
 Pure Python: the simulated runner calls it on its executor thread, `/health` and `/metrics` read
 `stats()` from the event loop.
 """
@@ -20,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 OVERSHOOT_WINDOW = 1024  # steps the overshoot quantiles are taken over (the latest ones)
+IDLE_GAP_S = 0.05  # a gap between steps this long or longer: the engine was idle
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class ClockStats:
     overshoot_p99_s: float
     overshoot_max_s: float
     window: int  # steps the quantiles cover
+    host_gap_p50_s: float = 0.0  # the engine's time between back-to-back steps
+    host_gap_p99_s: float = 0.0
 
     def to_dict(self) -> dict[str, float | int]:
         return {
@@ -45,6 +55,8 @@ class ClockStats:
             "overshoot_p99_s": round(self.overshoot_p99_s, 6),
             "overshoot_max_s": round(self.overshoot_max_s, 6),
             "overshoot_window": self.window,
+            "host_gap_p50_s": round(self.host_gap_p50_s, 6),
+            "host_gap_p99_s": round(self.host_gap_p99_s, 6),
         }
 
 
@@ -67,6 +79,8 @@ class StepClock:
         self._modeled = 0.0
         self._real = 0.0
         self._overshoot: deque[float] = deque(maxlen=window)
+        self._gaps: deque[float] = deque(maxlen=window)
+        self._last_end: float | None = None
 
     def finish(self, start: float, modeled_s: float) -> float:
         """Sleep until `start + time_scale * modeled_s` (on the clock `now`), record the step and
@@ -75,7 +89,12 @@ class StepClock:
         remaining = target - self.now()
         if remaining > 0:
             self._sleep(remaining)
-        return self.record(modeled_s, self.now() - start)
+        end = self.now()
+        if self._last_end is not None and 0 <= start - self._last_end < IDLE_GAP_S:
+            with self._lock:
+                self._gaps.append(start - self._last_end)
+        self._last_end = end
+        return self.record(modeled_s, end - start)
 
     def record(self, modeled_s: float, real_s: float) -> float:
         overshoot = real_s - self.time_scale * modeled_s
@@ -89,6 +108,7 @@ class StepClock:
     def stats(self) -> ClockStats:
         with self._lock:
             window = sorted(self._overshoot)
+            gaps = sorted(self._gaps)
             steps, modeled, real = self._steps, self._modeled, self._real
         return ClockStats(
             self.time_scale,
@@ -99,6 +119,8 @@ class StepClock:
             _quantile(window, 0.99),
             window[-1] if window else 0.0,
             len(window),
+            _quantile(gaps, 0.5),
+            _quantile(gaps, 0.99),
         )
 
 

@@ -174,3 +174,11 @@ class _SimulationCollector(Collector):
         ):
             overshoot.add_metric([q], v)
         yield overshoot
+        gap = GaugeMetricFamily(
+            "pd_sim_host_gap_seconds",
+            "the engine's own time between back-to-back steps (not modeled), over the latest steps",
+            labels=["quantile"],
+        )
+        for q, v in (("0.5", s.host_gap_p50_s), ("0.99", s.host_gap_p99_s)):
+            gap.add_metric([q], v)
+        yield gap

@@ -69,3 +69,14 @@ def test_the_real_clock_sleeps_about_the_scaled_time():
 def test_time_scale_must_be_positive():
     with pytest.raises(ValueError):
         StepClock(0.0)
+
+
+def test_the_host_gap_between_back_to_back_steps_is_recorded_and_idle_time_is_not():
+    ft = FakeTime()
+    clock = StepClock(1.0, now=ft.now, sleep=ft.sleep)
+    for gap in (0.002, 0.004, 5.0, 0.003):  # 5 s: the engine was idle, not busy between steps
+        ft.t += gap
+        clock.finish(ft.t, 0.01)
+    s = clock.stats()
+    assert (s.host_gap_p50_s, s.host_gap_p99_s) == (pytest.approx(0.003), pytest.approx(0.004))
+    assert s.to_dict()["host_gap_p99_s"] == 0.004
