@@ -9,8 +9,9 @@ and after a migration (a continuation's outputs start with the given ids: positi
 `len(output_ids)`), whatever else is in the batch. Outputs end by `max_tokens`, a stop string or
 a stop id: a simulated model never ends a text on its own. A request's token rules (a grammar,
 `allowed_token_ids`, `min_tokens`, `bad_words`) are obeyed: when the hashed word is masked, the
-next words in hash order are tried, then any allowed id that is not special, and only then
-whatever the mask allows (EOS, when a grammar is complete).
+next words in hash order are tried, then any allowed token of printable ASCII (JSON's braces and
+digits), then any allowed id that is not special, and only then whatever the mask allows (EOS,
+when a grammar is complete).
 
 Logprobs are fixed: the chosen token `CHOSEN_LOGPROB`, alternatives below it (other words).
 """
@@ -77,7 +78,12 @@ class TokenPicker:
         self.words = word_ids(tokenizer)
         self.vocab_size = vocab_size or tokenizer.vocab_size
         special = set(tokenizer.backend.get_added_tokens_decoder()) | set(tokenizer.eos_token_ids)
-        self._special = np.array(sorted(t for t in special if t < self.vocab_size), dtype=np.int64)
+        # Per id: 0 special (or past the tokenizer), 1 ordinary, 2 ordinary printable ASCII.
+        self._kind = np.zeros(self.vocab_size, dtype=np.int8)
+        for i in range(min(self.vocab_size, tokenizer.vocab_size)):
+            if i not in special:
+                piece = (tokenizer.id_to_token(i) or "").replace("Ġ", " ").replace("▁", " ")
+                self._kind[i] = 2 if piece.isascii() and piece.isprintable() and piece else 1
 
     def token(self, key: int, position: int, mask: np.ndarray | None = None) -> int:
         """Output token `position` of the request whose `prompt_key` is `key`; `mask`: its
@@ -93,11 +99,14 @@ class TokenPicker:
                 return t
         allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
         allowed = allowed[allowed < self.vocab_size]
-        ordinary = np.setdiff1d(allowed, self._special, assume_unique=True)
-        pool = ordinary if ordinary.size else allowed
-        if not pool.size:  # nothing allowed at all: the rules end the request on this token
+        if not allowed.size:  # nothing allowed at all: the rules end the request on this token
             return self.words[h % n]
-        return int(pool[h % pool.size])
+        kinds = self._kind[allowed]
+        for want in (2, 1, 0):
+            pool = allowed[kinds >= want]
+            if pool.size:
+                return int(pool[h % pool.size])
+        raise AssertionError("unreachable: kind >= 0 holds for every allowed id")
 
     def alternatives(self, chosen: int, k: int) -> list[tuple[int, float]]:
         """`k` most likely (token, logprob) at a position whose chosen token is `chosen`: it

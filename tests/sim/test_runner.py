@@ -109,6 +109,9 @@ def test_token_rules_are_obeyed(tokenizer):
     assert set(generate(runner, seq(rules=Allow(few)), 8)) <= set(few)
     digits = [tokenizer.encode(str(d))[0] for d in range(10)]  # allowed ids that are not words
     assert set(generate(runner, seq(rules=Allow(digits)), 8)) <= set(digits)
+    (accent,) = tokenizer.encode("é")  # allowed too, but not printable ASCII: never chosen
+    assert set(generate(runner, seq(rules=Allow([accent, *digits])), 8)) <= set(digits)
+    assert run(runner, [seq(rules=Allow([accent]))]) == [accent]
     eos = tokenizer.eos_token_id
     assert run(runner, [seq(rules=Allow([eos]))]) == [eos]  # a complete grammar: only EOS left
     # Words and EOS allowed: a word (the model never stops on its own).

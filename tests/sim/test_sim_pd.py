@@ -169,3 +169,31 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"no {name}")
+
+
+async def test_structured_output_through_simulated_pd_follows_its_schema(stack):
+    """P samples the first token under the grammar's mask and D goes on under its own: every
+    token allowed (a refused one would end the request early), the same text as one worker."""
+    http, router, p, d, both = stack
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 40}, "n": {"type": "integer"}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
+    body = chat(
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    answers = []
+    for url in (router, both):
+        resp = await http.post(f"{url}/v1/chat/completions", json=body)
+        answers.append((await resp.json())["choices"][0])
+    (pd_answer, one) = answers
+    assert pd_answer["message"]["content"] == one["message"]["content"]
+    text = pd_answer["message"]["content"]
+    assert text.startswith('{"city":"'), text
+    if pd_answer["finish_reason"] == "stop":  # the grammar completed: valid JSON
+        assert set(orjson.loads(text)) == {"city", "n"}
+    else:
+        assert pd_answer["finish_reason"] == "length"
