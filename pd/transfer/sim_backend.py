@@ -103,9 +103,10 @@ class SimBackend(Backend):
                 raise TransferError("local descriptor outside registered memory")
             if not _covered(peer, b.remote_kind, b.remote):
                 raise TransferError("remote descriptor outside the peer's registered memory")
-            devices, sizes = b.local[:, 2].astype(np.int64), b.local[:, 1].astype(np.int64)
-            for dev in np.unique(devices).tolist():
-                per_device[dev] = per_device.get(dev, 0) + int(sizes[devices == dev].sum())
+            # Bytes per local device (np.unique's first call costs ~40 ms of lazy imports).
+            sums = np.bincount(b.local[:, 2].astype(np.int64), weights=b.local[:, 1])
+            for dev in np.flatnonzero(sums).tolist():
+                per_device[dev] = per_device.get(dev, 0) + int(sums[dev])
         now = self.clock()
         x = _Xfer(agent, now + self.time_scale * self.latency_s)
         for dev, nbytes in per_device.items():
