@@ -21,7 +21,7 @@ from pd.worker.main import main, parse_args
 from tests.e2e.processes import start_worker, stop, wait_pages_free
 
 MAX_RSS_MB = 600  # measured: ~275 MB each (torch's import is ~220 MB of it)
-MAX_START_S = 60  # measured: 3-5 s idle, ~20 s on a machine loaded 5x over (torch's import)
+MAX_START_S = 60  # measured: ~4.5 s of CPU each, 13-22 s for both on 2 busy cores
 
 
 def test_simulate_list_prints_the_presets_and_exits_0(capsys):
