@@ -247,9 +247,9 @@ FIGURES: tuple[Figure, ...] = (
     _dc(
         1.0,
         "random 1024/1024 (range ratio 0)",
-        '"dataset_name": "random", "request_rate": 1.0, "total_input_tokens": 152612, '
-        '"total_output_tokens": 160347, "mean_e2e_latency_ms": 7840.616212638561, '
-        '"median_itl_ms": 13.638956006616354, "completed": 300',
+        '"dataset_name": "random", "request_rate": 1.0, ... "total_input_tokens": 152612, '
+        '"total_output_tokens": 160347, ... "mean_e2e_latency_ms": 7840.616212638561, ... '
+        '"median_itl_ms": 13.638956006616354, ... "completed": 300',
         batch=8,
         inp=509,
         out=534,
@@ -257,9 +257,9 @@ FIGURES: tuple[Figure, ...] = (
     _dc(
         2.0,
         "random 1024/1024 (range ratio 0)",
-        '"dataset_name": "random", "request_rate": 2.0, "total_input_tokens": 308748, '
-        '"total_output_tokens": 308712, "mean_e2e_latency_ms": 8540.55180882259, '
-        '"median_itl_ms": 14.830046566203237, "completed": 600',
+        '"dataset_name": "random", "request_rate": 2.0, ... "total_input_tokens": 308748, '
+        '"total_output_tokens": 308712, ... "mean_e2e_latency_ms": 8540.55180882259, ... '
+        '"median_itl_ms": 14.830046566203237, ... "completed": 600',
         batch=17,
         inp=515,
         out=515,
@@ -267,9 +267,9 @@ FIGURES: tuple[Figure, ...] = (
     _dc(
         4.0,
         "random 1024/1024 (range ratio 0)",
-        '"dataset_name": "random", "request_rate": 4.0, "total_input_tokens": 615860, '
-        '"total_output_tokens": 607936, "mean_e2e_latency_ms": 12896.330808075727, '
-        '"median_itl_ms": 19.419891061261296, "completed": 1200',
+        '"dataset_name": "random", "request_rate": 4.0, ... "total_input_tokens": 615860, '
+        '"total_output_tokens": 607936, ... "mean_e2e_latency_ms": 12896.330808075727, ... '
+        '"median_itl_ms": 19.419891061261296, ... "completed": 1200',
         batch=52,
         inp=513,
         out=507,
@@ -277,9 +277,9 @@ FIGURES: tuple[Figure, ...] = (
     _dc(
         4.0,
         "sharegpt",
-        '"dataset_name": "sharegpt", "request_rate": 4.0, "total_input_tokens": 269081, '
-        '"total_output_tokens": 226901, "mean_e2e_latency_ms": 3201.4825566502986, '
-        '"median_itl_ms": 13.841505162417889, "completed": 1200',
+        '"dataset_name": "sharegpt", "request_rate": 4.0, ... "total_input_tokens": 269081, '
+        '"total_output_tokens": 226901, ... "mean_e2e_latency_ms": 3201.4825566502986, ... '
+        '"median_itl_ms": 13.841505162417889, ... "completed": 1200',
         batch=13,
         inp=224,
         out=189,
@@ -287,9 +287,9 @@ FIGURES: tuple[Figure, ...] = (
     _dc(
         8.0,
         "sharegpt",
-        '"dataset_name": "sharegpt", "request_rate": 8.0, "total_input_tokens": 540779, '
-        '"total_output_tokens": 461874, "mean_e2e_latency_ms": 5302.550664339797, '
-        '"median_itl_ms": 17.667690059170127, "completed": 2400',
+        '"dataset_name": "sharegpt", "request_rate": 8.0, ... "total_input_tokens": 540779, '
+        '"total_output_tokens": 461874, ... "mean_e2e_latency_ms": 5302.550664339797, ... '
+        '"median_itl_ms": 17.667690059170127, ... "completed": 2400',
         batch=42,
         inp=225,
         out=192,
