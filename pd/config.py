@@ -210,3 +210,7 @@ class WorkerConfig:
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
         check_origins(self.allowed_origins)
         check(self.time_scale > 0, "--time-scale must be > 0")
+        check(
+            self.simulate is None or not (self.compile or self.cuda_graph_max_batch),
+            "--simulate runs no model: --compile and --cuda-graph-max-batch do not apply",
+        )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class TransferConfig:
-    backend: str = "nixl"  # "nixl" or "fake"
+    backend: str = "nixl"  # "nixl", "fake" (in-process copies) or "sim" (timed, no bytes)
     serve: bool = True  # run the bootstrap server (prefill side; harmless on decode)
     engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # new per process start
     bootstrap_host: str = "127.0.0.1"  # address to bind
@@ -38,6 +38,11 @@ class TransferConfig:
     # What each side runs that need not match (quantization, kernels): P sends it in its Welcome,
     # D logs it at the first handshake with that P. Never compared.
     runtime: Mapping[str, str] = field(default_factory=dict)
+    # The `sim` backend's link (sim_backend.py): bytes/s of each local rank's link and the
+    # latency of one read, every modeled duration stretched by `time_scale`.
+    sim_bandwidth: float = 50e9
+    sim_latency_s: float = 0.0
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("contract", "runtime"):
@@ -47,8 +52,10 @@ class TransferConfig:
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
                 raise ValueError(f"{name} must map strings to strings: {dict(value)!r}")
             object.__setattr__(self, name, dict(value))  # a copy of its own
-        if self.backend not in ("nixl", "fake"):
-            raise ValueError(f"unknown transfer backend {self.backend!r} (nixl or fake)")
+        if self.backend not in ("nixl", "fake", "sim"):
+            raise ValueError(f"unknown transfer backend {self.backend!r} (nixl, fake or sim)")
+        if self.sim_bandwidth <= 0 or self.sim_latency_s < 0 or self.time_scale <= 0:
+            raise ValueError("sim_bandwidth and time_scale must be > 0, sim_latency_s >= 0")
         if not 0 <= self.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port out of range: {self.bootstrap_port}")
         for name in (

@@ -9,7 +9,7 @@ from pd.transfer.backend import Backend
 from pd.transfer.config import TransferConfig
 from pd.transfer.manager import TransferManager
 
-BACKENDS = ("nixl", "fake")
+BACKENDS = ("nixl", "fake", "sim")
 
 
 def make_backend(
@@ -18,7 +18,9 @@ def make_backend(
     *,
     nixl_progress_thread: bool = True,
     nixl_progress_delay_us: int = 100,
+    sim_link: tuple[float, float, float] = (50e9, 0.0, 1.0),
 ) -> Backend:
+    """`sim_link`: the sim backend's (bandwidth, latency_s, time_scale)."""
     if name == "nixl":
         from pd.transfer.nixl_backend import NixlBackend
 
@@ -31,6 +33,13 @@ def make_backend(
         from pd.transfer.fake_backend import FakeBackend
 
         return FakeBackend(agent_name)
+    if name == "sim":
+        from pd.transfer.sim_backend import SimBackend
+
+        bandwidth, latency_s, time_scale = sim_link
+        return SimBackend(
+            agent_name, bandwidth=bandwidth, latency_s=latency_s, time_scale=time_scale
+        )
     raise ValueError(f"unknown transfer backend {name!r}; choose from {BACKENDS}")
 
 
@@ -44,5 +53,6 @@ def create_manager(
         f"pd-{config.engine_id}",
         nixl_progress_thread=config.nixl_progress_thread,
         nixl_progress_delay_us=config.nixl_progress_delay_us,
+        sim_link=(config.sim_bandwidth, config.sim_latency_s, config.time_scale),
     )
     return TransferManager(config, backend, wire_tap=wire_tap)

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
-from pd.worker.checkpoint import LoadedCheckpoint, default_model_path, load_checkpoint
+from pd.worker.checkpoint import (
+    LoadedCheckpoint,
+    default_model_path,
+    load_checkpoint,
+    load_tokenizer,
+)
 from pd.worker.disagg import (
     CoLocated,
     Decode,
@@ -23,16 +31,24 @@ from pd.worker.disagg import (
     Role,
     TransferRole,
 )
-from pd.worker.disagg.contract import make_transfer_manager
+from pd.worker.disagg.contract import KVRunner, make_transfer_manager
 from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
+from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
 
+if TYPE_CHECKING:
+    from pd.sim.runner import SimulatedRunner
+
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_CONTEXT = 8192
+# A simulated worker's context when --max-model-len is 0: the presets' models take 128k, but a
+# request without max_tokens runs to the context's end, and the body limit grows with it; 32k
+# holds the long prompts of the serving workloads and traces.
+SIMULATED_CONTEXT = 32768
 
 
 @dataclass
@@ -54,6 +70,8 @@ class Worker:
     vocab_size: int = 0  # the model's logits rows (0: the tokenizer's): what token masks cover
     # The choices of each stream opened with X-PD-Token-Ids: a drain migrates them.
     migratable: set[tuple[RequestHandle, ...]] = field(default_factory=set)
+    # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
+    simulation: Callable[[], dict[str, Any]] | None = None
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -79,8 +97,101 @@ class Worker:
         return len(streams)
 
 
+class _Runner(StepExecutor, KVRunner, Protocol):
+    """What a worker reads of its runner: ModelRunner, or pd.sim's SimulatedRunner."""
+
+    attention_backend: str
+
+
+@dataclass
+class _Model:
+    """What the rest of a worker is built around: a runner and its tokenizer, sized."""
+
+    runner: _Runner
+    tokenizer: Tokenizer
+    name: str  # the model's own name (served unless --served-model-name)
+    num_pages: int
+    max_model_len: int
+    tp: int
+    executor: Executor | None  # the thread steps run on (None: the engine's own)
+    summary: str  # how it runs, for the start-up log
+    simulated: SimulatedRunner | None = None  # the runner again, when it is pd.sim's
+
+
 def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Worker:
-    """Build a worker; `ckpt` lets tests share one loaded checkpoint between workers."""
+    """Build a worker; `ckpt` lets tests share one loaded checkpoint between workers. With
+    `--simulate` there is no checkpoint: pd.sim's runner on the profile (docs/simulation.md)."""
+    model = _simulated_model(cfg) if cfg.simulate is not None else _loaded_model(cfg, ckpt)
+    runner, num_pages, max_model_len, tp = (
+        model.runner,
+        model.num_pages,
+        model.max_model_len,
+        model.tp,
+    )
+    c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
+    salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{tp}"
+    cache = KVCacheManager(num_pages, cfg.page_size, prefix_cache=cfg.prefix_cache, salt=salt)
+    scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests)
+    prefill = decode = None
+    if cfg.role == "prefill":
+        prefill = PrefillSide(make_transfer_manager(cfg), runner, scheduler, tp)
+    metrics = WorkerMetrics()
+    engine = Engine(
+        runner,
+        scheduler,
+        model.tokenizer,
+        role=cfg.role,
+        max_model_len=max_model_len,
+        max_waiting=cfg.max_waiting_requests,
+        hooks=prefill,
+        metrics=metrics,
+        executor=model.executor,
+        overlap=cfg.overlap,
+    )
+    metrics.read_load_from(engine.load)
+    metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
+    simulation = None
+    if model.simulated is not None:
+        simulation = model.simulated.describe
+        metrics.read_simulation_from(model.simulated.stats)
+    role: Role = CoLocated(engine)
+    if cfg.role == "prefill":
+        role = Prefill(engine)
+    elif cfg.role == "decode":
+        decode = DecodeSide(
+            make_transfer_manager(cfg),
+            runner,
+            engine,
+            cfg.kv_quarantine_s,
+            cfg.page_wait_timeout_s,
+        )
+        role = Decode(decode)
+    name = cfg.served_model_name or model.name
+    log.info(
+        "model %s: %s, %d KV pages of %d tokens, context %d",
+        name,
+        model.summary,
+        num_pages,
+        cfg.page_size,
+        max_model_len,
+    )
+    return Worker(
+        cfg,
+        model.tokenizer,
+        engine,
+        metrics,
+        name,
+        role=role,
+        prefill=prefill,
+        decode=decode,
+        accepted_names=frozenset({name, "default"}),
+        attention_backend=runner.attention_backend,
+        vocab_size=runner.config.vocab_size,
+        simulation=simulation,
+    )
+
+
+def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     # Every torch op of this worker runs on one thread, loading included (see torch_thread.py).
@@ -114,62 +225,49 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
         checkpoint_digest=ckpt.digest,
     )
-    c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
-    salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{cfg.tp}"
-    cache = KVCacheManager(num_pages, cfg.page_size, prefix_cache=cfg.prefix_cache, salt=salt)
-    scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests)
-    prefill = decode = None
-    if cfg.role == "prefill":
-        prefill = PrefillSide(make_transfer_manager(cfg), runner, scheduler, cfg.tp)
-    metrics = WorkerMetrics()
-    engine = Engine(
+    summary = (
+        f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}"
+    )
+    return _Model(
         runner,
-        scheduler,
         ckpt.tokenizer,
-        role=cfg.role,
-        max_model_len=max_model_len,
-        max_waiting=cfg.max_waiting_requests,
-        hooks=prefill,
-        metrics=metrics,
-        executor=torch_thread.executor,
-        overlap=cfg.overlap,
-    )
-    metrics.read_load_from(engine.load)
-    metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
-    role: Role = CoLocated(engine)
-    if cfg.role == "prefill":
-        role = Prefill(engine)
-    elif cfg.role == "decode":
-        decode = DecodeSide(
-            make_transfer_manager(cfg),
-            runner,
-            engine,
-            cfg.kv_quarantine_s,
-            cfg.page_wait_timeout_s,
-        )
-        role = Decode(decode)
-    name = cfg.served_model_name or mcfg.name
-    log.info(
-        "model %s: %d layers, tp=%d, %s on %s, %d KV pages of %d tokens, context %d",
-        name,
-        mcfg.num_layers,
-        cfg.tp,
-        str(dtype).removeprefix("torch."),
-        device,
+        mcfg.name,
         num_pages,
-        cfg.page_size,
         max_model_len,
+        cfg.tp,
+        torch_thread.executor,
+        summary,
     )
-    return Worker(
-        cfg,
-        ckpt.tokenizer,
-        engine,
-        metrics,
-        name,
-        role=role,
-        prefill=prefill,
-        decode=decode,
-        accepted_names=frozenset({name, "default"}),
-        attention_backend=runner.attention_backend,
-        vocab_size=mcfg.vocab_size,
+
+
+def _simulated_model(cfg: WorkerConfig) -> _Model:
+    """A simulated device: no weights, no KV tensors; only a tokenizer (the default model's, or
+    --model's) for the text. KV pages from the profile's memory unless --kv-pages gives them."""
+    from pd.sim.profile import parse_profile
+    from pd.sim.runner import SimulatedRunner
+
+    assert cfg.simulate is not None
+    profile = parse_profile(cfg.simulate)  # a bad profile: ValueError, said at start
+    if cfg.tp not in (1, profile.tp):
+        raise ValueError(
+            f"--tp {cfg.tp} with --simulate: the profile sets TP ({profile.name}: tp{profile.tp})"
+        )
+    tokenizer = load_tokenizer(cfg.model or default_model_path())
+    num_pages = cfg.kv_pages or profile.kv_pages(cfg.page_size)
+    max_model_len = cfg.max_model_len or SIMULATED_CONTEXT
+    runner = SimulatedRunner(
+        profile,
+        tokenizer,
+        page_size=cfg.page_size,
+        num_pages=num_pages,
+        max_model_len=max_model_len,
+        time_scale=cfg.time_scale,
+    )
+    summary = (
+        f"SIMULATED {profile.name} (time scale {cfg.time_scale:g}; no weights, no KV bytes; "
+        f"{profile.model.num_layers} layers, text from a {tokenizer.vocab_size}-token tokenizer)"
+    )
+    name = profile.model.name
+    return _Model(
+        runner, tokenizer, name, num_pages, max_model_len, profile.tp, None, summary, runner
     )

@@ -7,10 +7,11 @@ from collections.abc import Callable, Iterator
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pd.protocol import WorkerLoad
+from pd.sim.clock import ClockStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -103,6 +104,10 @@ class WorkerMetrics:
         self._cache_stats: Callable[[], tuple[int, int]] = lambda: (0, 0)
         r.register(_PrefixCacheCollector(lambda: self._cache_stats()))
 
+    def read_simulation_from(self, stats: Callable[[], ClockStats]) -> None:
+        """--simulate: export the simulated clock's figures (`stats()`, read at scrape time)."""
+        self.registry.register(_SimulationCollector(stats))
+
     def read_cache_stats_from(self, stats: Callable[[], tuple[int, int]]) -> None:
         """`stats()` gives (prompt tokens looked up, prompt tokens found) in the prefix cache."""
         self._cache_stats = stats
@@ -132,3 +137,48 @@ class _PrefixCacheCollector(Collector):
         yield CounterMetricFamily(
             "pd_prefix_cache_hits", "prompt tokens found in the prefix cache", hits
         )
+
+
+class _SimulationCollector(Collector):
+    """A simulated worker's clock (pd/sim/clock.py): steps, modeled and real seconds, and how far
+    real steps overshot their scaled modeled time (quantiles over the latest steps)."""
+
+    def __init__(self, stats: Callable[[], ClockStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        s = self._stats()
+        yield CounterMetricFamily("pd_sim_steps", "simulated steps run", s.steps)
+        yield CounterMetricFamily(
+            "pd_sim_modeled_seconds",
+            "the cost model's seconds of those steps (unscaled)",
+            s.modeled_s,
+        )
+        yield CounterMetricFamily(
+            "pd_sim_real_seconds", "the seconds those steps really took", s.real_s
+        )
+        yield GaugeMetricFamily(
+            "pd_sim_time_scale",
+            "--time-scale: every modeled duration is stretched by it",
+            s.time_scale,
+        )
+        overshoot = GaugeMetricFamily(
+            "pd_sim_step_overshoot_seconds",
+            "real minus scaled modeled duration of a step, over the latest steps (quantile 1: max)",
+            labels=["quantile"],
+        )
+        for q, v in (
+            ("0.5", s.overshoot_p50_s),
+            ("0.99", s.overshoot_p99_s),
+            ("1", s.overshoot_max_s),
+        ):
+            overshoot.add_metric([q], v)
+        yield overshoot
+        gap = GaugeMetricFamily(
+            "pd_sim_host_gap_seconds",
+            "the engine's own time between back-to-back steps (not modeled), over the latest steps",
+            labels=["quantile"],
+        )
+        for q, v in (("0.5", s.host_gap_p50_s), ("0.99", s.host_gap_p99_s)):
+            gap.add_metric([q], v)
+        yield gap

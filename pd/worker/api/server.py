@@ -183,6 +183,8 @@ async def health(request: web.Request) -> web.Response:
         # GET /integrity walks every page.
         "integrity": worker.engine.integrity(),
     }
+    if worker.simulation is not None:  # --simulate: says so, with the simulated clock's figures
+        body["simulate"] = worker.simulation()
     return json_response(body, 503 if worker.draining else 200)
 
 

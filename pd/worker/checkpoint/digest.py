@@ -81,8 +81,14 @@ def gguf_digest(reader: GGUFReader) -> str:
         "gguf",
         (
             # GGUF's shape is innermost first, as stored; it only has to be the same each time.
-            (t.name, t.tensor_type.name, tuple(int(n) for n in t.shape), int(t.data_offset),
-             int(t.n_bytes), read)  # fmt: skip
+            (
+                t.name,
+                t.tensor_type.name,
+                tuple(int(n) for n in t.shape),
+                int(t.data_offset),
+                int(t.n_bytes),
+                read,
+            )  # fmt: skip
             for t in reader.tensors
         ),
     )

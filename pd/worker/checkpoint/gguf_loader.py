@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from pd.worker.checkpoint.digest import gguf_digest
+from pd.worker.checkpoint.gguf_metadata import read_gguf_metadata
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
 from pd.worker.model.config import ModelConfig
@@ -237,4 +238,5 @@ def load_gguf(
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:
-    return tokenizer_from_gguf_metadata(read_metadata(GGUFReader(path)))
+    """Only the tokenizer: the header read straight through, no tensor mapped (gguf_metadata.py)."""
+    return tokenizer_from_gguf_metadata(read_gguf_metadata(path))

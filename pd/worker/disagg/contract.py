@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
+
+import torch
 
 from pd.config import WorkerConfig
-from pd.transfer import TransferConfig, TransferManager, create_manager, kv_pool_from_tensors
+from pd.transfer import (
+    PoolDesc,
+    TransferConfig,
+    TransferManager,
+    create_manager,
+    kv_pool_from_tensors,
+)
+from pd.worker.model.config import ModelConfig
 from pd.worker.model.runner import ModelRunner
 
 KV_POOL = "kv"
@@ -24,6 +33,14 @@ KV_POOL = "kv"
 # K's head dims in rotary pairs side by side (`Rotary` in pd/worker/model/llama.py). Workers whose
 # K lies otherwise (rotate-half, before 2026-12) refuse these pages, and these workers theirs.
 KV_LAYOUT = "page-major-HND-rope-pairs"
+
+
+class KVRunner(Protocol):
+    """What the roles read of a runner: ModelRunner, or pd.sim's SimulatedRunner."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    page_size: int
 
 
 @dataclass(frozen=True)
@@ -39,7 +56,7 @@ class KVContract:
     dtype: str  # of the KV pages (the compute dtype): part of the pages' bytes
 
     @classmethod
-    def of(cls, runner: ModelRunner) -> KVContract:
+    def of(cls, runner: KVRunner) -> KVContract:
         shape = asdict(runner.config)
         shape.pop("name")
         # "" for weights that came from no file (a runner built in a test): the shape alone.
@@ -53,7 +70,7 @@ class KVContract:
         return {k: str(v) for k, v in asdict(self).items()}
 
 
-def runtime_format(runner: ModelRunner) -> dict[str, str]:
+def runtime_format(runner: KVRunner) -> dict[str, str]:
     """How this worker runs its checkpoint: reported to the peer at the handshake and logged
     there, never compared (TransferConfig.runtime)."""
     r: Any = runner  # stand-ins in tests have only some of these
@@ -66,21 +83,57 @@ def runtime_format(runner: ModelRunner) -> dict[str, str]:
     }
 
 
+@runtime_checkable
+class DescribesKVPool(Protocol):
+    """A runner whose KV pool holds no memory (pd.sim's SimulatedRunner): it describes the pool
+    the transfer layer registers itself, with real page sizes at addresses that hold nothing."""
+
+    def kv_pool_desc(self, name: str) -> PoolDesc: ...
+
+
+def kv_pool_of(runner: KVRunner) -> PoolDesc:
+    """The KV pool a worker's transfer manager serves: the runner's own description, or one
+    built from its page-major buffers, one per TP rank (ModelRunner)."""
+    if isinstance(runner, DescribesKVPool):
+        return runner.kv_pool_desc(KV_POOL)
+    buffers = [pool.buffer for pool in cast(ModelRunner, runner).kv_pools]
+    return kv_pool_from_tensors(KV_POOL, buffers, runner.config.num_kv_heads)
+
+
 def make_transfer_manager(cfg: WorkerConfig) -> TransferManager:
-    """The transfer manager of a prefill or decode worker (started by its role)."""
-    return create_manager(
-        TransferConfig(
-            backend="nixl",
-            serve=cfg.role == "prefill",
-            bootstrap_host=cfg.host,
-            bootstrap_port=cfg.bootstrap_port,
-            advertise_host=cfg.kv_advertise_host,
-            cluster_token=cfg.cluster_token,
-            default_lease_ttl_s=cfg.lease_ttl_s,
-            transfer_timeout_s=cfg.kv_transfer_timeout_s,
-            # The reading side (D) progresses UCX from its poller; P's reads need the thread.
-            nixl_progress_thread=cfg.role == "prefill",
-        )
+    """The transfer manager of a prefill or decode worker (started by its role); a simulated
+    worker's (`--simulate`) moves no bytes: its reads take the time the profile's link gives."""
+    if cfg.simulate is not None:
+        return create_manager(_transfer_config(cfg, "sim", _sim_link(cfg)))
+    return create_manager(_transfer_config(cfg, "nixl", {}))
+
+
+def _sim_link(cfg: WorkerConfig) -> dict[str, Any]:
+    from pd.sim.profile import parse_profile
+
+    assert cfg.simulate is not None
+    link = parse_profile(cfg.simulate).link
+    return {
+        # No link in the profile: reads take no time.
+        "sim_bandwidth": link.bandwidth if link is not None else float("inf"),
+        "sim_latency_s": link.latency_s if link is not None else 0.0,
+        "time_scale": cfg.time_scale,
+    }
+
+
+def _transfer_config(cfg: WorkerConfig, backend: str, extra: dict[str, Any]) -> TransferConfig:
+    return TransferConfig(
+        backend=backend,
+        serve=cfg.role == "prefill",
+        bootstrap_host=cfg.host,
+        bootstrap_port=cfg.bootstrap_port,
+        advertise_host=cfg.kv_advertise_host,
+        cluster_token=cfg.cluster_token,
+        default_lease_ttl_s=cfg.lease_ttl_s,
+        transfer_timeout_s=cfg.kv_transfer_timeout_s,
+        # The reading side (D) progresses UCX from its poller; P's reads need the thread.
+        nixl_progress_thread=cfg.role == "prefill",
+        **extra,
     )
 
 
@@ -88,14 +141,15 @@ class TransferRole:
     """What the prefill and decode sides share: one transfer manager serving the KV pool,
     started and closed with the HTTP app."""
 
-    def __init__(self, manager: TransferManager, runner: ModelRunner) -> None:
+    def __init__(self, manager: TransferManager, runner: KVRunner) -> None:
         self.manager = manager
         self.contract = KVContract.of(runner)
         self.runtime = runtime_format(runner)
-        self._buffers = [pool.buffer for pool in runner.kv_pools]
+        self.pool = kv_pool_of(runner)
+        # NOTE: the runner owns the memory the pool describes: it must outlive the registration.
+        self._memory = runner
         # Bytes of one page over every TP rank (what a pull of one page moves).
-        self.page_bytes = sum(b.element_size() * b[0].numel() for b in self._buffers)
-        self._num_kv_heads = runner.config.num_kv_heads
+        self.page_bytes = self.pool.slot_bytes * self.pool.tp_size
 
     @property
     def bootstrap_port(self) -> int:
@@ -105,7 +159,7 @@ class TransferRole:
         # P sends both in its Welcome; D refuses a P whose contract is not its own.
         self.manager.set_contract(self.contract.wire(), self.runtime)
         await self.manager.start()
-        self.manager.register_pool(kv_pool_from_tensors(KV_POOL, self._buffers, self._num_kv_heads))
+        self.manager.register_pool(self.pool)
 
     async def stop(self) -> None:
         await self.manager.close()  # aborts what is left: pinned and reserved pages are released

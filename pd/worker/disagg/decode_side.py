@@ -26,10 +26,9 @@ from typing import Any
 
 from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_request
 from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
-from pd.worker.disagg.contract import KV_POOL, TransferRole
+from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.disagg.page_wait import PageWaitQueue
 from pd.worker.engine import Engine, RequestHandle
-from pd.worker.model import ModelRunner
 from pd.worker.text.token_rules import TokenRules
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class DecodeSide(TransferRole):
     def __init__(
         self,
         manager: TransferManager,
-        runner: ModelRunner,
+        runner: KVRunner,
         engine: Engine,
         quarantine_s: float = 30.0,
         page_wait_timeout_s: float = 30.0,

@@ -13,16 +13,15 @@ from typing import Any
 
 from pd.protocol import KVTransferParams
 from pd.transfer import KVSender, TransferManager
-from pd.worker.disagg.contract import KV_POOL, TransferRole
+from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.engine import HeldPages, LogprobEntry, Sequence
-from pd.worker.model import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
 class PrefillSide(TransferRole):
     def __init__(
-        self, manager: TransferManager, runner: ModelRunner, pages: HeldPages, tp_size: int
+        self, manager: TransferManager, runner: KVRunner, pages: HeldPages, tp_size: int
     ) -> None:
         super().__init__(manager, runner)
         self.pages = pages
