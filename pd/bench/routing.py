@@ -17,7 +17,14 @@ For each setup (`POLICY:LOCAL`, a routing policy and a `--local-prefill-max-toke
 
 It prints a table (or `--json`) with, per setup, the medians over rounds and the ratios against
 the first setup (prefill tokens, TTFT p50 of turns 2 and later) and, for each policy run with and
-without decode-local prefill, local against off.
+without decode-local prefill, local against off, and the router's mean routing decision time and
+prefix-index size.
+
+At GPU costs (issue 23): `--simulate PROFILE` runs `--prefill-workers` and `--decode-workers`
+simulated workers instead (pd/sim: real workers whose steps sleep for the cost model's time),
+`--workers-per-process` to a process, with `--time-scale K` (every modeled time stretched by K,
+every reported latency divided by K). A setup whose workers' clock overshot their modeled time by
+more than `--max-overshoot` is reported as refused.
 """
 
 from __future__ import annotations
@@ -36,6 +43,12 @@ from pd.bench import serve
 from pd.bench.pd import _free_port, _spawn, _wait_healthy
 from pd.bench.serve.cli import BenchInputError, check_args, measure
 from pd.bench.serve.runner import Target
+from pd.sim.launch import (
+    DEFAULT_MAX_OVERSHOOT,
+    clock_counters,
+    overshoot,
+    start_sim_workers,
+)
 
 DEFAULT_SETUPS = "round-robin:0,cache-aware:0,sticky-to-room:0,cache-aware:256,sticky-to-room:256"
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
@@ -102,10 +115,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--p-kv-pages",
         type=int,
-        default=1000,
-        help="KV pages of each prefill worker (16,000 tokens: 8 conversations at their last turn)",
+        help="KV pages of each prefill worker (default 1000, 16,000 tokens: 8 conversations at "
+        "their last turn; simulated: the profile's GPU memory)",
     )
-    g.add_argument("--d-kv-pages", type=int, default=2600, help="KV pages of the decode worker")
+    g.add_argument(
+        "--d-kv-pages",
+        type=int,
+        help="KV pages of each decode worker (default 2600; simulated: the profile's)",
+    )
+    s = p.add_argument_group("a simulated cluster (GPU costs, pd/sim)")
+    s.add_argument("--simulate", metavar="PROFILE", help="e.g. llama-3.1-8b:h100:tp1")
+    s.add_argument("--prefill-workers", type=int, default=2, help="prefill workers")
+    s.add_argument("--decode-workers", type=int, default=1, help="decode workers")
+    s.add_argument(
+        "--workers-per-process", type=int, default=8, help="simulated workers in one process"
+    )
+    s.add_argument(
+        "--max-overshoot",
+        type=float,
+        default=DEFAULT_MAX_OVERSHOOT,
+        help="refuse a setup whose workers' steps ran past their modeled time by more than this "
+        "share (then raise --time-scale)",
+    )
 
 
 def prometheus_sum(text: str, name: str, **labels: str) -> float:
@@ -152,48 +183,86 @@ def _decisions(router_metrics: str) -> dict[str, int]:
     }
 
 
-def start_workers(args: argparse.Namespace) -> tuple[list[str], str, list]:
+def start_workers(args: argparse.Namespace) -> tuple[list[str], list[str], list]:
+    """(prefill URLs, decode URLs, processes): real workers, or simulated ones (--simulate)."""
+    if args.simulate:
+        roles = ["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
+        sim = start_sim_workers(
+            args.simulate,
+            roles,
+            time_scale=args.time_scale,
+            per_process=args.workers_per_process,
+        )
+        return sim.urls.get("prefill", []), sim.urls.get("decode", []), sim.procs
     common = ["--dtype", args.dtype, "--max-model-len", "4096", "--threads", str(args.threads)]
-    procs, p_urls = [], []
-    for _ in range(2):
-        port = _free_port()
-        procs.append(
-            _spawn("pd.worker.main", "--role", "prefill", "--port", str(port),
-                   "--kv-pages", str(args.p_kv_pages), *common)
-        )  # fmt: skip
-        p_urls.append(f"http://127.0.0.1:{port}")
-    port = _free_port()
-    procs.append(
-        _spawn("pd.worker.main", "--role", "decode", "--port", str(port),
-               "--kv-pages", str(args.d_kv_pages), *common)
-    )  # fmt: skip
-    return p_urls, f"http://127.0.0.1:{port}", procs
+    procs: list = []
+    p_urls: list[str] = []
+    d_urls: list[str] = []
+    for role, n, pages in (
+        ("prefill", args.prefill_workers, args.p_kv_pages or 1000),
+        ("decode", args.decode_workers, args.d_kv_pages or 2600),
+    ):
+        for _ in range(n):
+            port = _free_port()
+            procs.append(
+                _spawn("pd.worker.main", "--role", role, "--port", str(port),
+                       "--kv-pages", str(pages), *common)
+            )  # fmt: skip
+            (p_urls if role == "prefill" else d_urls).append(f"http://127.0.0.1:{port}")
+    return p_urls, d_urls, procs
+
+
+def router_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 async def run_setup(
-    setup: Setup, p_urls: list[str], d_url: str, args: argparse.Namespace, worker_procs: list
+    setup: Setup, p_urls: list[str], d_urls: list[str], args: argparse.Namespace, worker_procs: list
 ) -> dict[str, Any]:
     port = _free_port()
     router = _spawn(
         "pd.router.main", "--port", str(port), "--policy", setup.policy,
         "--local-prefill-max-tokens", str(setup.local), "--health-interval", "0.5",
-        *[a for u in p_urls for a in ("--prefill", u)], "--decode", d_url, *setup.flags,
+        *[a for u in p_urls for a in ("--prefill", u)],
+        *[a for u in d_urls for a in ("--decode", u)], *setup.flags,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    clock: dict[str, Any] | None = None
     try:
         await _wait_healthy(url, [router, *worker_procs])
         async with aiohttp.ClientSession() as http:
-            await _reset(http, [*p_urls, d_url])
+            await _reset(http, [*p_urls, *d_urls])
             computed0, requests0 = await _prefill_counts(http, p_urls)
+            if args.simulate:
+                before = await clock_counters(http, [*p_urls, *d_urls])
             out, _ = await measure([Target(setup.name, url)], args)
+            if args.simulate:
+                clock = overshoot(before, await clock_counters(http, [*p_urls, *d_urls]))
             computed1, requests1 = await _prefill_counts(http, p_urls)
             router_metrics = await _scrape(http, url)
             local = prometheus_sum(router_metrics, "pd_router_requests_total", route="local")
+            rss = router_rss_bytes(router.pid)
     finally:
         router.terminate()
         router.wait(timeout=30)
     r = out["results"][0]
+    decisions = prometheus_sum(router_metrics, "pd_router_route_decision_seconds_count")
+    decision_s = prometheus_sum(router_metrics, "pd_router_route_decision_seconds_sum")
+    extra: dict[str, Any] = {
+        "workers": len(p_urls) + len(d_urls),
+        "route_decision_mean_us": round(decision_s / decisions * 1e6, 2) if decisions else None,
+        "prefix_index_blocks": int(prometheus_sum(router_metrics, "pd_router_prefix_index_blocks")),
+        "router_rss_mb": round(rss / 2**20, 1),
+    }
+    if clock is not None:
+        extra["overshoot"] = clock
+        extra["refused"] = clock["worst"] > args.max_overshoot
     return {
+        **extra,
         "setup": setup.name,
         "policy": setup.policy,
         "local_prefill_max_tokens": setup.local,
@@ -218,12 +287,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def summarize_runs(runs: list[dict[str, Any]], setups: list[Setup]) -> dict[str, Any]:
     keys = ("p_prefill_tokens", "p_requests", "local_requests", "ttft_first_turn_p50_ms",
-            "ttft_later_turns_p50_ms", "ttft_later_turns_p90_ms", "tpot_p50_ms")  # fmt: skip
+            "ttft_later_turns_p50_ms", "ttft_later_turns_p90_ms", "tpot_p50_ms",
+            "route_decision_mean_us", "prefix_index_blocks", "router_rss_mb")  # fmt: skip
     medians: dict[str, dict[str, Any]] = {}
+    refused = sorted({r["setup"] for r in runs if r.get("refused")})
     for s in setups:
-        mine = [r for r in runs if r["setup"] == s.name]
+        # A run whose simulated clock overshot is no figure (issue 23): refused, never averaged.
+        mine = [r for r in runs if r["setup"] == s.name and not r.get("refused")]
         medians[s.name] = {
-            k: statistics.median(v) if (v := [r[k] for r in mine if r[k] is not None]) else None
+            k: statistics.median(v) if (v := [r[k] for r in mine if r.get(k) is not None]) else None
             for k in keys
         }
     base = setups[0].name
@@ -248,7 +320,12 @@ def summarize_runs(runs: list[dict[str, Any]], setups: list[Setup]) -> dict[str,
                 "p_requests": medians[s.name]["p_requests"],
                 "p_requests_off": medians[off]["p_requests"],
             }
-    return {"medians": medians, f"vs_{base}": vs_base, "local_vs_off": local_vs_off}
+    return {
+        "medians": medians,
+        f"vs_{base}": vs_base,
+        "local_vs_off": local_vs_off,
+        "refused": refused,
+    }
 
 
 def _print_table(summary: dict[str, Any], base: str) -> None:
@@ -265,6 +342,9 @@ def _print_table(summary: dict[str, Any], base: str) -> None:
     for name, r in summary["local_vs_off"].items():
         print(f"  {name:22} vs local off: TTFT p50 of later turns x{r['ttft_later_turns_p50']}, "
               f"requests at P {r['p_requests']} (off: {r['p_requests_off']})")  # fmt: skip
+    for name in summary["refused"]:
+        print(f"  {name:22} REFUSED in some rounds: the simulated clock overshot; raise "
+              "--time-scale")  # fmt: skip
 
 
 def _write(out_dir: str, runs: list[dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -304,17 +384,21 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
         if args.rounds < 1 or args.threads < 1:
             raise BenchInputError("--rounds and --threads must be >= 1")
+        if args.prefill_workers < 1 or args.decode_workers < 1:
+            raise BenchInputError("--prefill-workers and --decode-workers must be >= 1")
+        if args.time_scale != 1.0 and not args.simulate:
+            raise BenchInputError("--time-scale stretches simulated workers: give --simulate")
     except BenchInputError as e:
         print(f"pd-bench routing: {e}", file=sys.stderr)
         return 2
-    p_urls, d_url, procs = start_workers(args)
+    p_urls, d_urls, procs = start_workers(args)
     runs = []
     try:
-        for url in (*p_urls, d_url):
+        for url in (*p_urls, *d_urls):
             asyncio.run(_wait_healthy(url, procs))
         for round_no in range(args.rounds):
             for setup in setups:
-                r = asyncio.run(run_setup(setup, p_urls, d_url, args, procs))
+                r = asyncio.run(run_setup(setup, p_urls, d_urls, args, procs))
                 r["round"] = round_no
                 runs.append(r)
                 print(f"  {setup.name} round {round_no}: {r}", file=sys.stderr)

@@ -4,8 +4,9 @@ them fit on a small machine. A process of real workers would hold one each.
 
     python -m pd.sim.host --roles prefill,decode,decode --port 9100 --simulate llama-3.1-8b:h100 ...
 
-Every flag after `--roles` is a `pd-worker` flag given to each worker; worker i listens on
-`--port + i` (or a free port each with `--port 0`) and prints its own `pd-worker ready` line.
+Every other flag is a `pd-worker` flag given to each worker; worker i listens on the i-th of
+`--ports` when given, else on `--port + i` (a free port each with `--port 0`), and prints its own
+`pd-worker ready` line.
 SIGTERM or SIGINT drains them all, as it drains one worker.
 """
 
@@ -24,18 +25,22 @@ from pd.worker.main import parse_args, serve
 log = logging.getLogger("pd.sim.host")
 
 
-def worker_configs(roles: list[str], worker_argv: list[str]) -> list[WorkerConfig]:
-    """One config per role, from the shared pd-worker flags; ports counted up from --port."""
+def worker_configs(
+    roles: list[str], worker_argv: list[str], ports: list[int] | None = None
+) -> list[WorkerConfig]:
+    """One config per role, from the shared pd-worker flags; ports as given, else counted up
+    from --port."""
     base = parse_args(worker_argv)
     if base.simulate is None:
         raise ValueError("pd.sim.host serves simulated workers only: give --simulate PROFILE")
     bad = [r for r in roles if r not in ROLES]
     if bad or not roles:
         raise ValueError(f"--roles takes a comma-separated list of {', '.join(ROLES)}")
-    return [
-        dataclasses.replace(base, role=role, port=base.port + i if base.port else 0)
-        for i, role in enumerate(roles)
-    ]
+    if ports is not None and len(ports) != len(roles):
+        raise ValueError(f"--ports gives {len(ports)} ports for {len(roles)} roles")
+    if ports is None:
+        ports = [base.port + i if base.port else 0 for i in range(len(roles))]
+    return [dataclasses.replace(base, role=r, port=p) for r, p in zip(roles, ports)]
 
 
 async def serve_all(cfgs: list[WorkerConfig]) -> None:
@@ -59,10 +64,12 @@ async def serve_all(cfgs: list[WorkerConfig]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pd.sim.host", description=__doc__)
     parser.add_argument("--roles", required=True, help="e.g. prefill,decode,decode")
+    parser.add_argument("--ports", help="one port per role, comma-separated")
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfgs = worker_configs(args.roles.split(","), rest)
+        ports = [int(p) for p in args.ports.split(",")] if args.ports else None
+        cfgs = worker_configs(args.roles.split(","), rest, ports)
     except ValueError as e:
         print(f"pd.sim.host: {e}", file=sys.stderr)
         return 2

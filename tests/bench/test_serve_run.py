@@ -248,3 +248,21 @@ async def test_closed_loop_keeps_n_requests_in_flight(aiohttp_server):
     sends = sorted(r.sent_s for r in records)
     assert sends[2] - sends[0] < 0.05  # the first three go at once
     assert sends[3] - sends[0] > 0.05  # the fourth waits for one of them to finish
+
+
+async def test_time_scale_measures_in_modeled_time(aiohttp_server):
+    # A target 4x slower than the time it models: gaps of 40 ms real are 10 ms modeled, and
+    # arrivals planned 0.1 s apart (modeled) go 0.4 s apart (real).
+    stub, url = await start(aiohttp_server, chunk_delay=0.04)
+    args = serve_args("--url", url, "--rates", "10", "--arrival", "uniform", "--num-requests",
+                      "3", "--input-len", "8", "--output-len", "4", "--warmup", "0",
+                      "--time-scale", "4")  # fmt: skip
+    t0 = time.perf_counter()
+    out, records = await measure(parse_targets(url, [], None), args)
+    assert time.perf_counter() - t0 > 0.8  # the last send is due at 0.2 s modeled, 0.8 s real
+    assert out["time_scale"] == 4.0
+    assert sorted(r.planned_s for r in records) == pytest.approx([0.0, 0.1, 0.2])
+    assert all(abs(r.sent_s - r.planned_s) < 0.05 for r in records)
+    gaps = sorted(g for r in records for g in r.itl_s)
+    # Unscaled they would be >= 40 ms; a loaded machine only lengthens some.
+    assert len(gaps) == 9 and gaps[0] > 0.009 and gaps[4] < 0.02

@@ -15,8 +15,8 @@ def h100_8b() -> CostModel:
 def test_small_decode_batches_cost_the_weight_read(h100_8b):
     p = h100_8b.profile
     read_s = p.model.weight_bytes / (p.device.hbm_bandwidth * p.device.memory_efficiency)
-    # One row: every weight read once, plus a little KV, the head and the overhead.
-    assert read_s < h100_8b.decode_s(1, 128) < read_s * 1.3
+    # One row: every weight read once, plus a little KV, the head and the fixed overhead.
+    assert read_s < h100_8b.decode_s(1, 128) < read_s * 1.1 + p.device.step_overhead_s
     # Memory-bound: 8 rows cost about what one does.
     assert h100_8b.decode_s(8, 128) / h100_8b.decode_s(1, 128) < 1.1
 

@@ -50,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser, *, targets: bool = True) -> None:
     g.add_argument("--max-duration", type=float, help="stop starting requests after this (s)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="one request's limit (s)")
     g.add_argument("--warmup", type=int, default=1, help="requests per target before measuring")
+    g.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the target runs this many times slower than the time it models (simulated "
+        "workers with --time-scale K): rates, durations, timeouts and SLOs are in modeled time; "
+        "requests are sent K times slower and every latency is divided by K",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="random", help=f"one of {', '.join(WORKLOADS)}")
     w.add_argument("--num-requests", type=int, help="per rate (multi-turn: conversations x turns)")
@@ -132,7 +140,7 @@ def check_args(args: argparse.Namespace) -> None:
         )
     positive = ("num_requests", "input_len", "output_len", "prefix_len", "concurrency",
                 "conversations", "turns", "long_input_len", "long_output_len", "request_timeout",
-                "max_duration", "trace_time_scale")  # fmt: skip
+                "max_duration", "trace_time_scale", "time_scale")  # fmt: skip
     for name in positive:
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -167,13 +175,15 @@ async def measure(
     for i, rate in enumerate(rates):
         for t in targets:  # alternated at each rate: ratios from one machine state
             phase = Phase(rate, args.arrival, args.concurrency, args.max_duration,
-                          args.request_timeout, args.temperature, args.seed + i)  # fmt: skip
+                          args.request_timeout, args.temperature, args.seed + i,
+                          args.time_scale)  # fmt: skip
             got = await run_phase(t, jobs, phase, progress)
             records.extend(got)
             results.append(summarize(got, slo) if got else {"target": t.name, "rate": rate})
     out: dict[str, Any] = {
         "workload": "trace" if args.trace else args.workload,
         "slo": {k: v for k, v in vars(slo).items() if v is not None},
+        "time_scale": args.time_scale,  # every figure is in modeled time
         "results": results,
     }
     best = {t.name: max_rate_at([r for r in results if r["target"] == t.name]) for t in targets}

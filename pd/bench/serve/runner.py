@@ -6,6 +6,10 @@ connections); the lag between planned and actual send time is recorded. A conver
 wait for each other: turn k+1 is sent when turn k is answered and carries its answer. A
 conversation whose turn fails stops there; its unsent turns count as errors (`conversation_cut`).
 `max_duration_s` stops starting jobs after that long; started ones finish (or time out).
+
+`time_scale` K > 1 measures a target that runs K times slower than the time it models
+(simulated workers with `--time-scale K`): every time of the phase (arrivals, durations, the
+timeout) is modeled time, waited K times longer, and every time recorded is real time over K.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Phase:
     request_timeout_s: float | None = None
     temperature: float = 0.0
     seed: int = 0
+    time_scale: float = 1.0  # real seconds per modeled second
 
 
 async def run_phase(
@@ -57,19 +62,47 @@ async def run_phase(
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
         t0 = time.perf_counter()
+        clock = _Clock(t0, phase.time_scale)
 
         async def run_job(job: Job, planned: float) -> None:
-            await _run_job(http, target, job, phase, t0, planned, records, on_record)
+            await _run_job(http, target, job, phase, clock, planned, records, on_record)
 
         if phase.concurrency is not None:
-            await _closed_loop(jobs, phase, t0, run_job)
+            await _closed_loop(jobs, phase, clock, run_job)
         else:
-            await _open_loop(jobs, phase, t0, run_job)
+            await _open_loop(jobs, phase, clock, run_job)
     return records
 
 
+@dataclass(frozen=True)
+class _Clock:
+    """The phase's modeled time: real seconds since `t0` over `scale`."""
+
+    t0: float
+    scale: float
+
+    def now(self) -> float:
+        return (time.perf_counter() - self.t0) / self.scale
+
+    async def sleep_until(self, at: float) -> None:
+        delay = (at - self.now()) * self.scale
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def _scaled(record: RequestRecord, scale: float) -> None:
+    """A record's latencies, measured in real time, in modeled time."""
+    if scale == 1.0:
+        return
+    if record.ttft_s is not None:
+        record.ttft_s /= scale
+    if record.e2e_s is not None:
+        record.e2e_s /= scale
+    record.itl_s = [g / scale for g in record.itl_s]
+
+
 async def _open_loop(
-    jobs: list[Job], phase: Phase, t0: float, run_job: Callable[[Job, float], Any]
+    jobs: list[Job], phase: Phase, clock: _Clock, run_job: Callable[[Job, float], Any]
 ) -> None:
     if all(j.at_s is not None for j in jobs):  # a trace: its own timestamps
         times = [j.at_s or 0.0 for j in jobs]
@@ -80,22 +113,20 @@ async def _open_loop(
     for job, at in sorted(zip(jobs, times), key=lambda x: x[1]):
         if phase.max_duration_s is not None and at > phase.max_duration_s:
             break
-        delay = t0 + at - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await clock.sleep_until(at)
         tasks.append(asyncio.create_task(run_job(job, at)))
     await asyncio.gather(*tasks)
 
 
 async def _closed_loop(
-    jobs: list[Job], phase: Phase, t0: float, run_job: Callable[[Job, float], Any]
+    jobs: list[Job], phase: Phase, clock: _Clock, run_job: Callable[[Job, float], Any]
 ) -> None:
     queue = list(reversed(jobs))
     assert phase.concurrency is not None
 
     async def client() -> None:
         while queue:
-            now = time.perf_counter() - t0
+            now = clock.now()
             if phase.max_duration_s is not None and now > phase.max_duration_s:
                 return
             await run_job(queue.pop(), now)
@@ -108,7 +139,7 @@ async def _run_job(
     target: Target,
     job: Job,
     phase: Phase,
-    t0: float,
+    clock: _Clock,
     planned: float,
     records: list[RequestRecord],
     on_record: Callable[[RequestRecord], None] | None,
@@ -132,7 +163,8 @@ async def _run_job(
             body["messages"] = messages
         else:
             body["prompt"] = turn.prompt
-        record.sent_s = time.perf_counter() - t0
+        record.sent_s = clock.now()
+        timeout = phase.request_timeout_s
         await stream_request(
             http,
             target.url,
@@ -140,8 +172,9 @@ async def _run_job(
             record,
             chat=job.chat,
             headers=headers,
-            timeout_s=phase.request_timeout_s,
+            timeout_s=None if timeout is None else timeout * phase.time_scale,
         )
+        _scaled(record, phase.time_scale)
         records.append(record)
         if on_record is not None:
             on_record(record)
@@ -158,4 +191,4 @@ async def _run_job(
             {"role": "user", "content": turn.user or ""},
             {"role": "assistant", "content": record.text},
         ]
-        planned = time.perf_counter() - t0  # the next turn is due now
+        planned = clock.now()  # the next turn is due now
