@@ -10,10 +10,14 @@ import orjson
 import pytest
 
 from pd.bench.cli import main
+from pd.bench.plan_search import Search, attainment_at, summary_at
+from pd.bench.serve.metrics import SLO
 from pd.bench.serve.sim_jobs import arrivals_at, natural_rate, trace_jobs, workload_jobs
 from pd.bench.serve.text import TokenText
 from pd.bench.serve.trace import read_trace
 from pd.bench.serve.workloads import DEFAULTS, WorkloadConfig, build
+from pd.sim import parse_profile
+from pd.sim.cluster import ClusterSpec
 
 TRACE = os.path.join(os.path.dirname(__file__), "data", "mini_trace.jsonl")
 TINY = ["plan", "--profile", "llama-3.1-8b:h100", "--tp", "1", "--rate-tolerance", "0.05"]
@@ -108,10 +112,10 @@ def test_plan_at_a_rate_and_its_sweep_plot(capsys: pytest.CaptureFixture[str], t
 def test_disaggregation_wins_when_tpot_is_tight_and_prompts_long(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """4,096-token prompts, 64 output tokens, 8B on 3 H100s. A decode step is ~8 ms; a prefill
-    ~100 ms. Co-located, every prompt that arrives while a request decodes puts a ~100 ms step
+    """4,096-token prompts, 64 output tokens, 8B on 3 H100s. A decode step is 7-10 ms, a prefill
+    ~140 ms. Co-located, every prompt that arrives while a request decodes puts a ~140 ms step
     among its 63 gaps, so TPOT <= 12 ms allows a few requests per second per worker; split, D's
-    steps stay decode steps and each P takes ~10 prompts a second within the TTFT."""
+    steps stay decode steps and each P takes ~7 prompts a second within the TTFT."""
     argv = ["--gpus", "3", "--num-requests", "150", "--input-len", "4096", "--output-len", "64",
             "--slo-ttft-ms", "1000"]  # fmt: skip
     tight = plan_json(capsys, *argv, "--slo-tpot-ms", "12")
@@ -136,3 +140,20 @@ def test_bad_input_is_one_line_and_status_2(
 ) -> None:
     assert main([*TINY[:3], *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_early_stop_never_changes_a_decision() -> None:
+    """`attainment_at` stops a run once too many requests missed; at every rate it must agree
+    with the full run on meeting the target, and equal it whenever it does."""
+    jobs = workload_jobs(WorkloadConfig("random", num_requests=120, input_len=2000, output_len=32))
+    spec = ClusterSpec.disaggregated(parse_profile("llama-3.1-8b:h100"), 1, 1, 1, 1)
+    search = Search(SLO(ttft_ms=400, tpot_ms=15), attainment=0.9)
+    seen = set()
+    for rate in (2, 4, 6, 8, 12, 20):
+        early = attainment_at(spec, jobs, rate, search)
+        full = summary_at(spec, jobs, rate, search)["slo_attainment"]
+        assert (early >= 0.9) == (full >= 0.9)
+        if full >= 0.9:
+            assert early == pytest.approx(full, abs=1e-4)
+        seen.add(full >= 0.9)
+    assert seen == {True, False}  # both sides of the target were tried

@@ -20,12 +20,13 @@ every request queues), EOS (every request generates its `output_tokens`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pd.sim.cluster.requests import RequestTiming, SimJob
+from pd.sim.cluster.seq import Seq, pages_for
 from pd.sim.cluster.spec import ClusterSpec
-from pd.sim.cluster.worker import Seq, SimWorker, pages_for
+from pd.sim.cluster.worker import SimWorker
 
 ARRIVE, STEP, PULLED = range(3)
 
@@ -52,9 +53,18 @@ class _Router:
 
 
 class ClusterSim:
-    def __init__(self, spec: ClusterSpec, check: bool = False) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        check: bool = False,
+        stop: Callable[[RequestTiming], bool] | None = None,
+    ) -> None:
         self.spec = spec
         self.check = check  # every worker's page accounting checked after each event (tests)
+        # Told of each request that ends (finished or failed); True stops the run there (the
+        # requests not ended yet come back unfinished).
+        self.stop = stop
+        self.stopped = False
         limits = spec.limits
         self.page = limits.page_size
         self.pools: list[list[SimWorker]] = []
@@ -82,7 +92,7 @@ class ClusterSim:
             self._push(at, ARRIVE, (i, 0))
         steps = 0
         events = self._events
-        while events:
+        while events and not self.stopped:
             now, _, kind, obj = heapq.heappop(events)
             self.now = now
             if kind == STEP:
@@ -131,6 +141,7 @@ class ClusterSim:
         if not self._fits(t.prompt_tokens, t.output_tokens):
             timing.error = "too_long"
             self._cut(jobs, timings, job, turn)
+            self._ended(timing)
             return
         self._uid += 1
         seq = Seq(self._uid, timing, t, job)
@@ -158,6 +169,7 @@ class ClusterSim:
             self._grant(d)
         for seq in done:
             self._next_turn(jobs, seq)
+            self._ended(seq.timing)
         if w.role == "decode":
             self._grant(w)
         self._kick(w)
@@ -180,6 +192,10 @@ class ClusterSim:
         d.admit_pulled(seq)
         self._kick(p)  # its pages are free: admissions may fit now
         self._kick(d)
+
+    def _ended(self, timing: RequestTiming) -> None:
+        if self.stop is not None and self.stop(timing):
+            self.stopped = True
 
     def _next_turn(self, jobs: Sequence[SimJob], seq: Seq) -> None:
         if seq.timing.turn + 1 < len(jobs[seq.job].turns):

@@ -11,59 +11,19 @@ or co-located worker decodes it. A decode worker takes a pulled request's pages 
 preempted request waits, it is under `max_running` (pulls in flight count) and one free page per
 running request stays in reserve (`Scheduler.reserve`).
 
-NOTE: decode rows are not stepped one by one. `Limits` has chunk_size > max_running, so every
-decoding request is in every step: a row that joins at step s0 with c0 tokens computed has
-c0 + (s - s0) at step s and needs a new page when that is a multiple of page_size. The worker
-keeps the rows' count, the sum of c0 - s0, the count per (c0 - s0) mod page_size and a heap of
-the step each finishes at, so a step costs O(1) in the batch's size.
+Decode rows are kept in aggregate (decode_rows.py): a step costs O(1) in the batch's size.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 
+from pd.sim.cluster.decode_rows import DecodeRows
 from pd.sim.cluster.prefix import PrefixCache
-from pd.sim.cluster.requests import RequestTiming, SimTurn
+from pd.sim.cluster.seq import DECODE, DONE, PINNED, PREFILL, PULL, WAITING, Seq, pages_for
 from pd.sim.cluster.spec import Limits
 from pd.sim.cost import CostModel
 from pd.sim.profile import Profile
-
-WAITING, PREFILL, DECODE, PINNED, PULL, DONE = range(6)
-
-
-class Seq:
-    """One request on a worker: its tokens and pages (in counts)."""
-
-    __slots__ = ("uid", "job", "timing", "prompt", "output", "segments", "emitted",
-                 "computed", "shared", "private", "state", "s0", "c0", "version",
-                 "admitted")  # fmt: skip
-
-    def __init__(self, uid: int, timing: RequestTiming, turn: SimTurn, job: int = 0) -> None:
-        self.uid = uid
-        self.job = job  # its job's index (the DES sends the next turn when it ends)
-        self.timing = timing
-        self.prompt = turn.prompt_tokens
-        self.output = turn.output_tokens
-        self.segments = turn.segments
-        self.emitted = 0  # output tokens sampled
-        self.computed = 0  # tokens in the KV cache
-        self.shared = 0  # full prompt pages counted in the prefix cache, not privately
-        self.private = 0  # pages held privately (a decode row's: `SimWorker.decode_pages`)
-        self.state = WAITING
-        self.s0 = 0  # decode rows: the step the row joined at, with c0 tokens computed
-        self.c0 = 0
-        self.version = 0  # bumped when a decode row leaves (stale finish-heap entries)
-        self.admitted = False  # into a running batch once (its cached tokens are counted)
-
-    @property
-    def remaining(self) -> int:
-        """Tokens to compute before the next sample (the last sampled one is not in the KV)."""
-        return self.prompt + self.emitted - self.computed
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
 
 
 class SimWorker:
@@ -84,11 +44,7 @@ class SimWorker:
         self.reserved = 0  # decode rows hold pages for the tokens of steps < this
         self.step_end: list[float] = []  # each finished step's end time
         self.queued_prefill = 0  # tokens still to prefill, waiting and running
-        # Decode rows: count, sum of (c0 - s0), count per (c0 - s0) mod page, finish heap.
-        self.n_dec = 0
-        self.k_dec = 0
-        self.phase = [0] * self.page
-        self._finish: list[tuple[int, int, int, Seq]] = []  # (last step, uid, version, seq)
+        self.decoding = DecodeRows(self.page)
         self._chunks: list[tuple[Seq, int, bool]] = []  # this step's prefill rows
         # Decode side: pulls waiting for pages, pulls in flight (their pages reserved).
         self.pulls: deque[Seq] = deque()
@@ -118,6 +74,7 @@ class SimWorker:
         self.used += n
 
     def decode_pages(self, seq: Seq) -> int:
+        """A decode row's private pages: those of its tokens up to the reserved step."""
         return pages_for(seq.c0 + self.reserved - seq.s0, self.page) - seq.shared
 
     # ------------------------------------------------------------------------------ queues
@@ -178,12 +135,12 @@ class SimWorker:
         """Schedule the next step; its modeled duration, or None when nothing can run."""
         assert not self.busy
         chunks = self._schedule()
-        if not chunks and not self.n_dec:
+        n_dec = len(self.decoding)
+        if not chunks and not n_dec:
             return None
         s = self.steps
         self.steps += 1
         self.busy = True
-        n_dec = self.n_dec
         if n_dec > self.max_decode_rows:
             self.max_decode_rows = n_dec
         sampled = n_dec
@@ -191,7 +148,7 @@ class SimWorker:
         for seq, n, sample in chunks:
             rows.append((seq.computed, n))
             sampled += sample
-        duration = self.cost.batch_s(n_dec, self.k_dec + n_dec * s, rows, sampled)
+        duration = self.cost.batch_s(n_dec, self.decoding.context(s), rows, sampled)
         self.busy_s += duration
         return duration
 
@@ -199,15 +156,15 @@ class SimWorker:
         s = self.steps
         budget = self.chunk
         # Decoding rows first: those at a page boundary need one page each.
-        need = self.phase[(-s) % self.page]
+        need = self.decoding.at_boundary(s)
         while need > self.free_pages:
             victim = self.running[-1]
-            if victim.state is DECODE and (victim.c0 - victim.s0 + s) % self.page == 0:
+            if victim.state is DECODE and self.decoding.needs_page(victim, s):
                 need -= 1
             self._preempt(victim)
         self._allocate(need)
         self.reserved = s + 1
-        budget -= self.n_dec
+        budget -= len(self.decoding)
         chunks = self._chunks = []
         # Prefills in progress, oldest first.
         for seq in list(self.running):
@@ -284,11 +241,7 @@ class SimWorker:
             else:
                 self._join_decode(seq)
         self._chunks = []
-        heap = self._finish
-        while heap and heap[0][0] <= s:
-            _, _, version, seq = heapq.heappop(heap)
-            if version != seq.version or seq.state is not DECODE:
-                continue
+        for seq in self.decoding.finished(s):
             pages = self.decode_pages(seq)
             self._leave_decode(seq)
             self.running.remove(seq)
@@ -299,15 +252,10 @@ class SimWorker:
     # ------------------------------------------------------------------------------ rows
 
     def _join_decode(self, seq: Seq) -> None:
+        """`seq` decodes from the next step on."""
         seq.state = DECODE
-        seq.c0 = seq.computed
-        seq.s0 = self.steps
         seq.private = 0
-        self.n_dec += 1
-        self.k_dec += seq.c0 - seq.s0
-        self.phase[(seq.c0 - seq.s0) % self.page] += 1
-        last = seq.s0 + seq.output - seq.emitted - 1
-        heapq.heappush(self._finish, (last, seq.uid, seq.version, seq))
+        self.decoding.join(seq, self.steps)
 
     def _leave_decode(self, seq: Seq) -> None:
         """Take a decode row out; its tokens are those of the steps it was in so far."""
@@ -315,10 +263,7 @@ class SimWorker:
         seq.timing.token_times.extend(self.step_end[seq.s0 :])
         seq.emitted += ran
         seq.computed = seq.c0 + ran
-        self.n_dec -= 1
-        self.k_dec -= seq.c0 - seq.s0
-        self.phase[(seq.c0 - seq.s0) % self.page] -= 1
-        seq.version += 1
+        self.decoding.leave(seq)
 
     def _cache_prompt(self, seq: Seq) -> None:
         """The prompt is computed: its full pages become the cache's (those it had already are
@@ -366,5 +311,5 @@ class SimWorker:
             held += self.decode_pages(seq) if seq.state is DECODE else seq.private
         assert held == self.used, f"worker {self.index}: {held} pages held, {self.used} used"
         assert 0 <= self.used <= self.total
-        assert self.n_dec == sum(1 for s in self.running if s.state is DECODE)
+        assert len(self.decoding) == sum(1 for s in self.running if s.state is DECODE)
         assert all(s.private == 0 and s.computed == 0 for s in self.waiting)
