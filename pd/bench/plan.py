@@ -15,11 +15,10 @@ import dataclasses
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from pd.bench.plan_search import Outcome, Search, colocated, evaluate, fits, splits, summary_at
 from pd.bench.serve.arrivals import ARRIVALS
 from pd.bench.serve.cli import (
     BenchInputError,
@@ -29,10 +28,12 @@ from pd.bench.serve.cli import (
     workload_config,
 )
 from pd.bench.serve.metrics import SLO
-from pd.bench.serve.sim_jobs import natural_rate, trace_jobs, workload_jobs
 from pd.bench.serve.trace import TraceError, read_trace
-from pd.sim.cluster import POLICIES, ClusterSpec, Limits, SimJob
-from pd.sim.profile import Profile, parse_profile
+
+if TYPE_CHECKING:  # the simulator is imported when the subcommand runs, not with pd-bench
+    from pd.bench.plan_search import Outcome, Search
+    from pd.sim.cluster import ClusterSpec, Limits, SimJob
+    from pd.sim.profile import Profile
 
 DEFAULT_REQUESTS = 1000  # per simulation, when --num-requests is not given
 
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "is searched")  # fmt: skip
     c.add_argument("--gpus", type=int, default=8, help="the GPU budget")
     c.add_argument("--tp", default="1,2,4,8", help="TPs to try, each role its own")
-    c.add_argument("--policy", default="least-loaded", help=f"router: {', '.join(POLICIES)}")
+    c.add_argument("--policy", default="least-loaded", help="router: least-loaded, round-robin")
     c.add_argument("--chunk-size", type=int, default=8192, help="every worker's step token budget")
     c.add_argument("--colocated-chunk-sizes",
                    help="co-located: chunk sizes to try, comma-separated (default: --chunk-size); "
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
+    from pd.bench.plan_search import colocated, splits, summary_at
+
     profile, tps, limits, search, jobs = _inputs(args)
     t0 = time.perf_counter()
     pd_specs = splits(profile, args.gpus, tps, limits, args.policy)
@@ -145,6 +148,8 @@ def _point(s: dict[str, Any]) -> dict[str, Any]:
 
 def _evaluate_all(specs: list[ClusterSpec], jobs: list[SimJob], search: Search,
                   workers: int) -> list[Outcome]:  # fmt: skip
+    from pd.bench.plan_search import evaluate
+
     if workers <= 1:
         return [evaluate(s, jobs, search) for s in specs]
     with ProcessPoolExecutor(workers) as pool:
@@ -152,6 +157,11 @@ def _evaluate_all(specs: list[ClusterSpec], jobs: list[SimJob], search: Search,
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, list[int], Limits, Search, list[SimJob]]:
+    from pd.bench.plan_search import Search, fits
+    from pd.bench.serve.sim_jobs import natural_rate, trace_jobs, workload_jobs
+    from pd.sim.cluster import POLICIES, Limits
+    from pd.sim.profile import parse_profile
+
     check_workload_args(args)
     profile = parse_profile(args.profile)
     tps = _ints(args.tp, "--tp")

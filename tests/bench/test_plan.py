@@ -157,3 +157,9 @@ def test_the_early_stop_never_changes_a_decision() -> None:
             assert early == pytest.approx(full, abs=1e-4)
         seen.add(full >= 0.9)
     assert seen == {True, False}  # both sides of the target were tried
+
+
+def test_plan_replays_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    out = plan_json(capsys, "--gpus", "2", "--trace", TRACE, "--slo-ttft-ms", "1000")
+    assert (out["workload"], out["requests"]) == ("trace", 4)
+    assert out["best"]["max_rate"] is not None and out["best"]["goodput_per_gpu"] > 0
