@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "router": "router overhead vs direct, at concurrency 1 and 64",
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
     "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
+    "plan": "the P:D split and TPs with the best goodput per GPU, on a simulated cluster",
     "routing": "routing policies and decode-local prefill on a multi-turn load (2 P + 1 D)",
     "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",

@@ -69,27 +69,64 @@ class CostModel:
             return StepCost(0.0)
         if self._prefill:
             return StepCost(self._from_table(rows))
-        tokens = sum(n for _, n in rows)
+        tokens = 0
+        attn_flops = 0.0
+        kv_tokens = 0
+        for cached, new in rows:
+            tokens += new
+            # Each new token attends to the cached ones and to the new ones before it.
+            attn_flops += 4 * self._heads * self._head_dim * new * (cached + (new + 1) / 2)
+            kv_tokens += cached + new
         sampled = len(rows) if sampled is None else sampled
+        linear, attention, allreduce, head = self._roofline(tokens, attn_flops, kv_tokens, sampled)
+        n = self._layers
+        total = n * (linear + attention + allreduce) + head + self._overhead
+        return StepCost(total, n * linear, n * attention, n * allreduce, head, self._overhead)
+
+    def batch_s(
+        self,
+        decode_rows: int,
+        decode_context: int,
+        chunks: Sequence[Row] = (),
+        sampled: int | None = None,
+    ) -> float:
+        """`step_s` of `decode_rows` decode rows `(c_i, 1)` with `sum(c_i) == decode_context`
+        plus the prefill `chunks`, in time independent of `decode_rows`: a decode row's cost is
+        linear in its context, so their sum is all that counts (the planner's DES steps)."""
+        rows = decode_rows + len(chunks)
+        if not rows:
+            return 0.0
+        sampled = rows if sampled is None else sampled
+        if self._prefill:
+            prefill = sum(n for _, n in chunks if n > 1)
+            ones = [c for c, n in chunks if n == 1]
+            return self._table(prefill, decode_rows + len(ones), decode_context + sum(ones))
+        tokens = decode_rows
+        # (c, 1): 4 h d (c + 1) FLOPs and c + 1 tokens of KV read, summed over the rows.
+        attn_flops = 4 * self._heads * self._head_dim * float(decode_context + decode_rows)
+        kv_tokens = decode_context + decode_rows
+        for cached, new in chunks:
+            tokens += new
+            attn_flops += 4 * self._heads * self._head_dim * new * (cached + (new + 1) / 2)
+            kv_tokens += cached + new
+        linear, attention, allreduce, head = self._roofline(tokens, attn_flops, kv_tokens, sampled)
+        return self._layers * (linear + attention + allreduce) + head + self._overhead
+
+    def _roofline(
+        self, tokens: int, attn_flops: float, kv_tokens: int, sampled: int
+    ) -> tuple[float, float, float, float]:
+        """One layer's matmuls, attention and all-reduces, and the LM head (seconds)."""
         linear = max(
             tokens * self._layer_linear_flops_per_token / self._flops,
             self._layer_weight_bytes / self._bw,
         )
-        attn_flops = 0.0
-        kv_tokens = 0
-        for cached, new in rows:
-            # Each new token attends to the cached ones and to the new ones before it.
-            attn_flops += 4 * self._heads * self._head_dim * new * (cached + (new + 1) / 2)
-            kv_tokens += cached + new
         attention = max(attn_flops / self._flops, kv_tokens * self._kv_layer_bytes / self._bw)
         allreduce = 0.0
         if self._tp > 1:
             nbytes = tokens * self._act_bytes_per_token
             allreduce = 2 * (2 * (self._tp - 1) / self._tp * nbytes / self._ar_bw + 5e-6)
         head = max(sampled * self._head_flops_per_row / self._flops, self._head_bytes / self._bw)
-        n = self._layers
-        total = n * (linear + attention + allreduce) + head + self._overhead
-        return StepCost(total, n * linear, n * attention, n * allreduce, head, self._overhead)
+        return linear, attention, allreduce, head
 
     def step_s(self, rows: Sequence[Row], sampled: int | None = None) -> float:
         return self.step(rows, sampled).total_s
@@ -110,17 +147,19 @@ class CostModel:
         return link.transfer_s(tokens * self.profile.model.kv_bytes_per_token, self._tp)
 
     def _from_table(self, rows: Sequence[Row]) -> float:
-        """A measured profile: prefill tokens and decode rows looked up apart, then added (the
-        step overhead, inside both figures, counted once)."""
         prefill = sum(n for _, n in rows if n > 1)
         decode = [c for c, n in rows if n == 1]
+        return self._table(prefill, len(decode), sum(decode))
+
+    def _table(self, prefill: int, decode_rows: int, decode_context: int) -> float:
+        """A measured profile: prefill tokens and decode rows (at their mean context) looked up
+        apart, then added (the step overhead, inside both figures, counted once)."""
         t = 0.0
         if prefill:
             t += _interp(self._prefill, prefill)
-        if decode:
-            ctx = sum(decode) / len(decode)
-            t += _interp_decode(self._decode, len(decode), ctx)
-        if prefill and decode:
+        if decode_rows:
+            t += _interp_decode(self._decode, decode_rows, decode_context / decode_rows)
+        if prefill and decode_rows:
             t -= min(self._overhead, t / 2)
         return t
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.resources
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +214,13 @@ def _profile_file(path: Path) -> Profile:
             ),
         )
     )
+
+
+def with_tp(p: Profile, tp: int) -> Profile:
+    """`p` at another TP (checked as a parsed profile is); a measured profile keeps its own."""
+    if tp != p.tp and p.prefill_table:
+        raise ValueError(f"a measured profile is measured at tp {p.tp}, not {tp}")
+    return _checked(replace(p, tp=tp))
 
 
 def _checked(p: Profile) -> Profile:

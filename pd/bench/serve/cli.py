@@ -58,6 +58,20 @@ def add_arguments(p: argparse.ArgumentParser, *, targets: bool = True) -> None:
         "workers with --time-scale K): rates, durations, timeouts and SLOs are in modeled time; "
         "requests are sent K times slower and every latency is divided by K",
     )
+    add_workload_arguments(p)
+    w = p.add_argument_group("requests")
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    w.add_argument("--tokenizer", help="tokenizer (.gguf or HF dir; default: the embedded model's)")
+    w.add_argument("--model", help="model name in the body (default: the first of /v1/models)")
+    add_slo_arguments(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--output-dir", help="also write records.csv and PNG plots there")
+    o.add_argument("--cdf-rate", type=float, help="rate of the CDF plots (default: the middle one)")
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload's flags (shared with `pd-bench plan`)."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="random", help=f"one of {', '.join(WORKLOADS)}")
     w.add_argument("--num-requests", type=int, help="per rate (multi-turn: conversations x turns)")
@@ -76,18 +90,14 @@ def add_arguments(p: argparse.ArgumentParser, *, targets: bool = True) -> None:
     w.add_argument("--long-every", type=int, default=8, help="mixed: every n-th request is long")
     w.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="generate max_tokens tokens (default: on for random and mixed)")  # fmt: skip
-    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
-    w.add_argument("--tokenizer", help="tokenizer (.gguf or HF dir; default: the embedded model's)")
-    w.add_argument("--model", help="model name in the body (default: the first of /v1/models)")
+
+
+def add_slo_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("SLOs (per request)")
     s.add_argument("--slo-ttft-ms", type=float, help="time to first token")
     s.add_argument("--slo-tpot-ms", type=float, help="time per output token after the first")
     s.add_argument("--slo-itl-p99-ms", type=float, help="p99 of the request's inter-token gaps")
-    o = p.add_argument_group("output")
-    o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.add_argument("--output-dir", help="also write records.csv and PNG plots there")
-    o.add_argument("--cdf-rate", type=float, help="rate of the CDF plots (default: the middle one)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +140,20 @@ def parse_rates(text: str | None) -> list[float]:
 
 
 def check_args(args: argparse.Namespace) -> None:
+    check_workload_args(args)
+    positive = ("concurrency", "request_timeout", "max_duration", "trace_time_scale", "time_scale")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise BenchInputError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+    if args.warmup < 0:
+        raise BenchInputError("--warmup must be >= 0")
+    if sum(x is not None for x in (args.rates, args.concurrency, args.trace)) > 1:
+        raise BenchInputError("give one of --rates, --concurrency, --trace")
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    """The workload's and the arrival's flags (`add_workload_arguments`, `--arrival`)."""
     if args.workload not in WORKLOADS:
         raise BenchInputError(
             f"unknown workload {args.workload!r}: choose from {', '.join(WORKLOADS)}"
@@ -138,17 +162,14 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchInputError(
             f"unknown arrival {args.arrival!r}: choose from {', '.join(ARRIVALS)}"
         )
-    positive = ("num_requests", "input_len", "output_len", "prefix_len", "concurrency",
-                "conversations", "turns", "long_input_len", "long_output_len", "request_timeout",
-                "max_duration", "trace_time_scale", "time_scale")  # fmt: skip
+    positive = ("num_requests", "input_len", "output_len", "prefix_len", "conversations",
+                "turns", "long_input_len", "long_output_len")  # fmt: skip
     for name in positive:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise BenchInputError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-    if args.warmup < 0 or args.long_every < 0 or not 0 <= args.range_ratio < 1:
-        raise BenchInputError("--warmup, --long-every must be >= 0 and --range-ratio in [0, 1)")
-    if sum(x is not None for x in (args.rates, args.concurrency, args.trace)) > 1:
-        raise BenchInputError("give one of --rates, --concurrency, --trace")
+    if args.long_every < 0 or not 0 <= args.range_ratio < 1:
+        raise BenchInputError("--long-every must be >= 0 and --range-ratio in [0, 1)")
 
 
 async def measure(
@@ -165,7 +186,7 @@ async def measure(
     if entries is not None:
         jobs = trace_jobs(entries, text, args.trace_time_scale)
     else:
-        jobs = build(_workload(args), text)
+        jobs = build(workload_config(args), text)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_itl_p99_ms)
     progress = _progress(sum(len(j.turns) for j in jobs) * len(rates) * len(targets))
     for t in targets:
@@ -219,7 +240,7 @@ def emit(out: dict[str, Any], records: list[RequestRecord], args: argparse.Names
     print(f"max rate at 90% attainment: {out['max_rate_at_90pct']}")
 
 
-def _workload(args: argparse.Namespace) -> WorkloadConfig:
+def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
         args.workload, args.num_requests, args.input_len, args.output_len, args.range_ratio,
         args.prefix_len, args.conversations, args.turns, args.long_input_len,
