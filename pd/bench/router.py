@@ -5,6 +5,12 @@ router (`pd-router`, production settings: load-aware policies, health polling, m
 auth) in another, optionally a bare relay (aiohttp + uvloop + orjson, P then D, no features) in a
 third, and the closed-loop load generator here. Rounds alternate direct / router / bare at each
 concurrency, so the figures are side by side under the same noise.
+
+The relay budget (issue 22): at c=1 the router's p50 stays within `TARGET_RELAY_MS` of the bare
+relay's (`c1_router_minus_bare_p50_ms`). Because latency moves by a tenth of a millisecond
+between rounds on a shared machine, the CPU time each relay process spent a request at c=1 is
+reported too (`c1_router_cpu_us`, `c1_bare_cpu_us`: utime + stime from /proc over its own
+slices; Linux only, else absent).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import orjson
 API_KEY = "bench-key"
 TARGET_ADDED_P50_MS = 1.0
 TARGET_C64_RATIO = 0.45
+TARGET_RELAY_MS = 0.25  # router minus bare relay, p50 at c=1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,6 +134,16 @@ def _run_forever(coro: Any) -> None:
     uvloop.run(coro)
 
 
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used, or None where /proc has no figure."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,26 +211,35 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1000.0
 
 
-async def _drive(args: argparse.Namespace, targets: dict[str, tuple[str, bytes, dict]]) -> dict:
-    """c=1: slices of 100 sequential requests, alternating targets (drift hits all alike).
-    c=N: closed-loop phases of `duration` seconds, alternating targets, `rounds` times."""
+async def _drive(
+    args: argparse.Namespace, targets: dict[str, tuple[str, bytes, dict]], pids: dict[str, int]
+) -> dict:
+    """c=1: slices of 100 sequential requests, alternating targets (drift hits all alike), the
+    CPU of the process serving each (`pids`) counted over its slices. c=N: closed-loop phases of
+    `duration` seconds, alternating targets, `rounds` times."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     results: dict[str, dict[str, Any]] = {}
 
-    def add(key: str, lat: list[float], elapsed: float) -> None:
-        r = results.setdefault(key, {"lat": [], "elapsed": 0.0, "rps": []})
+    def add(key: str, lat: list[float], elapsed: float, cpu: float | None = None) -> None:
+        r = results.setdefault(key, {"lat": [], "elapsed": 0.0, "rps": [], "cpu": 0.0})
         r["lat"] += lat
         r["elapsed"] += elapsed
         r["rps"].append(len(lat) / elapsed)
+        r["cpu"] = None if cpu is None or r["cpu"] is None else r["cpu"] + cpu
 
     async with aiohttp.ClientSession(connector=connector) as session:
         for url, payload, headers in targets.values():  # warm connections and caches
             await _closed_loop(session, url, payload, headers, args.concurrency, 0.5)
         for _ in range(max(1, args.c1_requests // 100)):
             for name, (url, payload, headers) in targets.items():
+                pid = pids.get(name)
+                cpu0 = _cpu_s(pid) if pid is not None else None
                 start = perf_counter()
                 lat = [await _one(session, url, payload, headers) for _ in range(100)]
-                add(f"c1_{name}", lat, perf_counter() - start)
+                elapsed = perf_counter() - start
+                cpu1 = _cpu_s(pid) if pid is not None else None
+                cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+                add(f"c1_{name}", lat, elapsed, cpu)
         for _ in range(args.rounds):
             for name, (url, payload, headers) in targets.items():
                 lat, elapsed = await _closed_loop(
@@ -259,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     if not args.no_bare:
         procs.append(_spawn(["-m", me, "_bare", str(b_port), p_url, d_url]))
+    pids = {"router": procs[1].pid, **({} if args.no_bare else {"bare": procs[2].pid})}
     body = {
         "model": "stub-model",
         "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
@@ -291,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
                 *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"]),
             ):
                 await _wait_ready(s, url, procs)
-        return await _drive(args, targets)
+        return await _drive(args, targets, pids)
 
     try:
         import uvloop
@@ -320,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         out[f"{key}_rps"] = round(len(r["lat"]) / r["elapsed"], 1)
         if not key.startswith("c1_"):
             out[f"{key}_rps_per_round"] = [round(x, 1) for x in r["rps"]]
+        elif r["cpu"] is not None and key != "c1_direct":  # (direct: the stubs' process)
+            out[f"{key}_cpu_us"] = round(r["cpu"] / len(r["lat"]) * 1e6, 1)
     c = args.concurrency
     out["c1_added_p50_ms"] = round(out["c1_router_p50_ms"] - out["c1_direct_p50_ms"], 3)
     out[f"c{c}_ratio"] = round(out[f"c{c}_router_rps"] / out[f"c{c}_direct_rps"], 3)
@@ -334,6 +363,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_bare:
         out["c1_bare_added_p50_ms"] = round(out["c1_bare_p50_ms"] - out["c1_direct_p50_ms"], 3)
         out["c64_bare_ratio"] = round(out[f"c{c}_bare_rps"] / out[f"c{c}_direct_rps"], 3)
+        relay = round(out["c1_router_p50_ms"] - out["c1_bare_p50_ms"], 3)
+        out["c1_router_minus_bare_p50_ms"] = relay
+        if "c1_router_cpu_us" in out and "c1_bare_cpu_us" in out:
+            cpu = out["c1_router_cpu_us"] - out["c1_bare_cpu_us"]
+            out["c1_router_minus_bare_cpu_us"] = round(cpu, 1)
+        out["meets_relay_budget"] = bool(relay <= TARGET_RELAY_MS)
     out["meets_targets"] = bool(
         out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS and out["c64_ratio"] >= TARGET_C64_RATIO
     )
@@ -362,6 +397,13 @@ def _print_table(out: dict, names: list[str], c: int) -> None:
             else ""
         )
     )
+    if "c1_router_minus_bare_p50_ms" in out:
+        cpu = out.get("c1_router_minus_bare_cpu_us")
+        print(
+            f"router minus bare relay at c=1: {out['c1_router_minus_bare_p50_ms']} ms p50 "
+            f"(budget <= {TARGET_RELAY_MS})"
+            + (f", {cpu} us of CPU a request" if cpu is not None else "")
+        )
 
 
 if __name__ == "__main__":

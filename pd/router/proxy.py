@@ -725,7 +725,7 @@ class Proxy:
 
 
 _ERROR_EVENT = b'data: {"error"'
-_EDGE = len(DONE)  # as long as an error event's start: what a split between chunks can cut
+_DONE_AT = -len(DONE)
 # What a kept chunk costs beyond its bytes (the bytes object and its list slot), so that a
 # stream of tiny chunks is bounded too.
 _CHUNK_OVERHEAD = 48
@@ -735,34 +735,29 @@ class _StreamRead:
     """What the router reads of a stream it relays, chunk by chunk, for the prefix index:
     whether it ended well (its last event [DONE], and no error event before) and, while they fit
     in `keep` bytes, its chunks (to read the answer back). A longer stream is dropped: its
-    prompt alone is learnt. Per chunk: one scan for an error event, nothing copied but what is
-    kept (workers write whole events, so a chunk rarely ends inside one)."""
+    prompt alone is learnt. It is fed what `Tracker.feed` relays: whole events, so that neither
+    an error event nor [DONE] is ever cut between chunks. Per chunk: one scan for an error
+    event, nothing copied."""
 
-    __slots__ = ("chunks", "room", "tail", "error", "done")
+    __slots__ = ("chunks", "room", "error", "done")
 
     def __init__(self, keep: int) -> None:
         self.chunks: list[bytes] | None = [] if keep > 0 else None
         self.room = keep
-        self.tail = b"\n\n"  # the stream so far ends with at least these bytes
         self.error = False
         self.done = False
 
     def feed(self, chunk: bytes) -> bool:
-        """Take the next chunk; True once, when the stream just ended well."""
-        tail = self.tail
-        if _ERROR_EVENT in chunk or (
-            not tail.endswith(b"\n\n") and _ERROR_EVENT in tail[-_EDGE:] + chunk[:_EDGE]
-        ):
+        """Take the next whole events; True once, when the stream just ended well."""
+        if chunk.partition(_ERROR_EVENT)[1]:  # (not `in`: see Tracker.feed)
             self.error = True
-        # A chunk shorter than [DONE] may end one split across chunks: join it to what came.
-        self.tail = chunk if len(chunk) >= _EDGE else tail[-_EDGE:] + chunk
         if self.chunks is not None:
             self.room -= len(chunk) + _CHUNK_OVERHEAD
             if self.room < 0:
                 self.chunks = None  # too long to keep: learn the prompt only
             else:
                 self.chunks.append(chunk)
-        if self.done or self.error or not self.tail.endswith(DONE):
+        if self.done or self.error or chunk[_DONE_AT:] != DONE:
             return False
         self.done = True
         return True

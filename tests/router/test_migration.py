@@ -8,6 +8,8 @@ from functools import partial
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pd.router.keys import HEALTH
 from tests.router.conftest import CHAT, COMPLETION, registry_of, sse_events, wait_for
@@ -332,3 +334,79 @@ async def test_a_decode_local_stream_migrates_decode_local(stub, router):
     assert leg["pd_continuation"] == {"output_token_ids": [100, 101, 102]}
     assert "kv_transfer_params" not in leg and p.requests == []
     assert idle(client)
+
+
+def _reference(stream: bytes) -> tuple[bytes, list[bytes], bool]:
+    """What the tracker makes of a whole stream, line by line: the events less their `: pd-`
+    lines (an event left empty dropped), the ids lines' text, whether `: pd-migrate` came."""
+    out, ids, migrate = [], [], False
+    for event in stream.split(b"\n\n")[:-1]:
+        kept = []
+        for line in event.split(b"\n"):
+            if line.startswith(b": pd-ids "):
+                ids.append(line[9:])
+            elif line.split(b" ", 2)[1] == b"pd-migrate":
+                migrate = True
+            elif not line.startswith(b": pd-"):
+                kept.append(line)
+        if kept:
+            out.append(b"\n".join(kept) + b"\n\n")
+    return b"".join(out), ids, migrate
+
+
+_TEXTS = st.sampled_from(["t", "a: pd-ids 1 2", "\n: pd-x", "x\n\ny", ": pd-migrate", ""])
+
+
+def _token_event(index: int, text: str, finish: str | None) -> bytes:
+    choice = {"index": index, "text": text, "finish_reason": finish}
+    data = orjson.dumps({"id": "cmpl-a", "created": 7, "choices": [choice]})
+    return f": pd-ids {index} {len(text)}\n".encode() + b"data: " + data + b"\n\n"
+
+
+_EVENTS = st.one_of(
+    st.builds(_token_event, st.integers(0, 2), _TEXTS, st.sampled_from([None, "stop"])),
+    st.just(b'data: {"choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'),
+    st.just(b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'),
+    st.just(b": pd-migrate draining\n\n"),
+    st.just(b": pd-ids 0 7\n: pd-migrated 1\ndata: {}\n\n"),  # shapes the contract does not use:
+    st.just(b": pd-ids 1 8\n\n"),  # still stripped exactly
+    st.just(b"data: {}\n: pd-ids 0 9\n\n"),
+)
+
+
+@given(
+    events=st.lists(_EVENTS, max_size=12),
+    cuts=st.lists(st.integers(0, 2000), max_size=8),
+    tail=st.sampled_from([b"", b"data: [DONE]\n\n", b": pd-ids 0 1\nda"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_the_tracker_matches_a_line_by_line_reading(events, cuts, tail):
+    from pd.router.migrate import Tracker
+
+    stream = b"".join(events) + tail
+    whole = stream[: stream.rfind(b"\n\n") + 2] if b"\n\n" in stream else b""
+    want, ids, migrate = _reference(whole)
+    drained: list[int] = []
+    t = Tracker(None, partial(drained.append, 1))  # type: ignore[arg-type]
+    at, out = 0, []
+    for cut in sorted({min(c, len(stream)) for c in cuts} | {len(stream)}):
+        piece = t.feed(stream[at:cut])
+        assert piece == b"" or piece.endswith(b"\n\n")  # whole events only
+        out.append(piece)
+        at = cut
+    assert b"".join(out) == want
+    for index in range(3):
+        want_ids = [
+            int(i) for line in ids if line.split()[0] == b"%d" % index for i in line.split()[1:]
+        ]
+        assert t.ids_of(index) == want_ids
+    assert t.count() == sum(len(line.split()) - 1 for line in ids)
+    assert t.migrate == migrate and drained == ([1] if migrate else [])
+    want_finished = {
+        c["index"]
+        for e in _reference(whole)[0].split(b"\n\n")
+        if e.startswith(b"data: {")
+        for c in orjson.loads(e[6:]).get("choices", ())
+        if c.get("finish_reason")
+    }
+    assert t.finished == want_finished
