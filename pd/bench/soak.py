@@ -1,63 +1,96 @@
 """`pd-bench soak`: a fault soak of router + prefill + decode on the real default model.
 
-It starts a prefill worker (P), a decode worker (D) and a pd-router in front of them (decode-local
-prefill off: every request goes through P, then D), each worker with `--threads` cores, and keeps
-`--clients` streaming chat completions in flight in a closed loop (prompts of about
-`--prompt-tokens` tokens, answers of `--max-tokens` with `ignore_eos`). A share
-`--disconnect-frac` of the requests (drawn per request from `--seed`) closes its connection after
-reading a few SSE chunks, as a client that goes away would. Over `--duration` seconds:
+It starts a prefill worker (P), `--decode-workers` decode workers (D; named `decode`, `decode2`,
+...) and a pd-router in front of them (decode-local prefill off: every request goes through P,
+then a D), each worker with `--threads` cores (by default the machine's cores split among the
+workers, at least 1 each: with 3 workers on 2 cores each gets 1 and they share; the report's
+`config.cores` says how many there were), and keeps `--clients` streaming chat completions in
+flight in a closed loop (prompts of about `--prompt-tokens` tokens, answers of `--max-tokens`
+with `ignore_eos`, the usage asked). A share `--disconnect-frac` of the requests (drawn per
+request from `--seed`) closes its connection after reading a few SSE chunks, as a client that
+goes away would. Over `--duration` seconds:
 
 1. warm-up: load only, until a fifth of the duration has passed and a request has succeeded;
-2. D is SIGKILLed while streams are running, and restarted on the same port (the router's
-   configured URL stays valid) once the router has ejected it; the soak waits for the router to
-   re-admit it and for a request started after the restart to succeed;
+2. the first D (`decode`) is SIGKILLed while streams are running on it (its own `/health` shows
+   running requests: its share of the clients if that comes within 5 s, else at least one), and
+   restarted on the same port (the router's configured URL stays valid) once the router has
+   ejected it; the soak waits for the router to re-admit it and for a request started after the
+   restart to succeed. With one D the kill cuts its streams; with two or more the router
+   migrates them to another D (docs/migration.md), and the restart also waits (at most the
+   deadline) until every stream in flight at the kill has read a chunk since or ended: where
+   the workers share cores, a D's start-up (a minute of CPU on a busy 2-core machine) would
+   otherwise compete with the continuations' prefills on P, and the wait measured would be the
+   restart's (docs/EXPERIMENTS.md section 6);
 3. the same for P, from 55% of the duration on (and not before D has recovered);
 4. the load goes on to the end of the duration (at least a few seconds after P recovered), stops,
    and the requests still in flight are given the deadline to end;
-5. settling: within one lease (`--lease-ttl-s` plus a few seconds) both workers' `/health` must
+5. settling: within one lease (`--lease-ttl-s` plus a few seconds) every worker's `/health` must
    report no request, no transfer, and every KV page free (none referenced, held, pinned or
    reserved), with their page accounting's `integrity` "ok" (`/integrity`: every page walked).
 
-Every request ends with one outcome: `ok`, `client_disconnect` (intended), `error_4xx`,
-`error_5xx`, `stream_error` (an error event inside the stream, a stream cut before `[DONE]`, or
-a connection that broke) or `hung`: alive past its deadline, the router's `--prefill-timeout` plus
-`--read-timeout` (the client's own timeout is three deadlines, so a hang is seen, not masked).
-Errors while a worker is down are expected; hangs and leaked pages are not. For each kill it
-reports the time from the kill to the router ejecting the worker (polled on `GET /workers`) and
-from the restart to the first successful request started after it.
+Every request ends with one outcome: `ok` (`[DONE]`, no error event, and the usage says all
+`--max-tokens` tokens with finish reason `length`), `migrated` (the same, but the router migrated
+its stream at least once: not counted in `ok`), `client_disconnect` (intended), `error_4xx`,
+`error_5xx`, `stream_error` (an error event inside the stream, a stream cut before `[DONE]`, a
+`[DONE]` short of its tokens, or a connection that broke) or `hung`: alive past its deadline,
+the router's `--prefill-timeout` plus `--read-timeout` (the client's own timeout is three
+deadlines, so a hang is seen, not masked). Errors while a worker is down are expected; hangs and
+leaked pages are not. For each kill it reports the time from the kill to the router ejecting the
+worker (polled on `GET /workers`) and from the restart to the first successful (`ok` or
+`migrated`) request started after it, and the outcomes of the requests that ended in its window
+(from the kill to the next kill or the end; the first window also holds the warm-up).
 
-It exits 0 only when no request hung, no page leaked, both workers' integrity is ok, every
-killed worker recovered and no process exited on its own. It stops every process it started
-(they also die with it, through PR_SET_PDEATHSIG on Linux). Logs of the processes go to
-`--log-dir` (default: a temporary directory, removed when the soak passes).
+Migrations are known per request: each request sends its own `X-Request-Id`, which the router's
+log lines of a migration name, with the wait from the break to the continuation's first byte
+(pd/bench/soak_migrations.py). The report's `migration` has the count of `migrated`, the
+migrations per reason from the router's `/metrics`, the p50/p99/max of that wait from the log
+lines (exact; nearest rank, so with fewer than 100 migrations p99 is the max) with the
+histogram's count and bucket bounds beside them, and the longest silence each migrated stream
+had at its client (the wait as the client saw it, from its last token before the break).
+
+It exits 0 only when no request hung, no page leaked, every worker's integrity is ok, every
+killed worker recovered and no process exited on its own; with two or more decode workers also
+only when no request ended with `stream_error` in the D kill's window. It stops every process
+it started (they also die with it, through PR_SET_PDEATHSIG on Linux). Logs of the processes go
+to `--log-dir` (default: a temporary directory, removed when the soak passes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import os
 import random
 import secrets
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
 import orjson
 
 from pd._compat import asyncio_timeout
+from pd.bench.soak_cluster import Cluster, poll, router_says_healthy, wait_ready
+from pd.bench.soak_migrations import (
+    Migration,
+    RouterMigrations,
+    by_request,
+    read_log,
+    read_metrics,
+    spread,
+)
 
-OUTCOMES = ("ok", "client_disconnect", "error_4xx", "error_5xx", "stream_error", "hung")
-ROLES = ("prefill", "decode")
+OUTCOMES = (
+    "ok", "migrated", "client_disconnect", "error_4xx", "error_5xx", "stream_error", "hung",
+)  # fmt: skip
+SUCCESS = ("ok", "migrated")
 # Pages a worker holds beyond its referenced ones (`kv_pages_total - kv_pages_free`); the newer
 # ones are read with a default so the soak also runs against workers that do not report them.
 HELD_FIELDS = ("kv_pages_held", "kv_pages_pinned", "kv_pages_reserved")
@@ -96,6 +129,12 @@ class RequestRecord:
     done: bool = False  # the stream ended with [DONE]
     disconnected: bool = False  # the client closed the connection as planned
     error: str | None = None  # an error event, an error answer, or the exception
+    request_id: str = ""  # its X-Request-Id, which the router's migration log lines name
+    want_tokens: int | None = None  # the answer's length (ignore_eos); None: not checked
+    completion_tokens: int | None = None  # the usage chunk's
+    finish_reason: str | None = None
+    max_gap_s: float = 0.0  # the longest silence between two data events
+    migrations: int = 0  # how often the router migrated its stream (its log, read at the end)
 
 
 def classify(rec: RequestRecord, deadline_s: float) -> str:
@@ -109,7 +148,7 @@ def classify(rec: RequestRecord, deadline_s: float) -> str:
     if rec.status is not None and rec.status >= 400:
         return "error_4xx"
     if rec.status == 200 and rec.done and rec.error is None:
-        return "ok"
+        return "migrated" if rec.migrations else "ok"
     return "stream_error"
 
 
@@ -127,7 +166,7 @@ def error_samples(
     samples: dict[str, list[str]] = {}
     for rec in records:
         outcome = classify(rec, deadline_s)
-        if outcome in ("ok", "client_disconnect"):
+        if outcome in (*SUCCESS, "client_disconnect"):
             continue
         if outcome == "hung":
             age = "abandoned" if rec.end is None else f"ended after {rec.end - rec.start:.1f} s"
@@ -207,10 +246,66 @@ class Kill:
     restart_to_ready_s: float | None = None  # the worker's own /health answers 200
     restart_to_healthy_s: float | None = None  # the router re-admitted it
     restart_to_first_success_s: float | None = None  # a request started after the restart: ok
+    # ... and one finished by the restarted worker itself (its /metrics): with two decode
+    # workers the first success after the restart may be the other one's.
+    restart_to_served_s: float | None = None
+    running_on_worker: int | None = None  # its own /health's running requests, at the kill
+    kill_to_restart_s: float | None = None  # (with 2+ D: once the killed D's streams moved on)
+    # Outcomes of the requests that ended in its window (`attribute_windows`).
+    outcomes: dict[str, int] = field(default_factory=dict)
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
+
+
+def attribute_windows(
+    records: Iterable[RequestRecord], kills: list[Kill], t0: float, deadline_s: float
+) -> None:
+    """Set each kill's `outcomes`: those of the requests that ended from its kill to the next
+    kill (the first kill's window starts with the load, so it holds the warm-up; the last one's
+    runs to the end, and holds the requests abandoned at the end)."""
+    starts = [t0 + k.at_s for k in kills]
+    for k in kills:
+        k.outcomes = dict.fromkeys(OUTCOMES, 0)
+    if not kills:
+        return
+    for rec in records:
+        end = rec.end if rec.end is not None else float("inf")
+        i = max(0, bisect_right(starts, end) - 1)
+        kills[i].outcomes[classify(rec, deadline_s)] += 1
+
+
+def apply_migrations(records: Iterable[RequestRecord], migrations: Iterable[Migration]) -> None:
+    """Each record's `migrations`, from the router's log lines that name its request id."""
+    mine = by_request(migrations)
+    for rec in records:
+        rec.migrations = len(mine.get(rec.request_id, ())) if rec.request_id else 0
+
+
+def migration_report(
+    records: list[RequestRecord],
+    deadline_s: float,
+    migrations: list[Migration],
+    router: RouterMigrations | None,
+) -> dict[str, Any]:
+    """What the report says of migrations (see the module's doc)."""
+    migrated = [r for r in records if classify(r, deadline_s) == "migrated"]
+    touched = count_outcomes((r for r in records if r.migrations), deadline_s)
+    reasons: dict[str, int] = {}
+    for m in migrations:
+        reasons[m.reason] = reasons.get(m.reason, 0) + 1
+    return {
+        "migrated": len(migrated),
+        "migrations": len(migrations),  # the router's log lines, every request's
+        "requests": sum(touched.values()),  # requests of this soak migrated at least once
+        "outcomes": {k: v for k, v in touched.items() if v},  # of those requests
+        "reasons": reasons,  # from the log
+        "never_resumed": sum(1 for m in migrations if m.wait_s is None),
+        "wait_s": spread([m.wait_s for m in migrations if m.wait_s is not None]),
+        "client_gap_s": spread([r.max_gap_s for r in migrated]),
+        "router": router.to_dict() if router is not None else None,
+    }
 
 
 def build_report(
@@ -222,8 +317,14 @@ def build_report(
     unexpected_exits: list[str],
     config: dict[str, Any] | None = None,
     settle_s: float | None = None,
+    *,
+    decode_workers: int = 1,
+    migrations: list[Migration] | None = None,
+    router_migrations: RouterMigrations | None = None,
 ) -> dict[str, Any]:
-    """The soak's JSON report, its verdict (`passed`) and the reasons it failed (`failures`)."""
+    """The soak's JSON report, its verdict (`passed`), the reasons it failed (`failures`) and
+    what is worth a look without failing it (`warnings`). `records` have their `migrations`
+    set (`apply_migrations`), `kills` their `outcomes` (`attribute_windows`)."""
     outcomes = count_outcomes(records, deadline_s)
     leaked = sum(w["pages_leaked"] or 0 for w in workers.values())
     integrity = {role: w["integrity"] for role, w in workers.items()}
@@ -238,6 +339,17 @@ def build_report(
             failures.append(f"the router never ejected the killed {k.role} worker")
         if k.restart_to_first_success_s is None:
             failures.append(f"no request succeeded after the {k.role} worker restarted")
+    warnings = []
+    for k in kills:
+        if decode_workers < 2 or k.role != "decode":
+            continue
+        if k.outcomes.get("stream_error"):
+            failures.append(
+                f"{k.outcomes['stream_error']} streams cut in the decode kill's window "
+                f"(with {decode_workers} decode workers they should have migrated)"
+            )
+        if not k.outcomes.get("migrated"):
+            warnings.append("no stream was migrated in the decode kill's window")
     failures += unexpected_exits
     kill_dicts = [
         {k: (_round(v) if isinstance(v, float) else v) for k, v in asdict(kill).items()}
@@ -246,7 +358,9 @@ def build_report(
     return {
         "passed": not failures,
         "failures": failures,
+        "warnings": warnings,
         "outcomes": outcomes,
+        "migrated": outcomes["migrated"],
         "hung": outcomes["hung"],
         "requests": len(records),
         "deadline_s": deadline_s,
@@ -254,8 +368,9 @@ def build_report(
         "kills": kill_dicts,
         "pages_leaked": leaked,
         "integrity": integrity,
-        "settle_s": _round(settle_s),  # from the load's end until both workers settled
+        "settle_s": _round(settle_s),  # from the load's end until every worker settled
         "workers": workers,
+        "migration": migration_report(records, deadline_s, migrations or [], router_migrations),
         "errors": error_samples(records, deadline_s),
         "config": config or {},
     }
@@ -275,11 +390,29 @@ def format_summary(report: dict[str, Any]) -> str:
         "  outcomes: " + ", ".join(f"{k} {v}" for k, v in report["outcomes"].items()),
     ]
     for k in report["kills"]:
+        on = k.get("running_on_worker")
         lines.append(
             f"  kill {k['role']} at {k['at_s']:.1f} s ({k['streams_active']} streaming, "
-            f"{k['in_flight']} in flight): ejected after {s(k['kill_to_eject_s'])}; after the "
-            f"restart: ready {s(k['restart_to_ready_s'])}, re-admitted "
-            f"{s(k['restart_to_healthy_s'])}, first success {s(k['restart_to_first_success_s'])}"
+            f"{k['in_flight']} in flight{'' if on is None else f', {on} running on it'}): "
+            f"ejected after {s(k['kill_to_eject_s'])}, restarted after "
+            f"{s(k.get('kill_to_restart_s'))}; after the restart: ready "
+            f"{s(k['restart_to_ready_s'])}, re-admitted {s(k['restart_to_healthy_s'])}, first "
+            f"success {s(k['restart_to_first_success_s'])}, first served by it "
+            f"{s(k.get('restart_to_served_s'))}"
+        )
+        if k.get("outcomes"):
+            lines.append(
+                "    its window: " + ", ".join(f"{o} {n}" for o, n in k["outcomes"].items() if n)
+            )
+    mig = report.get("migration")
+    if mig and mig["migrations"]:
+        wait, gap = mig["wait_s"], mig["client_gap_s"]
+        lines.append(
+            f"  migrations: {mig['migrations']} of {mig['requests']} requests, by reason "
+            f"{mig['reasons']} (router: {(mig['router'] or {}).get('reasons')}); wait from the "
+            f"break to the continuation's first byte p50 {s(wait['p50'])}, p99 {s(wait['p99'])}, "
+            f"max {s(wait['max'])}; longest silence a migrated client saw p50 {s(gap['p50'])}, "
+            f"p99 {s(gap['p99'])}, max {s(gap['max'])}"
         )
     lines.append(f"  workers settled after the load: {s(report.get('settle_s'))}")
     for role, w in report["workers"].items():
@@ -290,163 +423,11 @@ def format_summary(report: dict[str, Any]) -> str:
     for outcome, messages in report["errors"].items():
         for m in messages:
             lines.append(f"  e.g. {outcome}: {m}")
+    for w in report.get("warnings", ()):
+        lines.append(f"  warning: {w}")
     if report["config"].get("log_dir"):
         lines.append(f"  logs: {report['config']['log_dir']}")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has the child SIGKILLed when the soak dies (Linux), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def preexec() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-    return preexec
-
-
-@dataclass
-class Service:
-    """One process of the cluster: how to start it and where it answers."""
-
-    name: str  # "prefill", "decode" or "router"
-    argv: list[str]
-    url: str
-    log_path: str
-    proc: subprocess.Popen[bytes] | None = None
-
-
-class Cluster:
-    """Starts, kills and restarts the soak's processes; `stop()` ends every one still running."""
-
-    def __init__(self, env: dict[str, str], log_dir: str) -> None:
-        self.env = env
-        self.log_dir = log_dir
-        self.services: dict[str, Service] = {}
-        self._preexec = _die_with_parent()
-
-    def add(self, name: str, module: str, *args: str) -> Service:
-        port = _free_port()
-        argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
-        log_path = os.path.join(self.log_dir, f"{name}.log")
-        svc = Service(name, argv, f"http://127.0.0.1:{port}", log_path)
-        self.services[name] = svc
-        return svc
-
-    def start(self, name: str) -> None:
-        svc = self.services[name]
-        assert svc.proc is None, f"{name} is running"
-        with open(svc.log_path, "ab") as log:
-            log.write(f"\n===== pd-bench soak: start {name} at {time.time():.3f}\n".encode())
-            log.flush()
-            svc.proc = subprocess.Popen(
-                svc.argv,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=self._preexec,
-            )
-
-    def kill(self, name: str) -> None:
-        svc = self.services[name]
-        assert svc.proc is not None, f"{name} is not running"
-        svc.proc.kill()
-        svc.proc.wait()
-        svc.proc = None
-
-    def exited(self) -> list[str]:
-        """The processes that exited without being killed by the soak."""
-        return [
-            f"{svc.name} exited on its own with code {svc.proc.returncode} (log {svc.log_path})"
-            for svc in self.services.values()
-            if svc.proc is not None and svc.proc.poll() is not None
-        ]
-
-    def log_tail(self, name: str, n: int = 2000) -> str:
-        try:
-            with open(self.services[name].log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        running = [s.proc for s in self.services.values() if s.proc is not None]
-        for proc in running:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for proc in running:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for svc in self.services.values():
-            svc.proc = None
-
-
-async def _wait_ready(
-    http: aiohttp.ClientSession, cluster: Cluster, name: str, timeout: float = 300.0
-) -> None:
-    """Until the service's `/health` answers 200; raises if it exits or takes too long."""
-    svc = cluster.services[name]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if svc.proc is None or svc.proc.poll() is not None:
-            raise RuntimeError(f"{name} exited while starting:\n{cluster.log_tail(name)}")
-        try:
-            async with http.get(f"{svc.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{name} was not ready within {timeout:g} s:\n{cluster.log_tail(name)}")
-
-
-async def _router_says_healthy(
-    http: aiohttp.ClientSession, router: str, worker: str
-) -> bool | None:
-    """The router's view of one worker (`GET /workers`); None when it cannot be read."""
-    try:
-        async with http.get(f"{router}/workers", timeout=aiohttp.ClientTimeout(total=2)) as r:
-            body = await r.json()
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    for w in body.get("workers", []):
-        if w.get("url") == worker:
-            return bool(w.get("healthy"))
-    return None
-
-
-async def _poll(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:
-    """Until `await predicate()` (or `predicate()`) is true; False when `timeout` passed first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(interval)
 
 
 # --------------------------------------------------------------------------------- load
@@ -469,6 +450,7 @@ class Load:
     def __init__(self, spec: LoadSpec) -> None:
         self.spec = spec
         self.records: list[RequestRecord] = []
+        self.run = secrets.token_hex(4)  # in every request id: a reused log dir cannot mix runs
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._http: aiohttp.ClientSession | None = None
@@ -496,22 +478,27 @@ class Load:
         return sum(1 for r in self.records if r.end is None and r.chunks > 0)
 
     def first_ok_after(self, t: float, deadline_s: float) -> float | None:
-        """When the first request started at or after `t` ended `ok` (None: none yet)."""
+        """When the first request started at or after `t` ended `ok` or `migrated` (None: none
+        yet)."""
         ends = [
             r.end
             for r in self.records
-            if r.start >= t and r.end is not None and classify(r, deadline_s) == "ok"
+            if r.start >= t and r.end is not None and classify(r, deadline_s) in SUCCESS
         ]
         return min(ends) if ends else None
 
     async def _client(self, i: int) -> None:
         rng = random.Random(f"{self.spec.seed}:{i}")
+        n = 0
         while not self._stopping.is_set():
             disconnect = rng.random() < self.spec.disconnect_frac
+            n += 1
             rec = RequestRecord(
                 client=i,
                 start=time.monotonic(),
                 disconnect_after=rng.randint(1, 4) if disconnect else None,
+                request_id=f"soak-{self.run}-{i}-{n}",
+                want_tokens=self.spec.max_tokens,
             )
             self.records.append(rec)
             body = {
@@ -522,6 +509,7 @@ class Load:
                 "ignore_eos": True,
                 "temperature": 0,
                 "stream": True,
+                "stream_options": {"include_usage": True},
             }
             assert self._http is not None
             await stream_once(self._http, self.spec.url, body, rec, self.spec.client_timeout_s)
@@ -551,10 +539,11 @@ async def stream_once(
 async def _exchange(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: RequestRecord
 ) -> None:
+    headers = {"Content-Type": "application/json"}
+    if rec.request_id:
+        headers["X-Request-Id"] = rec.request_id
     async with http.post(
-        f"{url}/v1/chat/completions",
-        data=orjson.dumps(body),
-        headers={"Content-Type": "application/json"},
+        f"{url}/v1/chat/completions", data=orjson.dumps(body), headers=headers
     ) as resp:
         rec.status = resp.status
         if resp.status != 200:
@@ -566,12 +555,26 @@ async def _exchange(
             data = line[6:].strip()
             if data == b"[DONE]":
                 rec.done = True
+                rec.error = _short_answer(rec)
                 return
             event = orjson.loads(data)
-            if isinstance(event, dict) and "error" in event:
+            if not isinstance(event, dict):
+                continue
+            if "error" in event:
                 rec.error = orjson.dumps(event["error"]).decode()[:300]
                 return
+            usage = event.get("usage")
+            if isinstance(usage, dict):
+                rec.completion_tokens = usage.get("completion_tokens")
+            choices = event.get("choices") or []
+            if not choices:  # the usage chunk
+                continue
+            for c in choices:
+                if isinstance(c, dict) and c.get("finish_reason") is not None:
+                    rec.finish_reason = str(c["finish_reason"])
             now = time.monotonic()
+            if rec.last_chunk is not None:
+                rec.max_gap_s = max(rec.max_gap_s, now - rec.last_chunk)
             rec.chunks += 1
             rec.first_chunk = rec.first_chunk or now
             rec.last_chunk = now
@@ -579,6 +582,18 @@ async def _exchange(
                 rec.disconnected = True
                 resp.close()  # the connection, not only the response: the router sees it go
                 return
+
+
+def _short_answer(rec: RequestRecord) -> str | None:
+    """At [DONE]: what is wrong with the answer's length (None: nothing, or not checked)."""
+    if rec.want_tokens is None:
+        return None
+    if rec.completion_tokens != rec.want_tokens or rec.finish_reason != "length":
+        return (
+            f"[DONE] after completion_tokens {rec.completion_tokens} of {rec.want_tokens}, "
+            f"finish_reason {rec.finish_reason}"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------------- soak
@@ -592,42 +607,100 @@ async def _fault(
     t0: float,
     deadline_s: float,
     recovery_timeout_s: float,
+    *,
+    want_running: int = 1,
+    restart_after_streams: bool = False,
 ) -> Kill:
-    """SIGKILL `role` while streams run, restart it once ejected, and time its recovery."""
+    """SIGKILL `role` while streams run (for a D: on it, `want_running` of them if that comes
+    soon), restart it once ejected (and with `restart_after_streams`, once every stream in
+    flight at the kill has moved on: `_moved_on`), and time its recovery."""
     router = cluster.services["router"].url
     worker = cluster.services[role].url
+    running: list[int | None] = [None]
 
-    def busy() -> bool:  # a stream at D, and for P also a request not streaming yet (at P)
-        return load.streaming() > 0 and (role != "prefill" or load.in_flight() > load.streaming())
+    async def busy(least: int) -> bool:  # `least` streams on this D; for P a stream, and a
+        # request not streaming yet (at P)
+        if role == "prefill":
+            return 0 < load.streaming() < load.in_flight()
+        if load.streaming() == 0:
+            return False
+        running[0] = await _running(http, worker)
+        return (running[0] or 0) >= least
 
-    await _poll(busy, timeout=10.0, interval=0.02)
+    # A D: its share of the clients running on it if that comes within a few seconds (more
+    # streams to migrate), else any stream on it.
+    if role == "prefill" or not await poll(partial(busy, want_running), 5.0, 0.02):
+        await poll(partial(busy, 1), timeout=10.0, interval=0.02)
     kill = Kill(role, worker, time.monotonic() - t0, load.streaming(), load.in_flight())
+    kill.running_on_worker = running[0]
+    streams = [(r, r.chunks) for r in load.records if r.end is None and r.chunks > 0]
     t_kill = time.monotonic()
     cluster.kill(role)
-    ejected = await _poll(
-        lambda: _is_false(_router_says_healthy(http, router, worker)), timeout=15.0, interval=0.02
+    ejected = await poll(
+        lambda: _is_false(router_says_healthy(http, router, worker)), timeout=15.0, interval=0.02
     )
     if ejected:
         kill.kill_to_eject_s = time.monotonic() - t_kill
+    if restart_after_streams:
+        await poll(lambda: _moved_on(streams), timeout=deadline_s, interval=0.05)
     t_restart = time.monotonic()
+    kill.kill_to_restart_s = t_restart - t_kill
     cluster.start(role)
     try:
-        await _wait_ready(http, cluster, role, timeout=recovery_timeout_s)
+        await wait_ready(http, cluster, role, timeout=recovery_timeout_s)
     except RuntimeError as e:  # reported through the missing recovery and cluster.exited()
         print(f"pd-bench soak: the restarted {role} worker: {e}", file=sys.stderr)
         return kill
     kill.restart_to_ready_s = time.monotonic() - t_restart
     remaining = recovery_timeout_s - (time.monotonic() - t_restart)
-    if await _poll(
-        lambda: _is_true(_router_says_healthy(http, router, worker)), timeout=max(1.0, remaining)
+    if await poll(
+        lambda: _is_true(router_says_healthy(http, router, worker)), timeout=max(1.0, remaining)
     ):
         kill.restart_to_healthy_s = time.monotonic() - t_restart
     remaining = recovery_timeout_s - (time.monotonic() - t_restart)
-    if await _poll(lambda: load.first_ok_after(t_restart, deadline_s), max(1.0, remaining), 0.1):
+    if await poll(lambda: _served(http, worker), max(1.0, remaining), 0.1):
+        kill.restart_to_served_s = time.monotonic() - t_restart
+    remaining = recovery_timeout_s - (time.monotonic() - t_restart)
+    if await poll(lambda: load.first_ok_after(t_restart, deadline_s), max(1.0, remaining), 0.1):
         first = load.first_ok_after(t_restart, deadline_s)
         assert first is not None
         kill.restart_to_first_success_s = first - t_restart
     return kill
+
+
+def _moved_on(streams: list[tuple[RequestRecord, int]]) -> bool:
+    """Every stream in flight at the kill (with its chunks then) read a chunk since, or ended:
+    the killed D's streams were continued elsewhere (or given up)."""
+    return all(r.end is not None or r.chunks > chunks for r, chunks in streams)
+
+
+async def _running(http: aiohttp.ClientSession, url: str) -> int | None:
+    """The running requests a worker's `/health` reports (None: no answer)."""
+    try:
+        async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+            return int(load_of(await r.json()).get("running", 0))
+    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError):
+        return None
+
+
+async def _served(http: aiohttp.ClientSession, url: str) -> int:
+    """Requests a worker finished, not aborted (its `/metrics`: `pd_requests_total`; 0 when it
+    cannot be read)."""
+    try:
+        async with http.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return 0
+    return finished_requests(text)
+
+
+def finished_requests(metrics_text: str) -> int:
+    """`pd_requests_total` of a worker's Prometheus text, less its aborted ones."""
+    total = 0
+    for line in metrics_text.splitlines():
+        if line.startswith("pd_requests_total{") and 'reason="abort"' not in line:
+            total += int(float(line.rsplit(" ", 1)[1]))
+    return total
 
 
 async def _is_true(value: Any) -> bool:
@@ -639,10 +712,10 @@ async def _is_false(value: Any) -> bool:
 
 
 async def _settle(
-    http: aiohttp.ClientSession, cluster: Cluster, timeout: float
+    http: aiohttp.ClientSession, cluster: Cluster, names: list[str], timeout: float
 ) -> tuple[dict[str, dict[str, Any]], float | None]:
-    """Poll both workers' /health until both settled or `timeout`: their end states, and how
-    long settling took (None: not within `timeout`)."""
+    """Poll the workers' /health until every one settled or `timeout`: their end states, and
+    how long settling took (None: not within `timeout`)."""
     last: dict[str, tuple[Mapping[str, Any] | None, str]] = {}
 
     async def read(role: str) -> bool:
@@ -651,7 +724,9 @@ async def _settle(
             async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                 health = await r.json()
             if settled(health):  # then the full walk over the pages (/health's is counters)
-                async with http.get(f"{url}/integrity", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                async with http.get(
+                    f"{url}/integrity", timeout=aiohttp.ClientTimeout(total=5)
+                ) as r:
                     health = {**health, **await r.json()}
             last[role] = (health, "")
             return settled(health)
@@ -659,14 +734,43 @@ async def _settle(
             last[role] = (None, f"{type(e).__name__}: {e}")
             return False
 
-    async def both() -> bool:
-        results = [await read(role) for role in ROLES]
+    async def every() -> bool:
+        results = [await read(name) for name in names]
         return all(results)
 
     t = time.monotonic()
-    ok = await _poll(both, timeout=timeout, interval=0.25)
+    ok = await poll(every, timeout=timeout, interval=0.25)
     took = time.monotonic() - t if ok else None
-    return {role: worker_end_state(cluster.services[role].url, *last[role]) for role in ROLES}, took
+    return {n: worker_end_state(cluster.services[n].url, *last[n]) for n in names}, took
+
+
+async def _router_migrations(http: aiohttp.ClientSession, router: str) -> RouterMigrations | None:
+    """The router's migration counts from its `/metrics` (None: unreadable)."""
+    try:
+        async with http.get(f"{router}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            return read_metrics(await r.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        print(f"pd-bench soak: the router's /metrics: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+
+
+def decode_names(n: int) -> list[str]:
+    """The decode workers' service names: `decode` (the one killed), `decode2`, ..."""
+    return ["decode"] + [f"decode{i}" for i in range(2, n + 1)]
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(args: argparse.Namespace) -> int:
+    """`--threads`, else the cores split among P and the decode workers (at least 1)."""
+    if args.threads is not None:
+        return int(args.threads)
+    return max(1, cores() // (1 + args.decode_workers))
 
 
 async def _sleep_until(t: float) -> None:
@@ -675,25 +779,30 @@ async def _sleep_until(t: float) -> None:
 
 async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     deadline_s = args.prefill_timeout + args.read_timeout
+    threads = threads_per_worker(args)
     worker_flags = [
-        "--device", "cpu", "--dtype", args.dtype, "--threads", str(args.threads),
+        "--device", "cpu", "--dtype", args.dtype, "--threads", str(threads),
         "--kv-pages", str(args.kv_pages), "--max-model-len", "2048",
         "--lease-ttl-s", str(args.lease_ttl_s), "--kv-transfer-timeout-s", str(args.lease_ttl_s),
     ]  # fmt: skip
     p = cluster.add("prefill", "pd.worker.main", "--role", "prefill", *worker_flags)
-    d = cluster.add("decode", "pd.worker.main", "--role", "decode", *worker_flags)
+    names = ["prefill", *decode_names(args.decode_workers)]
+    decodes = [
+        cluster.add(n, "pd.worker.main", "--role", "decode", *worker_flags) for n in names[1:]
+    ]
     router = cluster.add(
-        "router", "pd.router.main", "--prefill", p.url, "--decode", d.url,
+        "router", "pd.router.main", "--prefill", p.url,
+        *(flag for d in decodes for flag in ("--decode", d.url)),
         "--local-prefill-max-tokens", "0", "--health-interval", "0.5",
         "--prefill-timeout", str(args.prefill_timeout), "--read-timeout", str(args.read_timeout),
     )  # fmt: skip
     async with aiohttp.ClientSession() as http:
-        for role in ROLES:
-            cluster.start(role)
-        for role in ROLES:
-            await _wait_ready(http, cluster, role)
+        for name in names:
+            cluster.start(name)
+        for name in names:
+            await wait_ready(http, cluster, name)
         cluster.start("router")
-        await _wait_ready(http, cluster, "router", timeout=60)
+        await wait_ready(http, cluster, "router", timeout=60)
 
         load = Load(
             LoadSpec(
@@ -712,13 +821,18 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
         try:
             # 1. warm-up: a fifth of the duration, and one request served.
             await _sleep_until(t0 + 0.2 * args.duration)
-            await _poll(lambda: load.first_ok_after(t0, deadline_s), args.recovery_timeout, 0.1)
+            await poll(lambda: load.first_ok_after(t0, deadline_s), args.recovery_timeout, 0.1)
             # 2. D, then 3. P.
+            share = max(1, args.clients // args.decode_workers)  # of the streams, on the D
             for role, at in (("decode", 0.2), ("prefill", 0.55)):
                 await _sleep_until(t0 + at * args.duration)
                 kills.append(
-                    await _fault(http, cluster, load, role, t0, deadline_s, args.recovery_timeout)
-                )
+                    await _fault(
+                        http, cluster, load, role, t0, deadline_s, args.recovery_timeout,
+                        want_running=share,
+                        restart_after_streams=role == "decode" and args.decode_workers > 1,
+                    )
+                )  # fmt: skip
                 print(f"pd-bench soak: {kills[-1]}", file=sys.stderr)
                 await asyncio.sleep(2.0)
             # 4. the rest of the duration.
@@ -728,17 +842,23 @@ async def soak(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
             await load.stop(grace_s=deadline_s + 2.0)
         exits = cluster.exited()
         # 5. settling, within one lease.
-        workers, settle_s = await _settle(http, cluster, args.lease_ttl_s + SETTLE_SLACK_S)
+        workers, settle_s = await _settle(http, cluster, names, args.lease_ttl_s + SETTLE_SLACK_S)
+        router_counts = await _router_migrations(http, router.url)
+    with open(router.log_path, encoding="utf-8", errors="replace") as f:
+        migrations = read_log(f.read())
+    apply_migrations(load.records, migrations)
+    attribute_windows(load.records, kills, t0, deadline_s)
     config = {
         k: getattr(args, k)
-        for k in ("duration", "clients", "disconnect_frac", "threads", "prompt_tokens",
+        for k in ("duration", "clients", "disconnect_frac", "decode_workers", "prompt_tokens",
                   "max_tokens", "seed", "kv_pages", "lease_ttl_s", "prefill_timeout",
                   "read_timeout", "dtype")
     }  # fmt: skip
-    config["log_dir"] = cluster.log_dir
+    config.update(threads=threads, cores=cores(), log_dir=cluster.log_dir)
     return build_report(
-        load.records, deadline_s, kills, workers, duration_s, exits, config, settle_s
-    )
+        load.records, deadline_s, kills, workers, duration_s, exits, config, settle_s,
+        decode_workers=args.decode_workers, migrations=migrations, router_migrations=router_counts,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------- CLI
@@ -753,7 +873,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.2,
         help="share of requests whose client closes the connection after a few chunks",
     )
-    p.add_argument("--threads", type=int, default=1, help="cores of each worker")
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        default=1,
+        help="decode workers behind the router (the first is the one killed; with 2 or more "
+        "its streams migrate to another, and none may end in a stream error)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="cores of each worker (default: the machine's cores split among the workers, at "
+        "least 1 each, so with more workers than cores they share)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=300, help="prompt length (approximate)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (ignore_eos)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and disconnects")
@@ -773,8 +906,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if args.duration <= 0 or args.clients < 1 or args.threads < 1:
+    if args.duration <= 0 or args.clients < 1 or (args.threads is not None and args.threads < 1):
         return "--duration must be > 0, --clients and --threads >= 1"
+    if args.decode_workers < 1:
+        return "--decode-workers must be >= 1"
     if not 0.0 <= args.disconnect_frac <= 1.0:
         return "--disconnect-frac must be in [0, 1]"
     if args.prompt_tokens < 1 or args.max_tokens < 2 or args.kv_pages < 1:

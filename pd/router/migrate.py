@@ -357,7 +357,15 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
                 except ConnectionResetError:
                     return Outcome(False, gone=True)
             if sink.first_at is not None:
-                proxy.metrics.migration_wait.observe(sink.first_at - t_break)
+                wait = sink.first_at - t_break
+                proxy.metrics.migration_wait.observe(wait)
+                log.info(
+                    "request %s: choice %d resumed %.3f s after the break, migration %d",
+                    request_id(ex, head),
+                    i,
+                    wait,
+                    legs,
+                )
             if leg.status == "499":
                 return Outcome(False, gone=True)
             if sink.error is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from functools import partial
 
 import orjson
@@ -252,8 +253,12 @@ async def test_the_request_id_names_the_migration_in_the_log(stub, router, caplo
             COMPLETION_PATH, json=body_of(False, False, False), headers={"X-Request-Id": "r-42"}
         )
         assert resp.status == 200
-    lines = [r.getMessage() for r in caplog.records if "migrates" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].startswith("request r-42: choice 0 migrates after 1")
+    lines = [r.getMessage() for r in caplog.records if "migrat" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("request r-42: choice 0 migrates after 1")
+    # Then the wait, once the continuation's first byte came (pd-bench soak reads it).
+    assert re.fullmatch(r"request r-42: choice 0 resumed \d+\.\d{3} s after the break, migration 1",
+                        lines[1]), lines[1]  # fmt: skip
 
 
 async def test_a_client_leaving_during_a_migration_leaves_nothing_held(stub, router):
