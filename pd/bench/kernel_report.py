@@ -84,6 +84,7 @@ def build_report(
     shapes: Sequence[Shape],
     candidates: Sequence[Candidate],
     skipped: dict[str, str],
+    dropped: dict[str, str],
     timings: Sequence[Timing],
     decode_rows: Sequence[int],
     prefill_rows: Sequence[int],
@@ -135,6 +136,7 @@ def build_report(
         "candidates": rows_out,
         "within_tolerance": [c.name for c in correct],
         "skipped": skipped,
+        "dropped": dropped,
         "fastest": fastest,
         "best_per_shape": {
             "8bit_or_wider": {str(r): _best(by_cell, wide, shapes, r, p) for r, p in batches},
@@ -194,6 +196,8 @@ def format_report(r: dict, per_shape: bool = False) -> str:
         )
     for name, why in r["skipped"].items():
         lines.append(f"{name:<17}  not timed: {why}")
+    for name, why in r["dropped"].items():
+        lines.append(f"{name:<17}  {why}")
     lines.append("")
     lines.append(
         "fastest of those within tolerance everywhere: "

@@ -46,7 +46,7 @@ def cells(
         out += [(s, rows) for s in shapes if not s.is_head or rows in decode_rows]
     if prefill_rows and 1 not in decode_rows:
         out += [(s, 1) for s in shapes if s.is_head]
-    return out
+    return sorted(out, key=lambda cell: cell[1])  # by batch (stable): smaller batches first
 
 
 def shape_weights(weights: Mapping[str, Weight], cfg: ModelConfig, layer: int):

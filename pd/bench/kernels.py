@@ -16,6 +16,7 @@ rows over that time is the most tokens/s the step could reach if nothing else to
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -74,6 +75,30 @@ def time_cell(
     return [out[c.name] for c in candidates]
 
 
+def drop_slow(
+    timings: Sequence[Timing],
+    active: Sequence[Candidate],
+    shapes: Sequence[Shape],
+    rows: int,
+    factor: float,
+) -> tuple[list[Candidate], dict[str, str]]:
+    """(the candidates to time at larger batches, {dropped: why}): those whose layers at `rows`
+    took over `factor` times the fastest's (a kernel with no vectorized path for this dtype:
+    timing it on prefill chunks would take minutes and tell nothing new)."""
+    per_step = {s.name: s.per_step for s in shapes}
+    ms = {}
+    for c in active:
+        ts = [t for t in timings if t.candidate == c.name and t.rows == rows and t.samples_s]
+        if ts:
+            ms[c.name] = sum(t.us * per_step[t.shape] for t in ts) / 1000
+    if len(ms) < 2:
+        return list(active), {}
+    best = min(ms.values())
+    slow = {n: m / best for n, m in ms.items() if m > factor * best}
+    why = {n: f"not timed beyond rows={rows}: {x:.0f}x the fastest there" for n, x in slow.items()}
+    return [c for c in active if c.name not in slow], why
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (torch.set_num_threads)")
     p.add_argument("--decode-rows", default="1,8,32", help="decode batches (streams)")
@@ -85,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", type=int, default=0, help="whose weights the layer shapes use")
     p.add_argument("--budget-ms", type=float, default=300.0, help="time per candidate per cell")
     p.add_argument("--max-reps", type=int, default=40, help="most rounds per cell")
+    p.add_argument(
+        "--drop-x", type=float, default=10.0, help="stop timing a candidate this much slower"
+    )
     p.add_argument("--per-shape", action="store_true", help="also print us per call per shape")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -115,18 +143,23 @@ def run(args: argparse.Namespace) -> int:
     skipped = {c.name: why for c in candidates if (why := c.skip_unless(cpu))}
     timed = [c for c in candidates if c.name not in skipped]
     t0 = time.perf_counter()
-    for shape, rows in cells(shapes, decode_rows, prefill_rows):
-        if not args.json:
-            print(f"  timing {shape.name} x {rows} rows ...", file=sys.stderr)
-        timings += time_cell(
-            shape, rows, weights[shape.name], timed, args.budget_ms / 1000, args.max_reps
-        )
+    active, dropped = timed, {}
+    for rows, group in itertools.groupby(cells(shapes, decode_rows, prefill_rows), lambda c: c[1]):
+        for shape, _ in group:
+            if not args.json:
+                print(f"  timing {shape.name} x {rows} rows ...", file=sys.stderr)
+            timings += time_cell(
+                shape, rows, weights[shape.name], active, args.budget_ms / 1000, args.max_reps
+            )
+        active, slow = drop_slow(timings, active, shapes, rows, args.drop_x)
+        dropped.update(slow)
     report = build_report(
         cpu=cpu,
         model=ckpt.config.name,
         shapes=shapes,
         candidates=timed,
         skipped=skipped,
+        dropped=dropped,
         timings=timings,
         decode_rows=decode_rows,
         prefill_rows=prefill_rows,

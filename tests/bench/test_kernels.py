@@ -122,7 +122,7 @@ def test_report_sums_a_step_and_picks_the_fastest_within_tolerance():
             timings.append(Timing(c.name, shape.name, rows, [t / 1e6] * 3, err, err))
     cpu = CpuInfo("cpu", frozenset({"avx2"}), 2, "x86_64", "AVX2")
     r = build_report(
-        cpu=cpu, model="m", shapes=shapes, candidates=cands, skipped={"k": "not here"},
+        cpu=cpu, model="m", shapes=shapes, candidates=cands, skipped={"k": "not here"}, dropped={},
         timings=timings, decode_rows=[2], prefill_rows=[16], threads=2, read_gbps=10.0,
         load=(0.5, 0.7), wall_s=1.0,
     )  # fmt: skip
@@ -176,3 +176,13 @@ def test_registered_as_a_pd_bench_subcommand():
     kernels.add_arguments(p)
     args = p.parse_args(["--candidates", "fp32,fbgemm-fp16", "--json"])
     assert args.threads == 2 and args.decode_rows == "1,8,32" and args.json
+
+
+def test_drop_slow_stops_timing_a_far_slower_candidate():
+    shapes = [Shape("a", 4, 4, 10)]
+    cands = [_fake("fast", 1.0), _fake("ok", 1.0), _fake("scalar", 1.0)]
+    us = {"fast": 10.0, "ok": 50.0, "scalar": 500.0}
+    timings = [Timing(n, "a", 8, [u / 1e6]) for n, u in us.items()]
+    kept, why = kernels.drop_slow(timings, cands, shapes, 8, 10.0)
+    assert [c.name for c in kept] == ["fast", "ok"]
+    assert why == {"scalar": "not timed beyond rows=8: 50x the fastest there"}
