@@ -37,6 +37,7 @@ def _step(
     rows: int,
     prefill: bool,
 ) -> dict | None:
+    """One step's linear layers with candidate `c` (None where a cell did not run)."""
     parts = [by_cell.get((c.name, s.name, r)) for s, r in step_cells(shapes, rows, prefill)]
     if any(t is None or t.error or not t.samples_s for t in parts):
         return None
@@ -48,6 +49,8 @@ def _step(
         "step_ms": round(ms, 3),
         "step_ms_min": round(fastest_ms, 3),  # each cell's fastest call: a load-free estimate
         "bound_tok_s": round(1000 * rows / ms, 1),
+        # the weights' bytes over the step's time: how near the read bound a decode step runs
+        "weights_gbps": round(step_weights(shapes) * c.weight_bits / 8 / ms / 1e6, 2),
         "max_rel_err": float(f"{err:.3g}"),
         "ok": err <= c.rel_tol,
     }

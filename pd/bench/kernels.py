@@ -82,9 +82,10 @@ def drop_slow(
     rows: int,
     factor: float,
 ) -> tuple[list[Candidate], dict[str, str]]:
-    """(the candidates to time at larger batches, {dropped: why}): those whose layers at `rows`
-    took over `factor` times the fastest's (a kernel with no vectorized path for this dtype:
-    timing it on prefill chunks would take minutes and tell nothing new)."""
+    """(the candidates to time on prefill chunks, {dropped: why}): those whose layers at `rows`
+    (the largest decode batch) took over `factor` times the fastest's (a kernel with no
+    vectorized path for this dtype: timing it on prefill chunks would take minutes and tell
+    nothing new). Every candidate is timed at every decode batch."""
     per_step = {s.name: s.per_step for s in shapes}
     ms = {}
     for c in active:
@@ -95,7 +96,7 @@ def drop_slow(
         return list(active), {}
     best = min(ms.values())
     slow = {n: m / best for n, m in ms.items() if m > factor * best}
-    why = {n: f"not timed beyond rows={rows}: {x:.0f}x the fastest there" for n, x in slow.items()}
+    why = {n: f"prefill not timed: {x:.0f}x the fastest at rows={rows}" for n, x in slow.items()}
     return [c for c in active if c.name not in slow], why
 
 
@@ -111,7 +112,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-ms", type=float, default=300.0, help="time per candidate per cell")
     p.add_argument("--max-reps", type=int, default=40, help="most rounds per cell")
     p.add_argument(
-        "--drop-x", type=float, default=10.0, help="stop timing a candidate this much slower"
+        "--drop-x",
+        type=float,
+        default=10.0,
+        help="skip prefill chunks for a candidate this much slower at the largest decode batch",
     )
     p.add_argument("--per-shape", action="store_true", help="also print us per call per shape")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -151,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
             timings += time_cell(
                 shape, rows, weights[shape.name], active, args.budget_ms / 1000, args.max_reps
             )
-        active, slow = drop_slow(timings, active, shapes, rows, args.drop_x)
-        dropped.update(slow)
+        if rows == max(decode_rows, default=0) and prefill_rows:
+            active, slow = drop_slow(timings, active, shapes, rows, args.drop_x)
+            dropped.update(slow)
     report = build_report(
         cpu=cpu,
         model=ckpt.config.name,

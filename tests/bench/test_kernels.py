@@ -128,8 +128,9 @@ def test_report_sums_a_step_and_picks_the_fastest_within_tolerance():
     )  # fmt: skip
     slow = next(c for c in r["candidates"] if c["name"] == "slow")
     # decode: 10 layers x 100 us + the head 200 us at 2 rows = 1.2 ms -> 2 rows / 1.2 ms
+    # 10 x 16 + 32 weights of 4 bytes over 1.2 ms
     assert slow["steps"]["2"] == {"step_ms": 1.2, "step_ms_min": 1.2, "bound_tok_s": 1666.7,
-                                  "max_rel_err": 1e-6, "ok": True}  # fmt: skip
+                                  "weights_gbps": 0.0, "max_rel_err": 1e-6, "ok": True}  # fmt: skip
     # prefill: 10 x 300 us at 16 rows + the head at 1 row (200 us) = 3.2 ms
     assert slow["steps"]["16"]["step_ms"] == 3.2
     wrong = next(c for c in r["candidates"] if c["name"] == "wrong")
@@ -185,4 +186,4 @@ def test_drop_slow_stops_timing_a_far_slower_candidate():
     timings = [Timing(n, "a", 8, [u / 1e6]) for n, u in us.items()]
     kept, why = kernels.drop_slow(timings, cands, shapes, 8, 10.0)
     assert [c.name for c in kept] == ["fast", "ok"]
-    assert why == {"scalar": "not timed beyond rows=8: 50x the fastest there"}
+    assert why == {"scalar": "prefill not timed: 50x the fastest at rows=8"}
