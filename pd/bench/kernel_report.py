@@ -92,6 +92,7 @@ def build_report(
     decode_rows: Sequence[int],
     prefill_rows: Sequence[int],
     threads: int,
+    clock: str,
     read_gbps: float,
     load: tuple[float, float],
     wall_s: float,
@@ -128,6 +129,7 @@ def build_report(
         "cpu": cpu.as_dict(),
         "model": model,
         "threads": threads,
+        "clock": clock,
         "read_gbps": round(read_gbps, 2),
         "load_1min": [round(x, 2) for x in load],
         "wall_s": round(wall_s, 1),
@@ -176,7 +178,7 @@ def format_report(r: dict, per_shape: bool = False) -> str:
     lines = [
         f"CPU: {cpu['model']} ({cpu['arch']}, {cpu['logical_cpus']} CPUs, kind {cpu['kind']}; "
         f"torch {cpu['torch_capability']}): {flags}",
-        f"threads {r['threads']}, load (1 min) {r['load_1min'][0]} -> {r['load_1min'][1]}, "
+        f"threads {r['threads']}, clock {r['clock']}, load (1 min) {r['load_1min'][0]} -> {r['load_1min'][1]}, "
         f"read bandwidth {r['read_gbps']} GB/s, {r['wall_s']} s",
         f"model {r['model']}: {shapes}",
         "",

@@ -20,7 +20,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import orjson
 import torch
@@ -33,10 +33,17 @@ from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights
 SLOW_S = 1.0  # a warm-up call longer than this is the candidate's one sample
 
 
-def _call_s(layer: Layer, x: torch.Tensor) -> tuple[float, torch.Tensor]:
-    t = time.perf_counter()
+# `--clock`: wall time, or the CPU time of the calling thread, which at --threads 1 is all the
+# work and leaves out the time other processes held the core (a load-free figure on a busy box)
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _call_s(
+    layer: Layer, x: torch.Tensor, clock: Callable[[], float]
+) -> tuple[float, torch.Tensor]:
+    t = clock()
     y = layer(x)
-    return time.perf_counter() - t, y
+    return clock() - t, y
 
 
 def time_cell(
@@ -46,6 +53,7 @@ def time_cell(
     candidates: Sequence[Candidate],
     budget_s: float,
     max_reps: int,
+    clock: Callable[[], float] = time.perf_counter,
     seed: int = 0,
 ) -> list[Timing]:
     """Every candidate on one shape and batch, interleaved (module docstring)."""
@@ -60,18 +68,18 @@ def time_cell(
                 out[c.name] = Timing(c.name, shape.name, rows, [], 0.0, 0.0, why)
                 continue
             xc = x.to(c.act_dtype)
-            first, y = _call_s(layer, xc)
+            first, y = _call_s(layer, xc, clock)
             abs_err, rel_err = rel_error(y, ref)
             samples = [first] if first > SLOW_S else []
             if not samples:
-                first, _ = _call_s(layer, xc)  # a second warm-up
+                first, _ = _call_s(layer, xc, clock)  # a second warm-up
             reps = 0 if samples else max(5, min(max_reps, int(budget_s / max(first, 1e-6))))
             out[c.name] = Timing(c.name, shape.name, rows, samples, abs_err, rel_err, "")
             built.append((c, layer, xc, reps))
         for r in range(max((reps for *_, reps in built), default=0)):
             for c, layer, xc, reps in built:
                 if r < reps:
-                    out[c.name].samples_s.append(_call_s(layer, xc)[0])
+                    out[c.name].samples_s.append(_call_s(layer, xc, clock)[0])
     return [out[c.name] for c in candidates]
 
 
@@ -109,6 +117,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", default="", help="checkpoint (default: the embedded SmolLM2-135M)")
     p.add_argument("--layer", type=int, default=0, help="whose weights the layer shapes use")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall time, or the calling thread's CPU time (load-free; needs --threads 1)",
+    )
     p.add_argument("--budget-ms", type=float, default=300.0, help="time per candidate per cell")
     p.add_argument("--max-reps", type=int, default=40, help="most rounds per cell")
     p.add_argument(
@@ -116,6 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="skip prefill chunks for a candidate this much slower at the largest decode batch",
+    )
+    p.add_argument(
+        "--step",
+        action="store_true",
+        help="also time a decode step's forward (the worker's default dtype) against its "
+        "linear layers at each decode batch",
     )
     p.add_argument("--per-shape", action="store_true", help="also print us per call per shape")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -129,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
     from pd.bench.engine import read_gbps
     from pd.worker.checkpoint import default_model_path, load_checkpoint
 
+    if args.clock == "cpu" and args.threads != 1:
+        print(
+            "--clock cpu counts the calling thread only: use it with --threads 1", file=sys.stderr
+        )
+        return 2
     torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.candidates.split(",") if n.strip()]
     unknown = [n for n in names if n not in BY_NAME]
@@ -153,7 +178,13 @@ def run(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"  timing {shape.name} x {rows} rows ...", file=sys.stderr)
             timings += time_cell(
-                shape, rows, weights[shape.name], active, args.budget_ms / 1000, args.max_reps
+                shape,
+                rows,
+                weights[shape.name],
+                active,
+                args.budget_ms / 1000,
+                args.max_reps,
+                CLOCKS[args.clock],
             )
         if rows == max(decode_rows, default=0) and prefill_rows:
             active, slow = drop_slow(timings, active, shapes, rows, args.drop_x)
@@ -169,12 +200,26 @@ def run(args: argparse.Namespace) -> int:
         decode_rows=decode_rows,
         prefill_rows=prefill_rows,
         threads=args.threads,
+        clock=args.clock,
         read_gbps=gbps,
         load=(load_before[0], os.getloadavg()[0]),
         wall_s=time.perf_counter() - t0,
     )
+    if args.step:
+        from pd.bench.kernel_step import time_decode_step
+        from pd.worker.model.device import resolve_dtype
+
+        dtype = resolve_dtype("auto", "cpu")
+        report["step_dtype"] = str(dtype).removeprefix("torch.")
+        report["step"] = time_decode_step(
+            ckpt.config, ckpt.weights, decode_rows, dtype, CLOCKS[args.clock]
+        )
     if args.json:
         print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
-    else:
-        print(format_report(report, per_shape=args.per_shape))
+        return 0
+    print(format_report(report, per_shape=args.per_shape))
+    if args.step:
+        from pd.bench.kernel_step import format_step
+
+        print(format_step(report["step_dtype"], report["step"]))
     return 0

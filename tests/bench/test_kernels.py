@@ -5,6 +5,7 @@ kernel chooser relies on), on tiny shapes."""
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from pd.bench.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.bench.kernel_candidates import BY_NAME, CANDIDATES, Candidate, rel_error, try_build
 from pd.bench.kernel_report import Timing, build_report, format_report
 from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights, step_cells
+from pd.bench.kernel_step import format_step, time_decode_step
+from pd.worker.checkpoint.load_utils import expected_weight_shapes
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Weight, quantize_groups
 
@@ -123,7 +126,7 @@ def test_report_sums_a_step_and_picks_the_fastest_within_tolerance():
     cpu = CpuInfo("cpu", frozenset({"avx2"}), 2, "x86_64", "AVX2")
     r = build_report(
         cpu=cpu, model="m", shapes=shapes, candidates=cands, skipped={"k": "not here"}, dropped={},
-        timings=timings, decode_rows=[2], prefill_rows=[16], threads=2, read_gbps=10.0,
+        timings=timings, decode_rows=[2], prefill_rows=[16], threads=2, clock="wall", read_gbps=10.0,
         load=(0.5, 0.7), wall_s=1.0,
     )  # fmt: skip
     slow = next(c for c in r["candidates"] if c["name"] == "slow")
@@ -147,10 +150,12 @@ def test_report_sums_a_step_and_picks_the_fastest_within_tolerance():
 def test_time_cell_interleaves_and_measures_the_error():
     shape = Shape("a", 64, 128, 1)
     w = torch.randn(64, 128) * 0.05
-    got = kernels.time_cell(shape, 3, w, [BY_NAME["fp32"], BY_NAME["bf16"]], 1e-4, 7)
-    assert [t.candidate for t in got] == ["fp32", "bf16"]
-    assert all(5 <= len(t.samples_s) <= 7 for t in got)
-    assert got[0].rel_err < 1e-5 < got[1].rel_err < 2e-2
+    both = [BY_NAME["fp32"], BY_NAME["bf16"]]
+    for clock in kernels.CLOCKS.values():
+        got = kernels.time_cell(shape, 3, w, both, 1e-4, 7, clock)
+        assert [t.candidate for t in got] == ["fp32", "bf16"]
+        assert all(5 <= len(t.samples_s) <= 7 for t in got)
+        assert got[0].rel_err < 1e-5 < got[1].rel_err < 2e-2
 
 
 @pytest.mark.parametrize("c", CANDIDATES, ids=lambda c: c.name)
@@ -187,3 +192,22 @@ def test_drop_slow_stops_timing_a_far_slower_candidate():
     kept, why = kernels.drop_slow(timings, cands, shapes, 8, 10.0)
     assert [c.name for c in kept] == ["fast", "ok"]
     assert why == {"scalar": "prefill not timed: 50x the fastest at rows=8"}
+
+
+def test_decode_step_against_its_linear_layers_on_a_tiny_model():
+    cfg = ModelConfig(
+        name="t", architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e4,
+        rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    weights: dict[str, Weight] = {
+        name: torch.randn(shape, generator=gen) * 0.1
+        for name, shape in expected_weight_shapes(cfg).items()
+    }
+    steps = time_decode_step(cfg, weights, [1, 3], torch.float32, time.perf_counter, reps=2)
+    assert [s["rows"] for s in steps] == [1, 3]
+    for s in steps:
+        assert s["forward_ms"] > 0 and s["linear_ms"] > 0
+        assert s["rest_ms"] == pytest.approx(s["forward_ms"] - s["linear_ms"], abs=0.02)
+    assert "rows=3: forward" in format_step("float32", steps)
