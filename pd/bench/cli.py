@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",
     "stall": "the worst /health wait while 1, 4 and 7 MiB prompts arrive at a worker",
     "fanout": "n = 8 against 8 separate requests of one prompt through router + P + D",
+    "kernels": "every candidate linear kernel timed at the model's shapes on this CPU (issue 24)",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
 }
 
