@@ -36,8 +36,10 @@ its stream at least once: not counted in `ok`), `client_disconnect` (intended), 
 the router's `--prefill-timeout` plus `--read-timeout` (the client's own timeout is three
 deadlines, so a hang is seen, not masked). Errors while a worker is down are expected; hangs and
 leaked pages are not. For each kill it reports the time from the kill to the router ejecting the
-worker (polled on `GET /workers`) and from the restart to the first successful (`ok` or
-`migrated`) request started after it, and the outcomes of the requests that ended in its window
+worker (polled on `GET /workers`), from the restart to the first successful (`ok` or
+`migrated`) request started after it and to the first request the restarted worker itself
+finished (its `/metrics`: with two D's the first success may be the other one's), and the
+outcomes of the requests that ended in its window
 (from the kill to the next kill or the end; the first window also holds the warm-up).
 
 Migrations are known per request: each request sends its own `X-Request-Id`, which the router's

@@ -469,6 +469,8 @@ def test_the_cli_has_the_soak_and_refuses_bad_flags(capsys):
 # --------------------------------------------------------------------------- real soak
 
 
+# NOTE: no real `--decode-workers 2` soak here: on the 2-core machine it takes 3-6 minutes (two
+# restarts of about a minute each); its runs are in docs/EXPERIMENTS.md section 6.
 @pytest.mark.slow
 @pytest.mark.skipif(not nixl_available(), reason="the KV pull between P and D needs NIXL")
 def test_a_short_real_soak_has_no_hung_request_and_no_leaked_page():
