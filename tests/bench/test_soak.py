@@ -475,7 +475,10 @@ def test_the_cli_has_the_soak_and_refuses_bad_flags(capsys):
 @pytest.mark.skipif(not nixl_available(), reason="the KV pull between P and D needs NIXL")
 def test_a_short_real_soak_has_no_hung_request_and_no_leaked_page():
     proc = subprocess.run(
-        [sys.executable, "-m", "pd.bench.cli", "soak", "--duration", "40", "--json"],
+        # Short prompts and long deadlines: an fp32 P on an AVX2-only CPU (no native bf16) under
+        # load prefills 300 tokens too slowly for the default 30 s deadline (a "hang").
+        [sys.executable, "-m", "pd.bench.cli", "soak", "--duration", "40", "--prompt-tokens",
+         "64", "--prefill-timeout", "60", "--read-timeout", "30", "--json"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.stdout, proc.stderr[-3000:]
