@@ -143,7 +143,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def _point(s: dict[str, Any]) -> dict[str, Any]:
     keys = ("rate", "rate_per_gpu", "slo_attainment", "goodput_rps", "goodput_per_gpu")
-    return {k: s[k] for k in keys} | {"ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"]}
+    return {k: s[k] for k in keys} | {m: s[m] for m in ("ttft_ms", "tpot_ms", "itl_ms")}
 
 
 def _evaluate_all(specs: list[ClusterSpec], jobs: list[SimJob], search: Search,
