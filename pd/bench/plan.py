@@ -143,7 +143,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def _point(s: dict[str, Any]) -> dict[str, Any]:
     keys = ("rate", "rate_per_gpu", "slo_attainment", "goodput_rps", "goodput_per_gpu")
-    return {k: s[k] for k in keys} | {"ttft_ms": s["ttft_ms"], "tpot_ms": s["tpot_ms"]}
+    return {k: s[k] for k in keys} | {m: s[m] for m in ("ttft_ms", "tpot_ms", "itl_ms")}
 
 
 def _evaluate_all(specs: list[ClusterSpec], jobs: list[SimJob], search: Search,
@@ -151,9 +151,18 @@ def _evaluate_all(specs: list[ClusterSpec], jobs: list[SimJob], search: Search,
     from pd.bench.plan_search import evaluate
 
     if workers <= 1:
-        return [evaluate(s, jobs, search) for s in specs]
+        return [_progress(i, len(specs), evaluate(s, jobs, search)) for i, s in enumerate(specs, 1)]
     with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(evaluate, specs, [jobs] * len(specs), [search] * len(specs)))
+        results = pool.map(evaluate, specs, [jobs] * len(specs), [search] * len(specs))
+        return [_progress(i, len(specs), o) for i, o in enumerate(results, 1)]
+
+
+def _progress(i: int, n: int, o: Outcome) -> Outcome:
+    """One line on stderr per cluster done (a search of a large budget takes minutes)."""
+    print(f"[{i}/{n}] {o.spec.name} (chunk {o.spec.limits.chunk_size}): "
+          f"{o.goodput_per_gpu:.3f} req/s per GPU, {o.simulations} runs, {o.cpu_s:.1f} s CPU",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return o
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, list[int], Limits, Search, list[SimJob]]:
@@ -251,6 +260,9 @@ def render(out: dict[str, Any]) -> str:
         pts = ", ".join(f"{p['rate_per_gpu']:g}: {p['goodput_per_gpu']:.3f} "
                         f"({100 * p['slo_attainment']:.0f}%)" for p in points)  # fmt: skip
         lines.append(f"sweep {name} (rate/GPU: goodput/GPU (attainment)): {pts}")
+    if any(o.get("capped") for o in out["splits"] + out["colocated_tried"]):
+        lines.append(">= : still within the SLOs at 64 x the first guess, where the requests "
+                     "come as one burst: give more --num-requests")  # fmt: skip
     lines.append(f"{out['simulations']} simulations, {out['search_s']} s")
     return "\n".join(lines)
 

@@ -163,3 +163,10 @@ def test_plan_replays_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
     out = plan_json(capsys, "--gpus", "2", "--trace", TRACE, "--slo-ttft-ms", "1000")
     assert (out["workload"], out["requests"]) == ("trace", 4)
     assert out["best"]["max_rate"] is not None and out["best"]["goodput_per_gpu"] > 0
+
+
+def test_a_search_that_never_misses_is_capped(capsys: pytest.CaptureFixture[str]) -> None:
+    """50 prompts of 256 tokens are 12,800 tokens, two steps of one 8B P (0.47 s together):
+    even all at once they meet a 500 ms TTFT, so no rate fails and the search stops at its cap."""
+    out = plan_json(capsys, "--gpus", "2", "--num-requests", "50", "--slo-ttft-ms", "500")
+    assert out["best"]["capped"] is True and out["best"]["attainment"] == 1.0

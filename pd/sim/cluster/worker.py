@@ -39,6 +39,7 @@ class SimWorker:
         self.cache = PrefixCache() if limits.prefix_cache and role != "decode" else None
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []  # in admission order
+        self.prefilling: list[Seq] = []  # those of them prefilling, in admission order
         self.busy = False
         self.steps = 0  # steps started; the next one's index
         self.reserved = 0  # decode rows hold pages for the tokens of steps < this
@@ -167,10 +168,10 @@ class SimWorker:
         budget -= len(self.decoding)
         chunks = self._chunks = []
         # Prefills in progress, oldest first.
-        for seq in list(self.running):
+        for seq in list(self.prefilling):
             if budget <= 0:
                 break
-            if seq.state is not PREFILL:  # decoding, or preempted earlier in this loop
+            if seq.state is not PREFILL:  # preempted earlier in this loop
                 continue
             n = min(seq.remaining, budget)
             need = pages_for(seq.computed + n, self.page) - seq.shared - seq.private
@@ -209,6 +210,7 @@ class SimWorker:
             seq.private = need
             seq.state = PREFILL
             self.running.append(seq)
+            self.prefilling.append(seq)
             chunks.append((seq, n, n == seq.remaining))
             budget -= n
         return chunks
@@ -226,6 +228,7 @@ class SimWorker:
             self.queued_prefill -= n
             if not sample:
                 continue
+            self.prefilling.remove(seq)
             seq.emitted += 1
             seq.timing.token_times.append(now)
             self._cache_prompt(seq)
@@ -287,6 +290,7 @@ class SimWorker:
         else:
             pages = seq.private
             self._chunks[:] = [c for c in self._chunks if c[0] is not seq]  # out of this step
+            self.prefilling.remove(seq)
             counted = seq.remaining
         self.running.remove(seq)
         self.used -= pages
@@ -312,4 +316,5 @@ class SimWorker:
         assert held == self.used, f"worker {self.index}: {held} pages held, {self.used} used"
         assert 0 <= self.used <= self.total
         assert len(self.decoding) == sum(1 for s in self.running if s.state is DECODE)
+        assert self.prefilling == [s for s in self.running if s.state is PREFILL]
         assert all(s.private == 0 and s.computed == 0 for s in self.waiting)
