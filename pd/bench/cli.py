@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "engine": "decode tokens/s at 1, 8 and 32 streams per quantization, against the read bound",
     "transfer": "KV pull throughput: ours vs bare NIXL vs memcpy",
     "router": "router overhead vs direct, at concurrency 1 and 64",
+    "tracker": "the router's stream tracker (migration), CPU a stream by how its events are read",
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
     "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
     "plan": "the P:D split and TPs with the best goodput per GPU, on a simulated cluster",
