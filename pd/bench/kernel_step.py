@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from pd.bench.engine import linear_layers
 from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Weight
@@ -49,7 +50,6 @@ def _step(
     reps: int,
 ) -> dict:
     model = runner.model
-    layers = model.ranks[0].layers
     pages = [list(range(s * pages_per_seq, (s + 1) * pages_per_seq)) for s in range(rows)]
     for s, p in enumerate(pages):  # each stream's context, prefilled
         prompt = torch.tensor([(7 * i + s) % (config.vocab_size - 1) + 1 for i in range(CONTEXT)])
@@ -64,12 +64,7 @@ def _step(
         model.forward(ids, meta, sampled)
 
     def linear() -> None:
-        for layer in layers:
-            layer.qkv(h)
-            layer.o(o)
-            layer.gate_up(h)
-            layer.down(m)
-        model.lm_head(h)
+        linear_layers(model, h, o, m)
 
     times: dict[str, list[float]] = {"forward": [], "linear": []}
     forward()  # warm-up

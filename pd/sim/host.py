@@ -20,7 +20,7 @@ import signal
 import sys
 
 from pd.config import ROLES, WorkerConfig
-from pd.worker.main import parse_args, serve
+from pd.worker.main import parse_args, run_until_stopped, serve
 
 log = logging.getLogger("pd.sim.host")
 
@@ -66,25 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--roles", required=True, help="e.g. prefill,decode,decode")
     parser.add_argument("--ports", help="one port per role, comma-separated")
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         ports = [int(p) for p in args.ports.split(",")] if args.ports else None
         cfgs = worker_configs(args.roles.split(","), rest, ports)
     except ValueError as e:
         print(f"pd.sim.host: {e}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve_all(cfgs))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"pd.sim.host: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_until_stopped(serve_all(cfgs), "pd.sim.host")
 
 
 if __name__ == "__main__":

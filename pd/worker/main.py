@@ -9,6 +9,8 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -124,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(list_presets())
         return 0
+    return run_until_stopped(serve(cfg), "pd-worker")
+
+
+def run_until_stopped(main_coro: Coroutine[Any, Any, None], prog: str) -> int:
+    """Log, install uvloop where it is, and run a serving coroutine to its end; a bad model path
+    or config found while building is one line on stderr and exit status 1."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         import uvloop
@@ -132,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(main_coro)
     except (FileNotFoundError, ValueError) as e:
-        print(f"pd-worker: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     return 0
 
