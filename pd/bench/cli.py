@@ -1,6 +1,6 @@
 """`pd-bench SUBCOMMAND ...`: benchmarks that start what they measure and print figures.
 
-Each subcommand lives in its own module `pd.bench.<name>` exposing
+Each subcommand lives in its own module `pd.bench.<name>` (`-` spelled `_`) exposing
 `add_arguments(parser)` and `run(args) -> int`.
 """
 
@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
     "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
     "plan": "the P:D split and TPs with the best goodput per GPU, on a simulated cluster",
+    "plan-check": "the planner's model against simulated worker processes, at a few rates",
     "routing": "routing policies and decode-local prefill on a multi-turn load (2 P + 1 D)",
     "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",
     "multihost": "P, D and router in network namespaces: KV-link latency, then a cut mid-pull",
@@ -33,10 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        module_name = f"pd.bench.{name.replace('-', '_')}"
         try:
-            module = importlib.import_module(f"pd.bench.{name}")
+            module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != f"pd.bench.{name}":
+            if e.name != module_name:
                 raise
             continue
         module.add_arguments(p)

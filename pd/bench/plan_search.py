@@ -96,11 +96,12 @@ def records(
 
 
 def run_at(
-    spec: ClusterSpec, jobs: list[SimJob], rate: float, search: Search
+    spec: ClusterSpec, jobs: list[SimJob], rate: float, search: Search, gaps: bool = False
 ) -> list[RequestRecord]:
-    """`jobs` at `rate` (req/s, whole cluster) on `spec`: pd-bench serve's records."""
+    """`jobs` at `rate` (req/s, whole cluster) on `spec`: pd-bench serve's records (with every
+    inter-token gap if `gaps` or an ITL SLO is given)."""
     result = simulate(spec, jobs, arrivals_at(jobs, rate, search.arrival, search.seed))
-    return records(result.requests, rate, spec.name, search.slo.itl_p99_ms is not None)
+    return records(result.requests, rate, spec.name, gaps or search.slo.itl_p99_ms is not None)
 
 
 def attainment_at(spec: ClusterSpec, jobs: list[SimJob], rate: float, search: Search) -> float:
