@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from pd.bench import kernels
 from pd.bench.cli import SUBCOMMANDS
-from pd.bench.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.bench.kernel_candidates import BY_NAME, CANDIDATES, Candidate, rel_error, try_build
 from pd.bench.kernel_report import Timing, build_report, format_report
 from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights, step_cells
 from pd.bench.kernel_step import format_step, time_decode_step
 from pd.worker.checkpoint.load_utils import expected_weight_shapes
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.worker.model.quant import Weight, quantize_groups
 
 SMOLLM2 = ModelConfig(

@@ -1,5 +1,5 @@
-"""Workers with quantized weights answer right: int4 (the GGUF's Q4_1 blocks packed as they are)
-and int8, each a real `pd-worker --role both` process, greedy."""
+"""Workers with quantized weights answer right: int4 (the GGUF's Q4_1 blocks packed as they are),
+int8, and the oneDNN/FBGEMM kernels, each a real `pd-worker --role both` process, greedy."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ from tests.e2e.processes import start_worker, stop
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8"])
+@pytest.mark.parametrize(
+    "quantization", ["int4", "int8", "fbgemm-int8", "onednn-int8", "onednn-bf16"]
+)
 async def test_a_quantized_worker_gives_the_right_greedy_answer(quantization):
+    from pd.worker.model.kernels import onednn_bf16_refusal
+
+    if quantization == "onednn-bf16" and onednn_bf16_refusal():
+        pytest.skip(f"no oneDNN bf16 linear on this CPU: {onednn_bf16_refusal()}")
     proc, url = start_worker(
         "--role", "both", "--quantization", quantization, "--threads", "1", "--kv-pages", "64"
     )
