@@ -24,7 +24,18 @@ pytestmark = [
 ]
 
 # A long lease: every release below must come from a heartbeat, an abort or the router.
-COMMON = ("--dtype", "float32", "--quantization", "none", "--max-model-len", "2048", "--lease-ttl-s", "60", "--threads", "1")
+COMMON = (
+    "--dtype",
+    "float32",
+    "--quantization",
+    "none",
+    "--max-model-len",
+    "2048",
+    "--lease-ttl-s",
+    "60",
+    "--threads",
+    "1",
+)
 # D's 48 pages of 16 tokens: a ~320-token request decoding 300 tokens holds 20 to 39 of them, so
 # a ~640-token prompt (40 pages) waits in D's prealloc queue until the first request ends.
 D_PAGES = ("--kv-pages", "48")
