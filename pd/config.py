@@ -10,6 +10,8 @@ from pd.cors import ORIGINS_HELP, check_origins
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
+# pd.worker.model.quant.QUANTIZATIONS (not imported: the config loads without torch)
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", "onednn-bf16")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,8 @@ class WorkerConfig:
     tp: int = _flag(1, "tensor-parallel size (ranks driven by this one process)")
     dtype: str = _flag(
         "auto",
-        "compute dtype: auto picks bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32",
+        "compute dtype: auto on a CPU is measured with --quantization auto (the fastest within "
+        "the perplexity bound, cached: docs/worker.md); on CUDA, bfloat16",
         choices=DTYPES,
     )
     device: str = _flag(
@@ -107,9 +110,13 @@ class WorkerConfig:
     )
     kv_transfer_timeout_s: float = _flag(30.0, "decode: longest KV pull before it fails")
     quantization: str = _flag(
-        "none",
-        "weights of the linear layers: none (the dtype), int8 (per channel) or int4 (groups of "
-        "--group-size; a GGUF's Q4_1 layers are packed as they are) on the CPU kernels",
+        "auto",
+        "weights and kernel of the linear layers: auto (measured at start on a CPU, with --dtype "
+        "auto; none elsewhere or with PD_KERNEL_SEARCH=0), none (dense in the dtype), int8 (weight-only, "
+        "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
+        "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
+        "quantized per call: quantized.linear_dynamic), onednn-bf16 (bf16 weights reordered for "
+        "oneDNN); all on the CPU kernels",
     )
     group_size: int = _flag(32, "inputs per int4 group")
     attention_backend: str = _flag(
@@ -199,8 +206,8 @@ class WorkerConfig:
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")
         check(self.page_wait_timeout_s > 0, "--page-wait-timeout-s must be > 0")
         check(
-            self.quantization in ("none", "int8", "int4"),
-            "--quantization must be one of none, int8, int4",
+            self.quantization in ("auto", *QUANTIZATION_CHOICES),
+            f"--quantization must be one of auto, {', '.join(QUANTIZATION_CHOICES)}",
         )
         check(self.group_size >= 1, "--group-size must be >= 1")
         check(

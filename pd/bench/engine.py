@@ -11,6 +11,11 @@ For each `--quantizations` entry (default `none,int4`), in one run:
    decode tokens/s is measured: tokens after each stream's first, over the time from the first
    stream's first token to the last stream's last one; `step_ms` = N / that rate.
 
+Each figure is printed beside the CPU that gave it (model name and the flags that pick torch's
+kernels: AVX-512, AVX512-BF16, AMX, AVX-VNNI; `cpu_info.py`), and a quantization whose decode
+rate at a stream count is below `none`'s (when both ran) is marked slower than the unquantized
+weights there (`slower_than_none`): a slow path `--quantization auto` would not pick.
+
 The bound: the machine's read bandwidth (`torch.sum` over 1 GiB with `--threads` threads, best
 of 5) over the bytes of one step gives the steps per second a step that only streamed its
 weights and KV would reach: `bound_tok_s` = N x that, and `share_of_bound` = tok_s / bound_tok_s.
@@ -45,13 +50,25 @@ def linear_layers(model: Any, h: torch.Tensor, o: torch.Tensor, m: torch.Tensor)
     model.lm_head(h)
 
 
+def mark_slower_than_none(runs: list[dict]) -> None:
+    """Set each quantized run's `slower_than_none`: its tok/s below the `none` run's at the same
+    stream count (None where `none` did not run)."""
+    none = {r["streams"]: r["tok_s"] for r in runs if r["quantization"] == "none"}
+    for r in runs:
+        if r["quantization"] != "none":
+            base = none.get(r["streams"])
+            r["slower_than_none"] = None if base is None else r["tok_s"] < base
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running worker (default: start one per quantization)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
     p.add_argument("--dtype", default="auto", help="compute dtype of the started worker")
     p.add_argument(
-        "--quantizations", default="none,int4", help="comma-separated --quantization values"
+        "--quantizations",
+        default="none,int4",
+        help="comma-separated --quantization values (not auto: each is built here too)",
     )
     p.add_argument("--threads", type=int, default=0, help="worker threads (0: all cores)")
     p.add_argument("--worker-args", default="", help="extra flags for the started worker")
@@ -258,13 +275,24 @@ def measure_worker(args, quantization: str, levels: list[int]) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pd.worker.model.cpu_info import read_cpu_info
+    from pd.worker.model.quant import QUANTIZATIONS
+
+    quantizations = args.quantizations.split(",")
+    bad = [q for q in quantizations if q not in QUANTIZATIONS]
+    if bad:
+        raise SystemExit(
+            f"--quantizations: {', '.join(bad)} not one of {', '.join(QUANTIZATIONS)} (auto is "
+            "resolved per worker: start one and pass --url)"
+        )
+    cpu = read_cpu_info()
     threads = args.threads or os.cpu_count() or 1
     levels = [int(n) for n in args.concurrency.split(",")]
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     gbps = read_gbps(threads)
     context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
     runs = []
-    for q in args.quantizations.split(","):
+    for q in quantizations:
         weight_bytes, linear_ms, kv_per_token = step_bytes_and_linear_ms(
             q, dtype, levels, context, threads
         )
@@ -293,19 +321,27 @@ def run(args: argparse.Namespace) -> int:
                     "itl_ms": round(r["mean_itl_ms"], 2),
                 }
             )
-    summary: dict = {"read_gbps": round(gbps, 2), "threads": threads, "runs": runs}
+    mark_slower_than_none(runs)
+    summary: dict = {
+        "cpu": cpu.as_dict(),
+        "read_gbps": round(gbps, 2),
+        "threads": threads,
+        "runs": runs,
+    }
     if args.constrained:
         summary["grammar"] = grammar_costs()
     if args.json:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return 0
+    print(f"CPU: {cpu.describe()}")
     print(f"read bandwidth {gbps:.1f} GB/s with {threads} threads")
-    print("quant  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share")
+    print("      quant  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share")
     for r in runs:
         print(
-            f"{r['quantization']:>5} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
+            f"{r['quantization']:>11} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
             f"{r['linear_ms']:>10.1f} {r['step_mb']:>8.1f} {r['bound_tok_s']:>12.1f} "
             f"{r['share_of_bound']:>6.2f}"
+            + ("   SLOWER than none here" if r.get("slower_than_none") else "")
             + (
                 f"   constrained {r['constrained_tok_s']:.1f} tok/s ({r['constrained_ratio']:.2f}x)"
                 if "constrained_tok_s" in r

@@ -11,21 +11,28 @@ format loses with a margin, far below what a wrong layout or a saturating kernel
 pd reaches three of them today: `fp32` (`--dtype float32`, what `auto` is on a CPU without
 AVX512-BF16/AMX), `bf16` (`--dtype bfloat16`), and `int8pack-bf16` / `int4pack-bf16`
 (`--quantization int8|int4`: pd's own `Int8Linear` / `Int4Linear`, which run an fp32 model's
-activations in bf16 inside the kernel). The FBGEMM/oneDNN ones take a quantized weight tensor
-(`torch.quantize_per_channel`), a tensor type torch now warns is deprecated.
+activations in bf16 inside the kernel). The oneDNN and FBGEMM builders are the worker's own
+(pd/worker/model/kernels.py: `--quantization onednn-bf16|fbgemm-int8|onednn-int8`); the FBGEMM/
+oneDNN int8 ones take a quantized weight tensor, a tensor type torch now warns is deprecated.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pd.bench.cpu_info import CpuInfo
+from pd.worker.model.cpu_info import CpuInfo
+from pd.worker.model.kernels import (
+    linear_dynamic,
+    linear_onednn,
+    per_channel_int8,
+    prepack_int8,
+    quantized_engine,
+    reorder_onednn,
+)
 from pd.worker.model.quant import Int4Linear, Int8Linear, quantize_groups
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
@@ -49,34 +56,6 @@ class Candidate:
     skip_unless: Callable[[CpuInfo], str] = lambda cpu: ""
 
 
-@contextmanager
-def _engine(name: str) -> Iterator[None]:
-    """torch.backends.quantized.engine set to `name` while weights are packed (the packed
-    object then runs with that library whatever the engine is later)."""
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = before
-
-
-def _per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [out, in] in -127..127, scale fp32 [out]): symmetric, per output channel."""
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
-
-
-def _qtensor(w: torch.Tensor) -> torch.Tensor:
-    q, scale = _per_channel_int8(w)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # quantized tensor creation is deprecated (torch 2.10+)
-        return torch._make_per_channel_quantized_tensor(
-            q, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
-        )
-
-
 def _dense(dtype: torch.dtype) -> Callable[[torch.Tensor, int], Layer]:
     def build(w: torch.Tensor, rows: int) -> Layer:
         wd = w.to(dtype).contiguous()
@@ -92,8 +71,8 @@ def _mkl_packed(w: torch.Tensor, rows: int) -> Layer:
 
 def _onednn(dtype: torch.dtype) -> Callable[[torch.Tensor, int], Layer]:
     def build(w: torch.Tensor, rows: int) -> Layer:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), rows)
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        packed = reorder_onednn(w, dtype, rows)
+        return lambda x: linear_onednn(x, packed)
 
     return build
 
@@ -103,7 +82,7 @@ def _pd_int8(w: torch.Tensor, rows: int) -> Layer:
 
 
 def _int8pack_fp32(w: torch.Tensor, rows: int) -> Layer:
-    q, scale = _per_channel_int8(w)
+    q, scale = per_channel_int8(w)
     return lambda x: torch.ops.aten._weight_int8pack_mm(x, q, scale)
 
 
@@ -124,22 +103,21 @@ def _dynamic_int8(engine: str, reduce_range: bool) -> Callable[[torch.Tensor, in
     with `reduce_range`: AVX2's u8 x s8 pair sums saturate int16 at 8), int32 accumulation."""
 
     def build(w: torch.Tensor, rows: int) -> Layer:
-        with _engine(engine):
-            packed = torch.ops.quantized.linear_prepack(_qtensor(w), None)
-        return lambda x: torch.ops.quantized.linear_dynamic(x, packed, reduce_range)
+        packed = prepack_int8(w, engine)
+        return lambda x: linear_dynamic(x, packed, reduce_range)
 
     return build
 
 
 def _fbgemm_fp16(w: torch.Tensor, rows: int) -> Layer:
-    with _engine("fbgemm"):
+    with quantized_engine("fbgemm"):
         packed = torch.ops.quantized.linear_prepack_fp16(w, None)
     return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed)
 
 
 def _int_mm(w: torch.Tensor, rows: int) -> Layer:
     """torch._int_mm (int8 x int8 -> int32) with the activations quantized per row by hand."""
-    q, scale = _per_channel_int8(w)
+    q, scale = per_channel_int8(w)
     qt = q.t()
 
     def layer(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +159,7 @@ CANDIDATES: tuple[Candidate, ...] = (
               _onednn(f32)),
     Candidate("bf16", bf16, "bf16", 16, "F.linear", 2e-2, _dense(bf16), "--dtype bfloat16"),
     Candidate("bf16-onednn", bf16, "bf16", 16, "mkldnn._linear_pointwise (reordered)", 2e-2,
-              _onednn(bf16)),
+              _onednn(bf16), "--quantization onednn-bf16"),
     Candidate("fp16", f16, "fp16", 16, "F.linear", 5e-3, _dense(f16)),
     Candidate("fbgemm-fp16", f32, "fp16", 16, "quantized.linear_dynamic_fp16", 5e-3,
               _fbgemm_fp16),
@@ -190,11 +168,12 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("int8pack-fp32", f32, "int8/ch", 8, "aten._weight_int8pack_mm", 5e-2,
               _int8pack_fp32),
     Candidate("fbgemm-int8", f32, "int8/ch", 8, "quantized.linear_dynamic (reduce_range)", 7e-2,
-              _dynamic_int8("fbgemm", True)),
+              _dynamic_int8("fbgemm", True), "--quantization fbgemm-int8 (no VNNI)"),
     Candidate("fbgemm-int8-full", f32, "int8/ch", 8, "quantized.linear_dynamic", 7e-2,
-              _dynamic_int8("fbgemm", False), exact_needs="avx512_vnni"),
+              _dynamic_int8("fbgemm", False), "--quantization fbgemm-int8 (VNNI)",
+              exact_needs="avx512_vnni"),
     Candidate("onednn-int8", f32, "int8/ch", 8, "quantized.linear_dynamic (oneDNN, reduce_range)",
-              7e-2, _dynamic_int8("onednn", True)),
+              7e-2, _dynamic_int8("onednn", True), "--quantization onednn-int8"),
     Candidate("int_mm-int8", f32, "int8/ch", 8, "torch._int_mm, activations int8 per row", 7e-2,
               _int_mm),
     Candidate("int4pack-bf16", f32, "int4/g32", 5, "aten._weight_int4pack_mm_for_cpu, bf16 "

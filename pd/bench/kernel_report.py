@@ -8,9 +8,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pd.bench.cpu_info import CpuInfo
 from pd.bench.kernel_candidates import Candidate
 from pd.bench.kernel_shapes import Shape, step_cells, step_weights
+from pd.worker.model.cpu_info import CpuInfo
 
 
 @dataclass

@@ -36,6 +36,7 @@ from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.model.kernel_choice import resolve_kernels
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
 
@@ -72,6 +73,9 @@ class Worker:
     migratable: set[tuple[RequestHandle, ...]] = field(default_factory=set)
     # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
     simulation: Callable[[], dict[str, Any]] | None = None
+    quantization: str = "none"  # the linear layers' format, --quantization auto resolved
+    # What --dtype/--quantization auto chose and the figures that chose it (/health `kernels`)
+    kernels: dict[str, Any] = field(default_factory=dict)
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -116,6 +120,8 @@ class _Model:
     executor: Executor | None  # the thread steps run on (None: the engine's own)
     summary: str  # how it runs, for the start-up log
     simulated: SimulatedRunner | None = None  # the runner again, when it is pd.sim's
+    quantization: str = "none"
+    kernels: dict[str, Any] = field(default_factory=dict)
 
 
 def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Worker:
@@ -188,20 +194,41 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         attention_backend=runner.attention_backend,
         vocab_size=runner.config.vocab_size,
         simulation=simulation,
+        quantization=model.quantization,
+        kernels=model.kernels,
     )
 
 
 def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
     # Every torch op of this worker runs on one thread, loading included (see torch_thread.py).
-    torch_thread = TorchThread(cfg.threads or torch.get_num_threads())
+    threads = cfg.threads or torch.get_num_threads()
+    torch_thread = TorchThread(threads)
     if ckpt is None:
         # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip).
         keep = cfg.quantization == "int4" and cfg.group_size == 32
         path = cfg.model or default_model_path()
         ckpt = torch_thread.run(load_checkpoint, path, torch.float32, keep_q4_1=keep)
     mcfg = ckpt.config
+    choice = torch_thread.run(
+        resolve_kernels,
+        dtype=cfg.dtype,
+        quantization=cfg.quantization,
+        device=device,
+        role=cfg.role,
+        chunk_size=cfg.chunk_size,
+        max_running=cfg.max_running_requests,
+        threads=threads,
+        tp=cfg.tp,
+        group_size=cfg.group_size,
+        config=mcfg,
+        weights=ckpt.weights,
+        tokenizer=ckpt.tokenizer,
+        digest=ckpt.digest,
+        compile=cfg.compile,
+    )
+    log.info("%s", choice.summary())
+    dtype = resolve_dtype(choice.dtype, device)
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(
         mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
@@ -217,7 +244,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         page_size=cfg.page_size,
         max_model_len=max_model_len,
         seed=cfg.seed,
-        quantization=cfg.quantization,
+        quantization=choice.quantization,
         group_size=cfg.group_size,
         attention_backend=cfg.attention_backend,
         compile=cfg.compile,
@@ -226,7 +253,8 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         checkpoint_digest=ckpt.digest,
     )
     summary = (
-        f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}"
+        f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}, "
+        f"linear layers {choice.quantization}"
     )
     return _Model(
         runner,
@@ -237,6 +265,8 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         cfg.tp,
         torch_thread.executor,
         summary,
+        quantization=choice.quantization,
+        kernels=choice.as_dict(),
     )
 
 

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 
 from pd.bench import kernels
 from pd.bench.cli import SUBCOMMANDS
-from pd.bench.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.bench.kernel_candidates import BY_NAME, CANDIDATES, Candidate, rel_error, try_build
 from pd.bench.kernel_report import Timing, build_report, format_report
 from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights, step_cells
 from pd.bench.kernel_step import format_step, time_decode_step
 from pd.worker.checkpoint.load_utils import expected_weight_shapes
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.worker.model.quant import Weight, quantize_groups
 
 SMOLLM2 = ModelConfig(
@@ -211,3 +211,17 @@ def test_decode_step_against_its_linear_layers_on_a_tiny_model():
         assert s["forward_ms"] > 0 and s["linear_ms"] > 0
         assert s["rest_ms"] == pytest.approx(s["forward_ms"] - s["linear_ms"], abs=0.02)
     assert "rows=3: forward" in format_step("float32", steps)
+
+
+def test_pd_bench_engine_marks_a_quantization_slower_than_none_at_a_stream_count():
+    from pd.bench.engine import mark_slower_than_none
+
+    runs = [
+        {"quantization": "none", "streams": 1, "tok_s": 50.0},
+        {"quantization": "none", "streams": 32, "tok_s": 500.0},
+        {"quantization": "int4", "streams": 1, "tok_s": 80.0},
+        {"quantization": "int4", "streams": 32, "tok_s": 200.0},
+        {"quantization": "int8", "streams": 8, "tok_s": 90.0},
+    ]
+    mark_slower_than_none(runs)
+    assert [r.get("slower_than_none") for r in runs] == [None, None, False, True, None]

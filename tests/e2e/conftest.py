@@ -19,11 +19,11 @@ from tests.model_fixtures import default_checkpoint
 
 # The fp32 prefill + decode pair the feature modules share (test_tools, test_logprobs,
 # test_n_choices): one start per session, both processes at once (each ~10 s to load).
-PAIR_FLAGS = ("--dtype", "float32", "--kv-pages", "256", "--max-model-len", "2048", "--threads", "1")
+PAIR_FLAGS = ("--dtype", "float32", "--quantization", "none", "--kv-pages", "256", "--max-model-len", "2048", "--threads", "1")
 
 
 def make_worker(ckpt: LoadedCheckpoint | None = None, **overrides) -> Worker:
-    fields = dict(dtype="float32", device="cpu", kv_pages=256, max_model_len=2048, port=0)
+    fields = dict(dtype="float32", quantization="none", device="cpu", kv_pages=256, max_model_len=2048, port=0)
     fields.update(overrides)
     return build_worker(WorkerConfig(**fields), ckpt or default_checkpoint())
 

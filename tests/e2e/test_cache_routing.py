@@ -25,7 +25,18 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "256", "--max-model-len", "2048", "--threads", "1")
+FLAGS = (
+    "--dtype",
+    "float32",
+    "--quantization",
+    "none",
+    "--kv-pages",
+    "256",
+    "--max-model-len",
+    "2048",
+    "--threads",
+    "1",
+)
 SYSTEM = (
     "You are a careful assistant for a travel agency. Answer in one short sentence. "
     "The agency sells trips to Paris, Rome, Lisbon, Vienna and Prague, by train or by plane, "

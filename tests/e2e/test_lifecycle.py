@@ -24,7 +24,18 @@ pytestmark = [
 ]
 
 # A long lease: every release below must come from a heartbeat, an abort or the router.
-COMMON = ("--dtype", "float32", "--max-model-len", "2048", "--lease-ttl-s", "60", "--threads", "1")
+COMMON = (
+    "--dtype",
+    "float32",
+    "--quantization",
+    "none",
+    "--max-model-len",
+    "2048",
+    "--lease-ttl-s",
+    "60",
+    "--threads",
+    "1",
+)
 # D's 48 pages of 16 tokens: a ~320-token request decoding 300 tokens holds 20 to 39 of them, so
 # a ~640-token prompt (40 pages) waits in D's prealloc queue until the first request ends.
 D_PAGES = ("--kv-pages", "48")
@@ -144,7 +155,7 @@ async def test_a_decode_refusal_releases_p_at_once_and_p_refuses_what_no_d_could
 ):
     _, p_url = procs("--role", "prefill", *COMMON)
     # D's context is shorter than P's: D refuses the ~640-token prompt with a 400.
-    _, d_url = procs("--role", "decode", "--dtype", "float32", "--max-model-len", "256",
+    _, d_url = procs("--role", "decode", "--dtype", "float32", "--quantization", "none", "--max-model-len", "256",
                      "--lease-ttl-s", "60", "--threads", "1")  # fmt: skip
     url = await start_router(aiohttp_server, p_url, d_url)
     async with aiohttp.ClientSession() as http:

@@ -377,7 +377,7 @@ async def _post_stream(http: aiohttp.ClientSession, url: str, body: dict) -> Str
 
 
 async def test_sigterm_migrates_the_routers_streams_and_exits_fast():
-    proc, url = start_worker("--role", "both", "--dtype", "float32", "--kv-pages", "256",
+    proc, url = start_worker("--role", "both", "--dtype", "float32", "--quantization", "none", "--kv-pages", "256",
                              "--max-model-len", "2048", "--threads", "1")  # fmt: skip
     try:
         body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}

@@ -23,7 +23,18 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = ("--dtype", "float32", "--kv-pages", "128", "--max-model-len", "2048", "--lease-ttl-s", "5")
+FLAGS = (
+    "--dtype",
+    "float32",
+    "--quantization",
+    "none",
+    "--kv-pages",
+    "128",
+    "--max-model-len",
+    "2048",
+    "--lease-ttl-s",
+    "5",
+)
 
 
 @pytest.fixture(scope="module")

@@ -41,3 +41,11 @@ def test_tool_call_parser_flag():
         parse_args(["--tool-call-parser", "pythonic"])
     with pytest.raises(ValueError, match="--tool-call-parser"):
         WorkerConfig(tool_call_parser="pythonic")
+
+
+def test_quantization_and_dtype_default_to_auto_and_a_bad_value_names_the_choices():
+    cfg = WorkerConfig()
+    assert (cfg.dtype, cfg.quantization) == ("auto", "auto")
+    WorkerConfig(quantization="onednn-bf16")
+    with pytest.raises(ValueError, match="auto, none, int8, int4, fbgemm-int8, onednn-int8"):
+        WorkerConfig(quantization="int3")

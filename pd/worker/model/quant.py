@@ -1,4 +1,6 @@
-"""Weight-only quantized linear layers (`--quantization none|int8|int4`) on torch's CPU kernels.
+"""The linear layers `--quantization` picks (`QUANTIZATIONS`), and the weight-only quantized
+ones on torch's CPU kernels (`int8`, `int4`); `fbgemm-int8`, `onednn-int8` and `onednn-bf16` are
+in kernels.py.
 
 - int8: per output channel, symmetric (`w = q * scale`, q in -127..127);
   `torch.ops.aten._weight_int8pack_mm`.
@@ -26,8 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_BF16, DynamicInt8Linear, OneDnnLinear
 
-QUANTIZATIONS = ("none", "int8", "int4")
+# What `--quantization` takes besides `auto` (config.py): the weight format and kernel of the
+# linear layers. none: dense in the compute dtype (F.linear); int8: weight-only int8 per channel
+# (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
+# and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16:
+# bf16 weights reordered for oneDNN.
+QUANTIZATIONS = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", ONEDNN_BF16)
 
 
 @dataclass(frozen=True)
@@ -196,9 +204,19 @@ def make_linear(
     dense = weight.dequantize() if isinstance(weight, GroupQuant) else weight
     if quantization == "int8":
         return Int8Linear(dense, b, dtype)
+    if quantization in DYNAMIC_INT8:
+        return DynamicInt8Linear(dense, b, DYNAMIC_INT8[quantization])
+    if quantization == ONEDNN_BF16:
+        return OneDnnLinear(dense, b)
     if quantization == "none":
         return DenseLinear(dense.to(device=device, dtype=dtype).contiguous(), b)
-    raise ValueError(f"--quantization must be one of {QUANTIZATIONS}")
+    raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
+
+
+def head_quantization(quantization: str) -> str:
+    """The LM head's format for the layers' `quantization`: the same kernel, except int4 layers
+    get an int8 head (the largest matrix a step reads, kept at 8 bits)."""
+    return "int8" if quantization == "int4" else quantization
 
 
 def rows(w: Weight, start: int, end: int) -> Weight:

@@ -31,6 +31,7 @@ from pd.worker.model.quant import (
     GroupQuant,
     Weight,
     check_group_size,
+    head_quantization,
     make_linear,
 )
 from pd.worker.model.sampler import SampleOutput, Sampler
@@ -100,6 +101,11 @@ class ModelRunner:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
         if quantization == "int4":
             check_group_size(config, tp, group_size)
+        if compile and quantization not in ("none", "int8", "int4"):
+            raise ValueError(
+                f"--compile runs --quantization none, int8 or int4, not {quantization}: "
+                "torch.compile has not been tried on the oneDNN/FBGEMM kernels"
+            )
         self.quantization = quantization
         self.checkpoint_digest = checkpoint_digest  # LoadedCheckpoint.digest: see KVContract
         if device == "cuda" and torch.cuda.device_count() < tp:
@@ -152,10 +158,11 @@ class ModelRunner:
 
         embed = dense("model.embed_tokens.weight")
         head = embed if config.tie_word_embeddings else dense("lm_head.weight")
-        # The LM head is the largest matrix a step reads: int8 per channel whenever the
-        # layers are quantized (the embedding's lookup reads a row per token: it stays dense).
-        head_q = "none" if quantization == "none" else "int8"
-        lm_head = make_linear(head, None, head_q, group_size, dtype, self.device)
+        # The LM head is the largest matrix a step reads: in the layers' kernel (int8 under int4
+        # layers); the embedding's lookup reads a row per token: it stays dense.
+        lm_head = make_linear(
+            head, None, head_quantization(quantization), group_size, dtype, self.device
+        )
         norms = [
             (
                 dense(f"model.layers.{i}.input_layernorm.weight"),

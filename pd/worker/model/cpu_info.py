@@ -3,6 +3,7 @@ kernels, and torch's own view of them (`torch.backends.cpu.get_cpu_capability`).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from dataclasses import dataclass
@@ -85,7 +86,9 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     return model or "unknown CPU", frozenset(flags.split())
 
 
+@functools.cache
 def read_cpu_info() -> CpuInfo:
+    """This machine's CPU (read once per process)."""
     try:
         with open("/proc/cpuinfo") as f:
             model, flags = parse_cpuinfo(f.read())

@@ -1,0 +1,193 @@
+"""`--dtype auto` / `--quantization auto` on a CPU: the decision rule, apart from the timing
+(kernel_search.py) and the cache (kernel_cache.py), so it is tested without a model.
+
+A candidate is a compute dtype and a weight format (`Candidate`). Each is timed on the model's
+linear layers at the batch sizes of the worker's role (`role_batches`): a prefill worker at its
+chunk (`--chunk-size` rows), a decode worker at 1, 8 and 32 rows (no more than
+`--max-running-requests`), a co-located one at both, half and half. A candidate's score is the
+weighted geometric mean, over those batches, of its time over the fastest candidate's at that
+batch: 1.0 is fastest everywhere, 1.3 is 30% slower on (weighted) average, whatever the scale
+of each batch's times. The choice is the best-scored candidate whose model perplexity on the
+shipped text stays within `PPL_BOUND` of the fp32 dense model's; perplexities are computed
+lazily, best first, so only candidates that could win are measured (`choose`).
+
+The compute dtype is also the KV cache's (the pairing contract), so a prefill and a decode
+worker must pick the same one: for those roles the dtype is the one of the best candidate at
+the co-located worker's batches (both roles on one machine kind agree), and only the weight
+format follows the role (`decision_batches`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PPL_BOUND = 1.02  # issue 24: within 1.02x of the fp32 model's perplexity
+DECODE_ROWS = (1, 8, 32)
+DTYPES = ("float32", "bfloat16")
+REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    dtype: str  # "float32" | "bfloat16"
+    quantization: str  # a quant.QUANTIZATIONS value
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype}/{self.quantization}"
+
+    @staticmethod
+    def parse(name: str) -> Candidate:
+        dtype, _, quantization = name.partition("/")
+        return Candidate(dtype, quantization)
+
+
+def candidates(dtype_pin: str, quantization_pin: str, formats: Sequence[str]) -> list[Candidate]:
+    """Every (dtype, format) to time: a pinned dimension ("auto" if not) holds one value;
+    `formats` are the weight formats this machine's torch can run."""
+    dtypes = DTYPES if dtype_pin == "auto" else (dtype_pin,)
+    quants = formats if quantization_pin == "auto" else (quantization_pin,)
+    return [Candidate(d, q) for d in dtypes for q in quants]
+
+
+def role_batches(role: str, chunk_size: int, max_running: int) -> dict[int, float]:
+    """Rows of a step -> the weight of that batch size in the role's score (summing to 1)."""
+    decode = sorted({min(r, max_running) for r in DECODE_ROWS})
+    if role == "prefill":
+        return {chunk_size: 1.0}
+    if role == "decode":
+        return {r: 1 / len(decode) for r in decode}
+    out = {r: 0.5 / len(decode) for r in decode}
+    out[chunk_size] = out.get(chunk_size, 0.0) + 0.5
+    return out
+
+
+def decision_batches(
+    role: str, chunk_size: int, max_running: int
+) -> tuple[dict[int, float], dict[int, float]]:
+    """(the batches the dtype is chosen at, the batches the weight format is chosen at): the
+    co-located worker's for the dtype (module docstring), the role's own for the format."""
+    return role_batches("both", chunk_size, max_running), role_batches(
+        role, chunk_size, max_running
+    )
+
+
+def scores(
+    ms: Mapping[Candidate, Mapping[int, float]], weights: Mapping[int, float]
+) -> dict[Candidate, float]:
+    """Each candidate's weighted geometric mean of (its ms / the fastest ms) over `weights`'
+    batches; a candidate not timed at a batch (dropped as far too slow) scores infinity."""
+    best = {r: min(t[r] for t in ms.values() if r in t) for r in weights}
+    out = {}
+    for c, t in ms.items():
+        if any(r not in t for r in weights):
+            out[c] = math.inf
+            continue
+        log = sum(w * math.log(t[r] / best[r]) for r, w in weights.items())
+        out[c] = math.exp(log / sum(weights.values()))
+    return out
+
+
+@dataclass
+class Choice:
+    """What `auto` resolved to, and the figures that chose it (for /health and the log)."""
+
+    dtype: str
+    quantization: str
+    how: str  # "measured", "cache", or why nothing was measured
+    ms: dict[str, dict[int, float]] = field(default_factory=dict)  # candidate -> rows -> ms
+    scores: dict[str, float] = field(default_factory=dict)  # at the role's batches
+    perplexity_ratio: dict[str, float] = field(default_factory=dict)  # over fp32 dense's
+    search_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "how": self.how,
+            "search_s": round(self.search_s, 2),
+            "ms_per_step": {
+                c: {str(r): round(v, 3) for r, v in t.items()} for c, t in self.ms.items()
+            },
+            # None: not timed at every batch (dropped as far too slow)
+            "score": {c: round(s, 3) if math.isfinite(s) else None for c, s in self.scores.items()},
+            "perplexity_ratio": {c: round(p, 4) for c, p in self.perplexity_ratio.items()},
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], how: str) -> Choice:
+        return Choice(
+            dtype=d["dtype"],
+            quantization=d["quantization"],
+            how=how,
+            ms={c: {int(r): v for r, v in t.items()} for c, t in d["ms_per_step"].items()},
+            scores={c: math.inf if s is None else s for c, s in d["score"].items()},
+            perplexity_ratio=dict(d["perplexity_ratio"]),
+            search_s=d["search_s"],
+        )
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        ranked = sorted(self.scores.items(), key=lambda kv: kv[1])
+        parts = []
+        for name, s in ranked:
+            ppl = self.perplexity_ratio.get(name)
+            rows = ", ".join(f"{r}: {v:.1f}" for r, v in sorted(self.ms.get(name, {}).items()))
+            parts.append(
+                f"{name} "
+                + (f"x{s:.2f}" if math.isfinite(s) else "dropped")
+                + f" ({rows} ms"
+                + ("" if ppl is None else f"; perplexity x{ppl:.3f}")
+                + ")"
+            )
+        return (
+            f"kernels {self.dtype}/{self.quantization} ({self.how}"
+            + (f", search {self.search_s:.1f} s" if self.how == "measured" else "")
+            + "): "
+            + ("; ".join(parts) or "nothing timed")
+        )
+
+
+def choose(
+    ms: Mapping[Candidate, Mapping[int, float]],
+    dtype_weights: Mapping[int, float],
+    role_weights: Mapping[int, float],
+    ratio_of: Callable[[Candidate], float],
+    bound: float = PPL_BOUND,
+) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
+    """(the choice, the role's scores, the perplexity ratios measured). The dtype is the best
+    passing candidate's at `dtype_weights` (the same batches as `role_weights` for a co-located
+    worker); then the best passing format in that dtype at `role_weights`. `ratio_of` gives a
+    candidate's perplexity over the reference's; it is asked only of candidates tried, best
+    first, and at most once each. Refuses (ValueError) when no candidate passes."""
+    ratios: dict[Candidate, float] = {}
+
+    def passes(c: Candidate) -> bool:
+        if (c.dtype, c.quantization) == REFERENCE:
+            return True
+        if c not in ratios:
+            ratios[c] = ratio_of(c)
+        return ratios[c] <= bound
+
+    def best(pool: Sequence[Candidate], score: Mapping[Candidate, float]) -> Candidate | None:
+        for c in sorted(pool, key=lambda c: (score[c], c)):
+            if math.isfinite(score[c]) and passes(c):
+                return c
+        return None
+
+    role_scores = scores(ms, role_weights)
+    pool = list(ms)
+    if dict(dtype_weights) != dict(role_weights):
+        first = best(pool, scores(ms, dtype_weights))
+        if first is not None:
+            pool = [c for c in pool if c.dtype == first.dtype]
+    chosen = best(pool, role_scores)
+    if chosen is None:
+        raise ValueError(
+            "no kernel configuration keeps the perplexity within "
+            f"{bound}x of fp32's: pin --dtype float32 --quantization none"
+        )
+    return chosen, role_scores, ratios

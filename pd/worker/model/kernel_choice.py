@@ -1,0 +1,119 @@
+"""What `--dtype auto` and `--quantization auto` resolve to for one worker: pinned values kept,
+the cache (kernel_cache.py) read, else the search measured (kernel_search.py) and decided
+(autotune.py) and cached. Off a CPU, or with `PD_KERNEL_SEARCH=0`, nothing is measured: auto
+is the fixed rule (bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32; weights
+`none`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+
+from pd.worker.model import kernel_cache
+from pd.worker.model.autotune import Candidate, Choice, candidates, choose, decision_batches
+from pd.worker.model.config import ModelConfig
+from pd.worker.model.cpu_info import read_cpu_info
+from pd.worker.model.device import cpu_has_fast_bf16
+from pd.worker.model.kernel_search import PerplexityJudge, formats_here, time_candidates
+from pd.worker.model.perplexity import shipped_text
+from pd.worker.model.quant import Weight
+from pd.worker.text import Tokenizer
+
+log = logging.getLogger(__name__)
+
+SKIP_ENV = "PD_KERNEL_SEARCH"  # "0" (or off/no/false): auto takes the fixed rule, unmeasured
+
+
+def search_disabled() -> bool:
+    return os.environ.get(SKIP_ENV, "1").strip().lower() in ("0", "off", "no", "false")
+
+
+def fixed_choice(dtype: str, quantization: str, device: str, how: str) -> Choice:
+    """The unmeasured rule for whichever of the two is auto."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
+    return Choice(dtype, "none" if quantization == "auto" else quantization, how)
+
+
+def resolve_kernels(
+    *,
+    dtype: str,
+    quantization: str,
+    device: str,
+    role: str,
+    chunk_size: int,
+    max_running: int,
+    threads: int,
+    tp: int,
+    group_size: int,
+    config: ModelConfig,
+    weights: Mapping[str, Weight],
+    tokenizer: Tokenizer,
+    digest: str,
+    compile: bool = False,
+) -> Choice:
+    """The worker's (dtype, quantization), with the figures behind it. Runs torch ops: call it on
+    the worker's torch thread, with `threads` its thread count."""
+    if dtype != "auto" and quantization != "auto":
+        return Choice(dtype, quantization, "pinned")
+    if device != "cpu":
+        return fixed_choice(dtype, quantization, device, f"not measured on {device}")
+    if search_disabled():
+        return fixed_choice(dtype, quantization, device, f"not measured: {SKIP_ENV}=0")
+    formats = formats_here(config, tp, group_size)
+    if compile:  # the runner compiles these only (runner.py)
+        formats = [q for q in formats if q in ("none", "int8", "int4")]
+    cands = candidates(dtype, quantization, formats)
+    if len(cands) == 1:
+        return Choice(cands[0].dtype, cands[0].quantization, "the only candidate")
+    cpu = read_cpu_info()
+    key = kernel_cache.cache_key(
+        cpu_model=cpu.model,
+        cpu_flags=cpu.flags,
+        torch=torch.__version__,
+        checkpoint=digest,
+        role=role,
+        chunk_size=chunk_size,
+        max_running=max_running,
+        threads=threads,
+        tp=tp,
+        group_size=group_size,
+        dtype=dtype,
+        quantization=quantization,
+        compile=compile,
+    )
+    hit = kernel_cache.load(key)
+    if hit is not None:
+        try:
+            return Choice.from_dict(hit, "cache")
+        except (KeyError, TypeError, ValueError):
+            log.warning("a kernel choice in the cache is unreadable: measured again")
+    start = time.perf_counter()
+    dtype_w, role_w = decision_batches(role, chunk_size, max_running)
+    rows = sorted(set(dtype_w) | set(role_w))
+    log.info(
+        "timing %d kernel configurations at %s rows (--dtype/--quantization auto)",
+        len(cands),
+        ", ".join(map(str, rows)),
+    )
+    ms = time_candidates(cands, config, tp, rows, chunk_size, group_size)
+    judge = PerplexityJudge(config, weights, tokenizer.encode(shipped_text()), tp, group_size)
+    chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio)
+    choice = Choice(
+        chosen.dtype,
+        chosen.quantization,
+        "measured",
+        ms={c.name: dict(t) for c, t in ms.items()},
+        scores={c.name: s for c, s in scores.items()},
+        perplexity_ratio={c.name: r for c, r in ratios.items()},
+        search_s=time.perf_counter() - start,
+    )
+    kernel_cache.store(key, choice.as_dict())
+    return choice
+
+
+__all__ = ["Candidate", "Choice", "SKIP_ENV", "resolve_kernels"]

@@ -1,0 +1,159 @@
+"""`--dtype/--quantization auto`: the decision rule (autotune.py) on made-up timings, the cache
+(kernel_cache.py), and what the worker does when a search is off or pinned (kernel_choice.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pd.worker.model import kernel_cache
+from pd.worker.model.autotune import (
+    Candidate,
+    Choice,
+    candidates,
+    choose,
+    decision_batches,
+    role_batches,
+    scores,
+)
+
+F32, BF16 = "float32", "bfloat16"
+C = Candidate
+
+
+def test_candidates_cross_the_dimensions_that_are_auto_only():
+    formats = ["none", "int8"]
+    assert candidates("auto", "auto", formats) == [
+        C(F32, "none"), C(F32, "int8"), C(BF16, "none"), C(BF16, "int8")
+    ]  # fmt: skip
+    assert candidates(BF16, "auto", formats) == [C(BF16, "none"), C(BF16, "int8")]
+    assert candidates("auto", "int4", formats) == [C(F32, "int4"), C(BF16, "int4")]
+
+
+def test_role_batches_weigh_the_roles_steps():
+    assert role_batches("prefill", 512, 64) == {512: 1.0}
+    assert role_batches("decode", 512, 64) == pytest.approx({1: 1 / 3, 8: 1 / 3, 32: 1 / 3})
+    both = role_batches("both", 512, 64)
+    assert both[512] == 0.5 and math.isclose(sum(both.values()), 1.0)
+    assert role_batches("decode", 512, 4) == {1: 0.5, 4: 0.5}  # no batch past the running cap
+    dtype_w, role_w = decision_batches("prefill", 256, 64)
+    assert dtype_w == role_batches("both", 256, 64) and role_w == {256: 1.0}
+
+
+def test_scores_are_the_geometric_mean_of_each_batchs_slowdown():
+    ms = {C(F32, "none"): {1: 10.0, 32: 40.0}, C(F32, "int8"): {1: 5.0, 32: 80.0}}
+    s = scores(ms, {1: 0.5, 32: 0.5})
+    assert s[C(F32, "none")] == pytest.approx(math.sqrt(2))  # 2x at 1 row, fastest at 32
+    assert s[C(F32, "int8")] == pytest.approx(math.sqrt(2))
+    assert scores(ms, {1: 1.0})[C(F32, "int8")] == 1.0
+    dropped = {**ms, C(BF16, "int4"): {1: 100.0}}  # not timed at 32: too slow at 1
+    assert scores(dropped, {1: 0.5, 32: 0.5})[C(BF16, "int4")] == math.inf
+
+
+def _ratios(table: dict[Candidate, float]):
+    asked: list[Candidate] = []
+
+    def ratio(c: Candidate) -> float:
+        asked.append(c)
+        return table[c]
+
+    return ratio, asked
+
+
+def test_the_fastest_within_the_perplexity_bound_wins_and_only_contenders_are_measured():
+    ms = {
+        C(F32, "none"): {1: 12.0},
+        C(F32, "fbgemm-int8"): {1: 5.0},  # fastest, but over the bound
+        C(F32, "int4"): {1: 6.0},
+        C(BF16, "none"): {1: 16.0},
+    }
+    ratio, asked = _ratios({C(F32, "fbgemm-int8"): 1.7, C(F32, "int4"): 1.003})
+    w = {1: 1.0}
+    chosen, s, ratios = choose(ms, w, w, ratio)
+    assert chosen == C(F32, "int4")
+    assert asked == [C(F32, "fbgemm-int8"), C(F32, "int4")]  # bf16 none never measured
+    assert ratios == {C(F32, "fbgemm-int8"): 1.7, C(F32, "int4"): 1.003}
+    assert s[C(F32, "fbgemm-int8")] == 1.0
+
+
+def test_the_reference_needs_no_perplexity_and_is_the_last_resort():
+    ms = {C(F32, "none"): {1: 12.0}, C(F32, "int8"): {1: 8.0}}
+    ratio, asked = _ratios({C(F32, "int8"): 1.5})
+    chosen, _, _ = choose(ms, {1: 1.0}, {1: 1.0}, ratio)
+    assert chosen == C(F32, "none") and asked == [C(F32, "int8")]
+
+
+def test_nothing_within_the_bound_is_refused_clearly():
+    ms = {C(BF16, "int8"): {1: 8.0}}
+    with pytest.raises(ValueError, match="pin --dtype float32 --quantization none"):
+        choose(ms, {1: 1.0}, {1: 1.0}, lambda c: 2.0)
+
+
+def test_a_pd_role_takes_the_dtype_of_the_co_located_choice():
+    # bf16 wins the prefill batch alone, fp32 wins overall (decode-heavy): a prefill worker
+    # keeps fp32 (its KV must match the decode worker's) and picks its best fp32 format.
+    ms = {
+        C(F32, "none"): {1: 10.0, 512: 300.0},
+        C(F32, "int8"): {1: 6.0, 512: 250.0},
+        C(BF16, "none"): {1: 40.0, 512: 70.0},
+    }
+    ok = lambda c: 1.0  # noqa: E731
+    dtype_w, role_w = {1: 0.5, 512: 0.5}, {512: 1.0}
+    assert choose(ms, role_w, role_w, ok)[0] == C(BF16, "none")  # on its own
+    assert choose(ms, dtype_w, role_w, ok)[0] == C(F32, "int8")
+
+
+def test_a_choice_round_trips_through_json_and_says_what_chose_it():
+    c = Choice(
+        F32, "int4", "measured",
+        ms={"float32/int4": {1: 5.81, 8: 15.8}, "bfloat16/int4": {1: 100.0}},
+        scores={"float32/int4": 1.0, "bfloat16/int4": math.inf},
+        perplexity_ratio={"float32/int4": 1.0034}, search_s=12.3,
+    )  # fmt: skip
+    import json
+
+    back = Choice.from_dict(json.loads(json.dumps(c.as_dict())), "cache")
+    assert back.dtype == F32 and back.quantization == "int4" and back.how == "cache"
+    assert back.ms["float32/int4"] == {1: 5.81, 8: 15.8}
+    assert back.scores["bfloat16/int4"] == math.inf
+    line = c.summary()
+    assert line.startswith("kernels float32/int4 (measured, search 12.3 s)")
+    assert "perplexity x1.003" in line and "bfloat16/int4 dropped" in line
+
+
+def test_the_cache_is_keyed_by_everything_measured(tmp_path):
+    key = kernel_cache.cache_key(cpu_flags=frozenset({"avx2", "fma"}), role="decode", threads=1)
+    assert kernel_cache.load(key, tmp_path) is None
+    assert kernel_cache.store(key, {"dtype": F32}, tmp_path) is not None
+    assert kernel_cache.load(key, tmp_path) == {"dtype": F32}
+    other = kernel_cache.cache_key(cpu_flags=frozenset({"avx2"}), role="decode", threads=1)
+    assert kernel_cache.load(other, tmp_path) is None  # another CPU
+    assert kernel_cache.load({**key, "threads": 2}, tmp_path) is None
+    for f in tmp_path.iterdir():
+        f.write_text("{not json")
+    assert kernel_cache.load(key, tmp_path) is None  # unreadable: a miss
+
+
+def test_the_cache_dir_follows_pd_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
+    assert kernel_cache.cache_dir() == tmp_path / "kernels"
+
+
+def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
+    from pd.worker.model.kernel_choice import resolve_kernels
+    from tests.model_fixtures import default_checkpoint
+
+    ckpt = default_checkpoint()
+    kw = dict(
+        device="cpu", role="both", chunk_size=512, max_running=64, threads=1, tp=1,
+        group_size=32, config=ckpt.config, weights=ckpt.weights, tokenizer=ckpt.tokenizer,
+        digest=ckpt.digest,
+    )  # fmt: skip
+    pinned = resolve_kernels(dtype=F32, quantization="int8", **kw)
+    assert (pinned.dtype, pinned.quantization, pinned.how) == (F32, "int8", "pinned")
+    monkeypatch.setenv("PD_KERNEL_SEARCH", "0")
+    off = resolve_kernels(dtype="auto", quantization="auto", **kw)
+    assert off.quantization == "none" and "PD_KERNEL_SEARCH=0" in off.how and not off.ms
+    only = resolve_kernels(dtype=BF16, quantization="auto", **{**kw, "device": "cuda"})
+    assert (only.dtype, only.quantization) == (BF16, "none")
