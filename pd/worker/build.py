@@ -223,7 +223,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         group_size=cfg.group_size,
         config=mcfg,
         weights=ckpt.weights,
-        tokenizer=ckpt.tokenizer,
+        encode=ckpt.tokenizer.encode,
         digest=ckpt.digest,
         compile=cfg.compile,
     )

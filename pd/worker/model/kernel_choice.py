@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -21,7 +21,6 @@ from pd.worker.model.device import cpu_has_fast_bf16
 from pd.worker.model.kernel_search import PerplexityJudge, formats_here, time_candidates
 from pd.worker.model.perplexity import shipped_text
 from pd.worker.model.quant import Weight
-from pd.worker.text import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ def resolve_kernels(
     group_size: int,
     config: ModelConfig,
     weights: Mapping[str, Weight],
-    tokenizer: Tokenizer,
+    encode: Callable[[str], list[int]],  # the model's tokenizer (pd.worker.text is not model's)
     digest: str,
     compile: bool = False,
 ) -> Choice:
@@ -101,7 +100,7 @@ def resolve_kernels(
         ", ".join(map(str, rows)),
     )
     ms = time_candidates(cands, config, tp, rows, chunk_size, group_size)
-    judge = PerplexityJudge(config, weights, tokenizer.encode(shipped_text()), tp, group_size)
+    judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)
     chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio)
     choice = Choice(
         chosen.dtype,

@@ -147,7 +147,7 @@ def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
     ckpt = default_checkpoint()
     kw = dict(
         device="cpu", role="both", chunk_size=512, max_running=64, threads=1, tp=1,
-        group_size=32, config=ckpt.config, weights=ckpt.weights, tokenizer=ckpt.tokenizer,
+        group_size=32, config=ckpt.config, weights=ckpt.weights, encode=ckpt.tokenizer.encode,
         digest=ckpt.digest,
     )  # fmt: skip
     pinned = resolve_kernels(dtype=F32, quantization="int8", **kw)
