@@ -10,7 +10,7 @@ from pd.cors import ORIGINS_HELP, check_origins
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
-# pd.worker.model.quant.QUANTIZATIONS (not imported: the config loads without torch)
+# --quantization's values besides auto (pd.worker.model.quant.QUANTIZATIONS: what each means)
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", "onednn-bf16")
 
 

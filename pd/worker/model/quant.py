@@ -27,15 +27,22 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pd.config import QUANTIZATION_CHOICES
 from pd.worker.model.config import ModelConfig
-from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_BF16, DynamicInt8Linear, OneDnnLinear
+from pd.worker.model.kernels import (
+    DYNAMIC_INT8,
+    ONEDNN_BF16,
+    DynamicInt8Linear,
+    OneDnnLinear,
+    per_channel_int8,
+)
 
 # What `--quantization` takes besides `auto` (config.py): the weight format and kernel of the
 # linear layers. none: dense in the compute dtype (F.linear); int8: weight-only int8 per channel
 # (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
 # and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16:
 # bf16 weights reordered for oneDNN.
-QUANTIZATIONS = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", ONEDNN_BF16)
+QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
 
 
 @dataclass(frozen=True)
@@ -116,9 +123,7 @@ def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-        self.q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.q, scale = per_channel_int8(weight)
         self.kernel_dtype = _kernel_dtype(dtype)
         self.scale = scale.to(self.kernel_dtype)
         self.bias = bias
