@@ -14,6 +14,41 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", "onednn-bf16")
 
 
+def split_quantization(value: str) -> tuple[str, int, str] | None:
+    """`SMALL@ROWS+LARGE` as (SMALL, ROWS, LARGE), None for a plain value: the same weights held
+    in two formats, a batch of at most ROWS rows multiplied by SMALL's kernel and a larger one
+    by LARGE's (e.g. `int4@8+onednn-bf16`: int4 for decode steps of up to 8 streams, bf16 on
+    oneDNN for more and for prefill chunks). Raises ValueError on a malformed split."""
+    if "@" not in value and "+" not in value:
+        return None
+    small, _, rest = value.partition("@")
+    rows, _, large = rest.partition("+")
+    if not rows.isdigit() or int(rows) < 1 or not large:
+        raise ValueError(f"--quantization {value!r}: a split is SMALL@ROWS+LARGE, ROWS >= 1")
+    return small, int(rows), large
+
+
+def quantization_formats(value: str) -> tuple[str, ...]:
+    """The weight formats a `--quantization` value holds (two for a split)."""
+    split = split_quantization(value)
+    return (value,) if split is None else (split[0], split[2])
+
+
+def quantization_error(value: str) -> str:
+    """What is wrong with a `--quantization` value other than auto ("" if nothing)."""
+    choices = ", ".join(QUANTIZATION_CHOICES)
+    try:
+        formats = quantization_formats(value)
+    except ValueError as e:
+        return str(e)
+    bad = [f for f in formats if f not in QUANTIZATION_CHOICES]
+    if bad:
+        return f"--quantization must be auto, one of {choices}, or SMALL@ROWS+LARGE of two"
+    if len(formats) == 2 and formats[0] == formats[1]:
+        return f"--quantization {value!r}: a split needs two different formats"
+    return ""
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     role: str = _flag("both", "prefill, decode, or both (a co-located server)", choices=ROLES)
@@ -116,7 +151,8 @@ class WorkerConfig:
         "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
         "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
         "quantized per call: quantized.linear_dynamic), onednn-bf16 (bf16 weights reordered for "
-        "oneDNN); all on the CPU kernels",
+        "oneDNN); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
+        "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16)",
     )
     group_size: int = _flag(32, "inputs per int4 group")
     attention_backend: str = _flag(
@@ -206,8 +242,8 @@ class WorkerConfig:
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")
         check(self.page_wait_timeout_s > 0, "--page-wait-timeout-s must be > 0")
         check(
-            self.quantization in ("auto", *QUANTIZATION_CHOICES),
-            f"--quantization must be one of auto, {', '.join(QUANTIZATION_CHOICES)}",
+            self.quantization == "auto" or not quantization_error(self.quantization),
+            quantization_error(self.quantization),
         )
         check(self.group_size >= 1, "--group-size must be >= 1")
         check(

@@ -29,7 +29,10 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -51,27 +54,52 @@ def linear_layers(model: Any, h: torch.Tensor, o: torch.Tensor, m: torch.Tensor)
 
 
 def mark_slower_than_none(runs: list[dict]) -> None:
-    """Set each quantized run's `slower_than_none`: its tok/s below the `none` run's at the same
-    stream count (None where `none` did not run)."""
-    none = {r["streams"]: r["tok_s"] for r in runs if r["quantization"] == "none"}
+    """Set each quantized run's `slower_than_none`: its tok/s below the `none` run's of the same
+    compute dtype at the same stream count (None where that did not run)."""
+    none = {(r.get("dtype"), r["streams"]): r["tok_s"] for r in runs if r["quantization"] == "none"}
     for r in runs:
         if r["quantization"] != "none":
-            base = none.get(r["streams"])
+            base = none.get((r.get("dtype"), r["streams"]))
             r["slower_than_none"] = None if base is None else r["tok_s"] < base
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", help="a running worker (default: start one per quantization)")
+    p.add_argument("--url", help="a running worker (default: start one per configuration)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per stream")
+    p.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated worker configurations: auto (the default worker: --dtype auto "
+        "--quantization auto), DTYPE/QUANTIZATION (e.g. bfloat16/int4, float32/fbgemm-int8), "
+        "or all (auto and every dtype with every weight format this machine runs); replaces "
+        "--dtype/--quantizations",
+    )
     p.add_argument("--dtype", default="auto", help="compute dtype of the started worker")
     p.add_argument(
         "--quantizations",
         default="none,int4",
-        help="comma-separated --quantization values (not auto: each is built here too)",
+        help="comma-separated --quantization values, each with --dtype (without --configs)",
     )
     p.add_argument("--threads", type=int, default=0, help="worker threads (0: all cores)")
     p.add_argument("--worker-args", default="", help="extra flags for the started worker")
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=0,
+        help="also measure prefill: prompt tokens/s of prompts this long (max_tokens 1; 0: no)",
+    )
+    p.add_argument(
+        "--quality",
+        action="store_true",
+        help="also each explicit configuration's perplexity over fp32's (the bound auto keeps)",
+    )
+    p.add_argument(
+        "--compare-llama-cpp",
+        action="store_true",
+        help="also llama-cpp-python's server on the same GGUF and threads (one stream and "
+        "prefill), when installed (pip install 'llama-cpp-python[server]'); the targets' ratios",
+    )
     p.add_argument(
         "--constrained",
         action="store_true",
@@ -191,14 +219,21 @@ def step_bytes_and_linear_ms(
 
 
 async def one_stream(
-    http: aiohttp.ClientSession, url: str, max_tokens: int, i: int, constrained: bool = False
+    http: aiohttp.ClientSession,
+    url: str,
+    max_tokens: int,
+    i: int,
+    constrained: bool = False,
+    no_eos: dict | None = None,
 ):
+    """One streamed completion; the time of each SSE chunk. `no_eos`: what replaces pd's
+    `ignore_eos` in the body (llama.cpp's logit bias; None: pd's worker)."""
     body = {
         "prompt": f"Request {i}: write a long story about the number {i}.",
         "max_tokens": max_tokens,
-        "ignore_eos": True,
         "temperature": 0,
         "stream": True,
+        **({"ignore_eos": True} if no_eos is None else no_eos),
     }
     if constrained:
         body["response_format"] = {
@@ -214,11 +249,13 @@ async def one_stream(
     return times
 
 
-async def measure(url: str, n: int, max_tokens: int, constrained: bool = False) -> dict:
+async def measure(
+    url: str, n: int, max_tokens: int, constrained: bool = False, no_eos: dict | None = None
+) -> dict:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
         t0 = time.perf_counter()
         streams = await asyncio.gather(
-            *(one_stream(http, url, max_tokens, i, constrained) for i in range(n))
+            *(one_stream(http, url, max_tokens, i, constrained, no_eos) for i in range(n))
         )
     first = min(s[0] for s in streams)
     last = max(s[-1] for s in streams)
@@ -232,11 +269,79 @@ async def measure(url: str, n: int, max_tokens: int, constrained: bool = False) 
     }
 
 
-def start_worker(args, quantization: str) -> tuple[subprocess.Popen, str]:
+def prefill_prompts(tokens: int, count: int) -> list[str]:
+    """`count` prompts of about `tokens` tokens: the shipped perplexity text repeated, each
+    after its own first line (so no prompt shares a prefix with another)."""
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
+    from pd.worker.model.perplexity import shipped_text
+
+    tok = load_tokenizer(default_model_path())
+    text = shipped_text()
+    ids = tok.encode(text)
+    body = tok.decode((ids * (tokens // len(ids) + 1))[: max(tokens - 12, 1)])
+    return [f"Document {k} of {count}, read it whole.\n{body}" for k in range(count)]
+
+
+async def measure_prefill(url: str, prompts: list[str]) -> dict:
+    """Each prompt with `max_tokens=1` in turn (the first a warm-up): the median prompt
+    tokens/s, prompt tokens from the answer's `usage`."""
+    rates, tokens = [], 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        for k, prompt in enumerate(prompts):
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+            t = time.perf_counter()
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                out = await resp.json()
+            wall = time.perf_counter() - t
+            tokens = out["usage"]["prompt_tokens"]
+            if k:
+                rates.append(tokens / wall)
+    return {"prompt_tokens": tokens, "prefill_tok_s": statistics.median(rates)}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A worker's `--dtype` and `--quantization` (either may be `auto`)."""
+
+    dtype: str
+    quantization: str
+
+    @property
+    def name(self) -> str:
+        return "auto" if self.is_default else f"{self.dtype}/{self.quantization}"
+
+    @property
+    def is_default(self) -> bool:
+        return self.dtype == "auto" and self.quantization == "auto"
+
+
+def parse_configs(text: str, formats: list[str]) -> list[Config]:
+    """`--configs`: `auto`, `DTYPE/QUANTIZATION` entries, or `all` (auto and every dtype with
+    every weight format this machine runs, `formats`)."""
+    from pd.worker.model.autotune import DTYPES
+    from pd.worker.model.quant import QUANTIZATIONS
+
+    if text == "all":
+        return [Config("auto", "auto")] + [Config(d, q) for d in DTYPES for q in formats]
+    out = []
+    for entry in text.split(","):
+        dtype, _, q = entry.strip().partition("/")
+        c = Config("auto", "auto") if dtype == "auto" and not q else Config(dtype, q or "auto")
+        if c.dtype not in (*DTYPES, "auto") or c.quantization not in (*QUANTIZATIONS, "auto"):
+            raise SystemExit(
+                f"--configs: {entry!r} is not auto or DTYPE/QUANTIZATION (dtype one of "
+                f"{', '.join(DTYPES)}; quantization one of {', '.join(QUANTIZATIONS)})"
+            )
+        out.append(c)
+    return out
+
+
+def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable, "-m", "pd.worker.main", "--role", "both", "--port", "0",
-        "--dtype", args.dtype, "--quantization", quantization, "--threads", str(args.threads),
-        *args.worker_args.split(),
+        "--dtype", config.dtype, "--quantization", config.quantization,
+        "--threads", str(args.threads), *args.worker_args.split(),
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
@@ -246,20 +351,34 @@ def start_worker(args, quantization: str) -> tuple[subprocess.Popen, str]:
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.stdout is not None  # stdout=PIPE
+    tail: list[str] = []
     for line in proc.stdout:
+        tail = (tail + [line.rstrip()])[-5:]
         if not args.json:
             print("  worker:", line.rstrip(), file=sys.stderr)
         if line.startswith("pd-worker ready:"):
+            # keep reading what it logs after (a full pipe would block the worker)
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, line.split("url=")[1].strip()
-    raise RuntimeError("the worker exited before it was ready")
+    proc.wait()
+    raise RuntimeError("the worker exited before it was ready: " + " | ".join(tail))
 
 
-def measure_worker(args, quantization: str, levels: list[int]) -> list[dict]:
+def kernels_of(url: str) -> dict:
+    """The worker's /health `kernels`: what it runs and, for auto, the figures that chose it."""
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+        kernels: dict = orjson.loads(r.read())["kernels"]
+        return kernels
+
+
+def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) -> dict:
+    """The worker's resolved kernels, decode at each stream count, and prefill."""
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_worker(args, quantization)
+        proc, url = start_worker(args, config)
     try:
+        kernels = kernels_of(url)
         asyncio.run(measure(url, 2, 8, args.constrained))  # warm-up (and the grammar compiled)
         out = []
         for n in levels:  # constrained and not, side by side at each stream count
@@ -267,36 +386,125 @@ def measure_worker(args, quantization: str, levels: list[int]) -> list[dict]:
             if args.constrained:
                 r = asyncio.run(measure(url, n, args.max_tokens, constrained=True))
                 out[-1]["constrained_tok_s"] = r["decode_tok_s"]
-        return out
+        prefill = asyncio.run(measure_prefill(url, prompts)) if prompts else None
+        return {"kernels": kernels, "decode": out, "prefill": prefill}
     finally:
         if proc:
             proc.terminate()
             proc.wait(timeout=60)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pd.worker.model.cpu_info import read_cpu_info
-    from pd.worker.model.quant import QUANTIZATIONS
+def measure_llama_cpp(args, threads: int, prompts: list[str]) -> dict:
+    """llama.cpp's server on the same GGUF and threads: decode at one stream, and prefill; or
+    why it did not run."""
+    from pd.bench import llama_cpp
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
 
-    quantizations = args.quantizations.split(",")
-    bad = [q for q in quantizations if q not in QUANTIZATIONS]
-    if bad:
-        raise SystemExit(
-            f"--quantizations: {', '.join(bad)} not one of {', '.join(QUANTIZATIONS)} (auto is "
-            "resolved per worker: start one and pass --url)"
-        )
+    why = llama_cpp.unavailable()
+    if why:
+        return {"skipped": why}
+    model = default_model_path()
+    no_eos = llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
+    with llama_cpp.LlamaCppServer(model, threads) as server:
+        asyncio.run(measure(server.url, 1, 8, no_eos=no_eos))  # warm-up
+        runs = [asyncio.run(measure(server.url, 1, args.max_tokens, no_eos=no_eos))]
+        runs.append(asyncio.run(measure(server.url, 1, args.max_tokens, no_eos=no_eos)))
+        prefill = asyncio.run(measure_prefill(server.url, prompts)) if prompts else None
+    best = max(runs, key=lambda r: r["decode_tok_s"])
+    return {
+        "version": llama_cpp.version(),
+        "gguf": os.path.basename(model),
+        "tok_s_1_stream": round(best["decode_tok_s"], 1),
+        "itl_ms": round(best["mean_itl_ms"], 2),
+        "prefill_tok_s": None if prefill is None else round(prefill["prefill_tok_s"], 1),
+        "prompt_tokens": None if prefill is None else prefill["prompt_tokens"],
+    }
+
+
+def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
+    """Each explicit configuration's perplexity on the shipped text over fp32 dense's (the
+    bound `auto` keeps to: autotune.PPL_BOUND)."""
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
+    from pd.worker.checkpoint.loader import load_checkpoint
+    from pd.worker.model.autotune import Candidate
+    from pd.worker.model.kernel_search import PerplexityJudge
+    from pd.worker.model.perplexity import shipped_text
+
+    torch.set_num_threads(threads)
+    path = default_model_path()
+    ckpt = load_checkpoint(path, torch.float32, progress=False, keep_q4_1=True)
+    ids = load_tokenizer(path).encode(shipped_text())
+    judge = PerplexityJudge(ckpt.config, ckpt.weights, ids, 1, 32)
+    return {c.name: judge.ratio(Candidate(c.dtype, c.quantization)) for c in configs}
+
+
+def targets(runs: list[dict], prefill: dict[str, float], llama: dict, ppl: dict) -> dict:
+    """The issue's ratios from this run: the default against llama.cpp, and against the best
+    explicit configuration within the quality bound at 1 and 32 streams."""
+    from pd.worker.model.autotune import PPL_BOUND
+
+    rate = {(r["config"], r["streams"]): r["tok_s"] for r in runs}
+    out: dict = {}
+    for n in sorted({r["streams"] for r in runs}):
+        explicit = {
+            r["config"]: r["tok_s"]
+            for r in runs
+            if r["streams"] == n and r["config"] != "auto" and ppl.get(r["config"], 9) <= PPL_BOUND
+        }
+        if ("auto", n) in rate and explicit:
+            best = max(explicit, key=explicit.__getitem__)
+            out[f"default_over_best_{n}"] = {
+                "best": best,
+                "ratio": round(rate["auto", n] / explicit[best], 3),
+            }
+    one = llama.get("tok_s_1_stream")
+    if one:
+        for n in (1, 32):
+            if ("auto", n) in rate:
+                out[f"default_{n}_over_llama_cpp_1"] = round(rate["auto", n] / one, 3)
+        if llama.get("prefill_tok_s") and "auto" in prefill:
+            out["default_prefill_over_llama_cpp"] = round(
+                prefill["auto"] / llama["prefill_tok_s"], 3
+            )
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from pd.worker.checkpoint import default_model_path
+    from pd.worker.checkpoint.loader import load_checkpoint
+    from pd.worker.model.cpu_info import read_cpu_info
+    from pd.worker.model.kernel_search import formats_here
+
     cpu = read_cpu_info()
     threads = args.threads or os.cpu_count() or 1
     levels = [int(n) for n in args.concurrency.split(",")]
-    dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
+    if args.configs:
+        formats = formats_here(load_checkpoint(default_model_path(), progress=False).config, 1, 32)
+        configs = parse_configs(args.configs, formats)
+    else:
+        configs = parse_configs(
+            ",".join(f"{args.dtype}/{q}" for q in args.quantizations.split(",")), []
+        )
+    prompts = prefill_prompts(args.prefill_tokens, 4) if args.prefill_tokens else []
     gbps = read_gbps(threads)
     context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
-    runs = []
-    for q in quantizations:
+    runs, prefill, kernels, refused, prompt_tokens = [], {}, {}, {}, 0
+    for c in configs:
+        try:
+            got = measure_worker(args, c, levels, prompts)
+        except RuntimeError as e:  # e.g. a format this CPU's torch refuses
+            refused[c.name] = str(e)
+            continue
+        k = got["kernels"]
+        kernels[c.name] = k
+        dtype = torch.float32 if k["dtype"] == "float32" else torch.bfloat16
         weight_bytes, linear_ms, kv_per_token = step_bytes_and_linear_ms(
-            q, dtype, levels, context, threads
+            k["quantization"], dtype, levels, context, threads
         )
-        for r in measure_worker(args, q, levels):
+        if got["prefill"]:
+            prefill[c.name] = round(got["prefill"]["prefill_tok_s"], 1)
+            prompt_tokens = got["prefill"]["prompt_tokens"]
+        for r in got["decode"]:
             n = r["concurrency"]
             step_bytes = weight_bytes + n * context * kv_per_token
             bound = n * gbps * 1e9 / step_bytes
@@ -310,7 +518,9 @@ def run(args: argparse.Namespace) -> int:
             runs.append(
                 {
                     **extra,
-                    "quantization": q,
+                    "config": c.name,
+                    "dtype": k["dtype"],
+                    "quantization": k["quantization"],
                     "streams": n,
                     "tok_s": round(r["decode_tok_s"], 1),
                     "step_ms": round(1000 * n / r["decode_tok_s"], 2),
@@ -322,23 +532,48 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
     mark_slower_than_none(runs)
+    explicit = [c for c in configs if not c.is_default and c.name in kernels]
+    ppl = perplexity_ratios(explicit, threads) if args.quality else {}
+    llama = measure_llama_cpp(args, threads, prompts) if args.compare_llama_cpp else {}
     summary: dict = {
         "cpu": cpu.as_dict(),
+        "cpu_line": cpu.describe(),
         "read_gbps": round(gbps, 2),
         "threads": threads,
         "runs": runs,
+        "prefill_tok_s": prefill,
+        "prompt_tokens": prompt_tokens,
+        "kernels": {
+            n: {"dtype": k["dtype"], "quantization": k["quantization"], "how": k["how"]}
+            for n, k in kernels.items()
+        },  # fmt: skip
+        "perplexity_ratio": {n: round(p, 4) for n, p in ppl.items()},
+        "refused": refused,
     }
+    if args.compare_llama_cpp:
+        summary["llama_cpp"] = llama
+    summary["targets"] = targets(runs, prefill, llama, ppl) if ppl or llama else {}
     if args.constrained:
         summary["grammar"] = grammar_costs()
     if args.json:
         print(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
         return 0
-    print(f"CPU: {cpu.describe()}")
-    print(f"read bandwidth {gbps:.1f} GB/s with {threads} threads")
-    print("      quant  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share")
-    for r in runs:
+    print_summary(summary)
+    return 0
+
+
+def print_summary(summary: dict) -> None:
+    print(f"CPU: {summary['cpu_line']}")
+    print(f"read bandwidth {summary['read_gbps']:.1f} GB/s with {summary['threads']} threads")
+    for name, k in summary["kernels"].items():
+        if name == "auto":
+            print(f"auto ran {k['dtype']}/{k['quantization']} ({k['how']})")
+    print(
+        "                     config  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share"
+    )
+    for r in summary["runs"]:
         print(
-            f"{r['quantization']:>11} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
+            f"{r['config']:>27} {r['streams']:>8} {r['tok_s']:>8.1f} {r['step_ms']:>8.1f} "
             f"{r['linear_ms']:>10.1f} {r['step_mb']:>8.1f} {r['bound_tok_s']:>12.1f} "
             f"{r['share_of_bound']:>6.2f}"
             + ("   SLOWER than none here" if r.get("slower_than_none") else "")
@@ -348,10 +583,26 @@ def run(args: argparse.Namespace) -> int:
                 else ""
             )
         )
+    for name, rate in summary["prefill_tok_s"].items():
+        print(f"prefill of {summary['prompt_tokens']} tokens, {name}: {rate:.1f} tok/s")
+    for name, p in summary["perplexity_ratio"].items():
+        print(f"perplexity over fp32's, {name}: {p:.4f}")
+    for name, why in summary["refused"].items():
+        print(f"{name}: not run ({why})")
+    if "llama_cpp" in summary:
+        lc = summary["llama_cpp"]
+        if "skipped" in lc:
+            print(f"llama.cpp: skipped, {lc['skipped']}")
+        else:
+            print(
+                f"llama.cpp {lc['version']} ({lc['gguf']}): {lc['tok_s_1_stream']:.1f} tok/s at one "
+                f"stream, prefill {lc['prefill_tok_s']} tok/s ({lc['prompt_tokens']} tokens)"
+            )
+    for name, v in summary["targets"].items():
+        print(f"target {name}: {v}")
     if "grammar" in summary:
         g = summary["grammar"]
         print(
             f"grammar: compile {g['compile_cold_ms']} ms cold, {g['compile_cached_ms']} ms "
             f"cached; mask {g['mask_us_p50']} us a token (p50), {g['mask_us_max']} us max"
         )
-    return 0

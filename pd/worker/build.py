@@ -37,6 +37,7 @@ from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.kernel_choice import resolve_kernels
+from pd.worker.model.quant import holds_int4
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
 
@@ -205,8 +206,9 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     threads = cfg.threads or torch.get_num_threads()
     torch_thread = TorchThread(threads)
     if ckpt is None:
-        # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip).
-        keep = cfg.quantization == "int4" and cfg.group_size == 32
+        # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip);
+        # auto may choose int4 (alone or in a split), and the dense formats dequantize them.
+        keep = (cfg.quantization == "auto" or holds_int4(cfg.quantization)) and cfg.group_size == 32
         path = cfg.model or default_model_path()
         ckpt = torch_thread.run(load_checkpoint, path, torch.float32, keep_q4_1=keep)
     mcfg = ckpt.config

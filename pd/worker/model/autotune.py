@@ -11,6 +11,15 @@ of each batch's times. The choice is the best-scored candidate whose model perpl
 shipped text stays within `PPL_BOUND` of the fp32 dense model's; perplexities are computed
 lazily, best first, so only candidates that could win are measured (`choose`).
 
+Splits (`with_splits`): the same weights held in two formats of one dtype, a batch of up to
+ROWS rows on the first's kernel and a larger one on the second's (`--quantization
+SMALL@ROWS+LARGE`), scored from the two formats' own times (no more timing), at each measured
+batch size but the largest as ROWS. One passes the bound when both of its formats do (each
+format's perplexity measured alone: the perplexity run's long batches would exercise only the
+larger one's kernel). Both formats stay resident, so a split is tried only when their weights
+fit the memory budget the caller gives, and chosen only when it beats the best single format
+by `SPLIT_GAIN`.
+
 The compute dtype is also the KV cache's (the pairing contract), so a prefill and a decode
 worker must pick the same one: for those roles the dtype is the one of the best candidate at
 the co-located worker's batches (both roles on one machine kind agree), and only the weight
@@ -24,20 +33,32 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd.config import quantization_formats, split_quantization
+
 PPL_BOUND = 1.02  # issue 24: within 1.02x of the fp32 model's perplexity
 DECODE_ROWS = (1, 8, 32)
 DTYPES = ("float32", "bfloat16")
 REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
+SPLIT_GAIN = 1.05  # a split (two formats resident) must score this much better than one format
 
 
 @dataclass(frozen=True, order=True)
 class Candidate:
     dtype: str  # "float32" | "bfloat16"
-    quantization: str  # a quant.QUANTIZATIONS value
+    quantization: str  # a quant.QUANTIZATIONS value, or a split of two (SMALL@ROWS+LARGE)
 
     @property
     def name(self) -> str:
         return f"{self.dtype}/{self.quantization}"
+
+    @property
+    def is_split(self) -> bool:
+        return split_quantization(self.quantization) is not None
+
+    @property
+    def parts(self) -> tuple[Candidate, ...]:
+        """The single formats it holds (itself unless a split)."""
+        return tuple(Candidate(self.dtype, q) for q in quantization_formats(self.quantization))
 
     @staticmethod
     def parse(name: str) -> Candidate:
@@ -73,6 +94,29 @@ def decision_batches(
     return role_batches("both", chunk_size, max_running), role_batches(
         role, chunk_size, max_running
     )
+
+
+def with_splits(
+    ms: Mapping[Candidate, Mapping[int, float]],
+    resident_bytes: Mapping[Candidate, float],
+    budget_bytes: float,
+) -> dict[Candidate, dict[int, float]]:
+    """`ms` and every split of two single formats of one dtype (module docstring) whose weights
+    together fit `budget_bytes`: SMALL's time up to ROWS rows, LARGE's above, ROWS each timed
+    batch size but the largest. Formats not timed at every batch (dropped) make no split."""
+    out = {c: dict(t) for c, t in ms.items()}
+    rows = sorted({r for t in ms.values() for r in t})
+    full = [c for c, t in ms.items() if not c.is_split and all(r in t for r in rows)]
+    for a in full:
+        for b in full:
+            if a.dtype != b.dtype or a == b:
+                continue
+            if resident_bytes.get(a, math.inf) + resident_bytes.get(b, math.inf) > budget_bytes:
+                continue
+            for limit in rows[:-1]:
+                split = Candidate(a.dtype, f"{a.quantization}@{limit}+{b.quantization}")
+                out[split] = {r: ms[a][r] if r <= limit else ms[b][r] for r in rows}
+    return out
 
 
 def scores(
@@ -166,17 +210,27 @@ def choose(
     ratios: dict[Candidate, float] = {}
 
     def passes(c: Candidate) -> bool:
+        if c.is_split:
+            return all(passes(p) for p in c.parts)
         if (c.dtype, c.quantization) == REFERENCE:
             return True
         if c not in ratios:
             ratios[c] = ratio_of(c)
         return ratios[c] <= bound
 
-    def best(pool: Sequence[Candidate], score: Mapping[Candidate, float]) -> Candidate | None:
+    def first_passing(pool: Sequence[Candidate], score: Mapping[Candidate, float]):
         for c in sorted(pool, key=lambda c: (score[c], c)):
             if math.isfinite(score[c]) and passes(c):
                 return c
         return None
+
+    def best(pool: Sequence[Candidate], score: Mapping[Candidate, float]) -> Candidate | None:
+        """The best single format, unless a split beats it by SPLIT_GAIN."""
+        single = first_passing([c for c in pool if not c.is_split], score)
+        split = first_passing([c for c in pool if c.is_split], score)
+        if split is not None and (single is None or score[split] * SPLIT_GAIN < score[single]):
+            return split
+        return single
 
     role_scores = scores(ms, role_weights)
     pool = list(ms)

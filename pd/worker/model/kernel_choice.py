@@ -14,7 +14,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pd.worker.model import kernel_cache
-from pd.worker.model.autotune import Candidate, Choice, candidates, choose, decision_batches
+from pd.worker.model.autotune import (
+    Candidate,
+    Choice,
+    candidates,
+    choose,
+    decision_batches,
+    with_splits,
+)
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.cpu_info import read_cpu_info
 from pd.worker.model.device import cpu_has_fast_bf16
@@ -24,11 +31,21 @@ from pd.worker.model.quant import Weight
 
 log = logging.getLogger(__name__)
 
+SPLITS_SHOWN = 3  # splits in /health and the log beside every single format
 SKIP_ENV = "PD_KERNEL_SEARCH"  # "0" (or off/no/false): auto takes the fixed rule, unmeasured
 
 
 def search_disabled() -> bool:
     return os.environ.get(SKIP_ENV, "1").strip().lower() in ("0", "off", "no", "false")
+
+
+def split_budget_bytes() -> float:
+    """What two formats of the weights may hold together (autotune.with_splits): a quarter of
+    the memory available now, the rest left to the KV pool and the machine's other workers."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
+    except (ValueError, OSError):
+        return 0.0
 
 
 def fixed_choice(dtype: str, quantization: str, device: str, how: str) -> Choice:
@@ -99,15 +116,22 @@ def resolve_kernels(
         len(cands),
         ", ".join(map(str, rows)),
     )
-    ms = time_candidates(cands, config, tp, rows, chunk_size, group_size)
+    single, nbytes = time_candidates(cands, config, tp, rows, chunk_size, group_size)
+    # --compile runs single formats only (runner.py): no splits then
+    ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)
     chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio)
+    # what /health and the log show: every single format, and the best few splits
+    splits = sorted((c for c in ms if c.is_split), key=lambda c: (scores[c], c))
+    shown = [c for c in ms if not c.is_split] + [
+        c for c in splits if c in splits[:SPLITS_SHOWN] or c == chosen
+    ]
     choice = Choice(
         chosen.dtype,
         chosen.quantization,
         "measured",
-        ms={c.name: dict(t) for c, t in ms.items()},
-        scores={c.name: s for c, s in scores.items()},
+        ms={c.name: dict(ms[c]) for c in shown},
+        scores={c.name: scores[c] for c in shown},
         perplexity_ratio={c.name: r for c, r in ratios.items()},
         search_s=time.perf_counter() - start,
     )

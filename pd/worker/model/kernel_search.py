@@ -89,6 +89,10 @@ def _median_s(layer: quant.Linear, x: torch.Tensor, reps: int) -> float:
     return statistics.median(samples)
 
 
+def _resident_bytes(layer: quant.Linear) -> int:
+    return int(getattr(layer, "resident_bytes", layer.nbytes))
+
+
 def time_candidate(
     c: Candidate,
     shapes: Sequence[LinearShape],
@@ -96,9 +100,9 @@ def time_candidate(
     prefill_rows: int,
     group_size: int,
     reps: int = 3,
-) -> dict[int, float]:
-    """ms of a step's linear layers per batch in `rows`; a batch of `prefill_rows` samples one
-    row at the LM head."""
+) -> tuple[dict[int, float], int]:
+    """(ms of a step's linear layers per batch in `rows`, the bytes its weights hold); a batch
+    of `prefill_rows` samples one row at the LM head."""
     dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
     gen = torch.Generator().manual_seed(0)
     layers = []
@@ -114,7 +118,7 @@ def time_candidate(
             x = torch.randn(n, s.inp, generator=gen).to(dtype)
             ms += _median_s(layer, x, reps) * 1e3 * s.count
         out[r] = ms
-    return out
+    return out, sum(_resident_bytes(layer) * s.count for s, layer in layers)
 
 
 def time_candidates(
@@ -124,19 +128,21 @@ def time_candidates(
     rows: Sequence[int],
     prefill_rows: int,
     group_size: int,
-) -> dict[Candidate, dict[int, float]]:
-    """Every candidate at the smallest batch first, then the ones within `DROP_FACTOR` of the
-    fastest there at the others."""
+) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
+    """(ms per candidate per batch, bytes of each candidate's weights): every candidate at the
+    smallest batch first, then the ones within `DROP_FACTOR` of the fastest there at the
+    others."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     first = {c: time_candidate(c, shapes, rows[:1], prefill_rows, group_size) for c in cands}
-    best = min(t[rows[0]] for t in first.values())
-    out = {}
-    for c, t in first.items():
+    best = min(t[rows[0]] for t, _ in first.values())
+    out, nbytes = {}, {}
+    for c, (t, size) in first.items():
+        nbytes[c] = size
         if t[rows[0]] > DROP_FACTOR * best:
             out[c] = t
             continue
-        out[c] = {**t, **time_candidate(c, shapes, rows[1:], prefill_rows, group_size)}
-    return out
+        out[c] = {**t, **time_candidate(c, shapes, rows[1:], prefill_rows, group_size)[0]}
+    return out, nbytes
 
 
 class PerplexityJudge:

@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from pd.config import QUANTIZATION_CHOICES
+from pd.config import QUANTIZATION_CHOICES, quantization_error, split_quantization
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.kernels import (
     DYNAMIC_INT8,
@@ -43,6 +43,12 @@ from pd.worker.model.kernels import (
 # and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16:
 # bf16 weights reordered for oneDNN.
 QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
+
+
+def holds_int4(quantization: str) -> bool:
+    """Whether a `--quantization` value packs int4 groups (alone or as half of a split)."""
+    split = split_quantization(quantization)
+    return quantization == "int4" or (split is not None and "int4" in (split[0], split[2]))
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,20 @@ class Linear(Protocol):
     nbytes: int  # bytes of weights (and scales) one application reads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class SplitLinear:
+    """One weight in two formats (`--quantization SMALL@ROWS+LARGE`): a batch of at most `rows`
+    rows on `small`'s kernel, a larger one on `large`'s. Both stay resident (`resident_bytes`);
+    `nbytes` is what a small batch (a decode step's) reads."""
+
+    def __init__(self, small: Linear, large: Linear, rows: int) -> None:
+        self.small, self.large, self.rows = small, large, rows
+        self.nbytes = small.nbytes
+        self.resident_bytes = small.nbytes + large.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small(x) if x.shape[0] <= self.rows else self.large(x)
 
 
 class DenseLinear:
@@ -200,6 +220,14 @@ def make_linear(
             f"--quantization {quantization} runs on torch's CPU kernels; on {device.type} use "
             "--quantization none"
         )
+    split = split_quantization(quantization)
+    if split is not None:
+        small, rows, large = split
+        return SplitLinear(
+            make_linear(weight, bias, small, group_size, dtype, device),
+            make_linear(weight, bias, large, group_size, dtype, device),
+            rows,
+        )
     b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
     if quantization == "int4":
         if not isinstance(weight, GroupQuant) or weight.group != group_size:
@@ -220,8 +248,20 @@ def make_linear(
 
 def head_quantization(quantization: str) -> str:
     """The LM head's format for the layers' `quantization`: the same kernel, except int4 layers
-    get an int8 head (the largest matrix a step reads, kept at 8 bits)."""
+    get an int8 head (the largest matrix a step reads, kept at 8 bits); a split's halves each
+    so (the head stays a split unless both halves come out the same)."""
+    split = split_quantization(quantization)
+    if split is not None:
+        small, rows, large = head_quantization(split[0]), split[1], head_quantization(split[2])
+        return small if small == large else f"{small}@{rows}+{large}"
     return "int8" if quantization == "int4" else quantization
+
+
+def check_quantization(quantization: str) -> None:
+    """Refuse a `--quantization` value (not auto) this module cannot build."""
+    why = quantization_error(quantization)
+    if why:
+        raise ValueError(why)
 
 
 def rows(w: Weight, start: int, end: int) -> Weight:
@@ -237,10 +277,10 @@ def cols(w: Weight, start: int, end: int, quantization: str, group_size: int) ->
     """Inputs `start:end` of `w` (a TP rank's slice of a row-parallel layer). A group-quantized
     weight is cut on its groups when it will be packed as it is, else dequantized first."""
     if isinstance(w, GroupQuant):
-        if quantization == "int4" and w.group == group_size:
+        if holds_int4(quantization) and w.group == group_size:
             return w.cols(start, end)
         w = w.dequantize()
-    if quantization == "int4" and (end - start) % group_size:
+    if holds_int4(quantization) and (end - start) % group_size:
         raise ValueError(
             f"--group-size {group_size} does not divide {end - start}, a layer's input width "
             "on each TP rank: pick a group size that does"

@@ -27,11 +27,12 @@ from pd.worker.model.decode_graphs import DecodeGraphs
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
 from pd.worker.model.prompt_logprobs import prompt_logprobs
 from pd.worker.model.quant import (
-    QUANTIZATIONS,
     GroupQuant,
     Weight,
     check_group_size,
+    check_quantization,
     head_quantization,
+    holds_int4,
     make_linear,
 )
 from pd.worker.model.sampler import SampleOutput, Sampler
@@ -97,9 +98,8 @@ class ModelRunner:
         checkpoint_digest: str = "",
     ) -> None:
         check_tp(config, tp)
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
-        if quantization == "int4":
+        check_quantization(quantization)
+        if holds_int4(quantization):
             check_group_size(config, tp, group_size)
         if compile and quantization not in ("none", "int8", "int4"):
             raise ValueError(

@@ -157,3 +157,49 @@ def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
     assert off.quantization == "none" and "PD_KERNEL_SEARCH=0" in off.how and not off.ms
     only = resolve_kernels(dtype=BF16, quantization="auto", **{**kw, "device": "cuda"})
     assert (only.dtype, only.quantization) == (BF16, "none")
+
+
+def test_splits_take_each_formats_time_on_its_side_of_the_rows():
+    from pd.worker.model.autotune import with_splits
+
+    ms = {
+        C(BF16, "int4"): {1: 5.0, 8: 15.0, 512: 600.0},
+        C(BF16, "onednn-bf16"): {1: 10.0, 8: 12.0, 512: 60.0},
+        C(BF16, "slow"): {1: 100.0},  # dropped at the smallest batch: in no split
+        C(F32, "none"): {1: 12.0, 8: 30.0, 512: 300.0},  # another dtype: never paired
+    }
+    nbytes = {C(BF16, "int4"): 80, C(BF16, "onednn-bf16"): 270, C(BF16, "slow"): 1}
+    out = with_splits(ms, nbytes, budget_bytes=400)
+    assert out[C(BF16, "int4@1+onednn-bf16")] == {1: 5.0, 8: 12.0, 512: 60.0}
+    assert out[C(BF16, "int4@8+onednn-bf16")] == {1: 5.0, 8: 15.0, 512: 60.0}
+    assert out[C(BF16, "onednn-bf16@1+int4")] == {1: 10.0, 8: 15.0, 512: 600.0}
+    assert C(BF16, "int4@512+onednn-bf16") not in out  # the largest batch is never a limit
+    assert not any(c.is_split and ("slow" in c.quantization or c.dtype == F32) for c in out)
+    assert len(out) == len(ms) + 4  # two orders x two limits
+    assert with_splits(ms, nbytes, budget_bytes=300) == ms  # both formats do not fit
+    assert C(BF16, "int4@8+onednn-bf16").parts == (C(BF16, "int4"), C(BF16, "onednn-bf16"))
+
+
+def test_a_split_wins_only_by_a_margin_and_only_when_both_its_formats_pass():
+    from pd.worker.model.autotune import SPLIT_GAIN, with_splits
+
+    ms = {
+        C(BF16, "int4"): {1: 5.0, 32: 50.0},
+        C(BF16, "onednn-bf16"): {1: 10.0, 32: 16.0},
+        C(BF16, "fbgemm-int8"): {1: 4.0, 32: 14.0},
+    }
+    nbytes = dict.fromkeys(ms, 1)
+    w = {1: 0.5, 32: 0.5}
+    both = with_splits(ms, nbytes, budget_bytes=10)
+    ok = {C(BF16, "int4"): 1.006, C(BF16, "onednn-bf16"): 1.007, C(BF16, "fbgemm-int8"): 1.7}
+    ratio, asked = _ratios(ok)
+    chosen, s, _ = choose(both, w, w, ratio)
+    # fbgemm-int8 is fastest everywhere but over the bound, alone or in a split
+    assert chosen == C(BF16, "int4@1+onednn-bf16")
+    assert s[chosen] * SPLIT_GAIN < s[C(BF16, "onednn-bf16")]
+    assert sorted(asked) == sorted(ok)  # each format's perplexity once, splits never
+    # a split barely better than one format is not worth two copies of the weights
+    close = {C(BF16, "int4"): {1: 9.8, 32: 50.0}, C(BF16, "onednn-bf16"): {1: 10.0, 32: 16.0}}
+    ratio, _ = _ratios({C(BF16, "int4"): 1.0, C(BF16, "onednn-bf16"): 1.0})
+    near = with_splits(close, dict.fromkeys(close, 1), budget_bytes=10)
+    assert choose(near, w, w, ratio)[0] == C(BF16, "onednn-bf16")

@@ -163,3 +163,59 @@ def test_the_config_takes_every_quantization_the_model_builds():
     from pd.worker.model.quant import QUANTIZATIONS
 
     assert set(QUANTIZATION_CHOICES) == set(QUANTIZATIONS)
+
+
+def test_a_split_takes_small_batches_on_one_kernel_and_larger_ones_on_the_other():
+    from pd.worker.model.quant import SplitLinear, make_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 256)
+    cpu = torch.device("cpu")
+    layer = make_linear(w, None, "int4@4+none", 32, torch.float32, cpu)
+    int4 = make_linear(w, None, "int4", 32, torch.float32, cpu)
+    dense = make_linear(w, None, "none", 32, torch.float32, cpu)
+    assert isinstance(layer, SplitLinear) and layer.rows == 4
+    for rows, expect in ((1, int4), (4, int4), (5, dense), (64, dense)):
+        x = torch.randn(rows, 256)
+        assert torch.equal(layer(x), expect(x)), rows
+    assert layer.nbytes == int4.nbytes  # what a decode step reads
+    assert layer.resident_bytes == int4.nbytes + dense.nbytes
+
+
+def test_a_split_is_parsed_once_and_malformed_ones_are_refused():
+    from pd.config import WorkerConfig, quantization_error, split_quantization
+    from pd.worker.model.quant import head_quantization, holds_int4
+
+    assert split_quantization("int4@8+onednn-bf16") == ("int4", 8, "onednn-bf16")
+    assert split_quantization("int4") is None
+    assert quantization_error("int4@8+onednn-bf16") == ""
+    assert holds_int4("int4@8+none") and holds_int4("none@1+int4") and not holds_int4("int8")
+    # the head of int4 layers is int8 (the largest matrix): in a split too
+    assert head_quantization("int4@8+onednn-bf16") == "int8@8+onednn-bf16"
+    assert head_quantization("int4@8+int8") == "int8"
+    for bad, why in (
+        ("int4@0+none", "ROWS >= 1"),
+        ("int4@x+none", "SMALL@ROWS"),
+        ("int4@8", "SMALL@ROWS"),
+        ("int4@8+int4", "two different formats"),
+        ("int3@8+none", "must be auto"),
+        ("int4+none", "SMALL@ROWS"),
+    ):
+        assert why in quantization_error(bad), bad
+        with pytest.raises(ValueError, match="quantization"):
+            WorkerConfig(quantization=bad)
+    WorkerConfig(quantization="int8@8+none")
+
+
+def test_a_split_model_runs_one_row_on_its_small_format_and_a_chunk_on_its_large_one():
+    from tests.model_fixtures import default_checkpoint, forward_chunk, make_runner
+
+    ids = default_checkpoint().tokenizer.encode(TEXT)[:64]
+    runners = {
+        q: make_runner(quantization=q, keep_q4_1=True) for q in ("int4@1+none", "int4", "none")
+    }
+    chunk = {q: forward_chunk(r, [0, 1, 2, 3], ids, 0) for q, r in runners.items()}
+    one = {q: forward_chunk(r, [0], ids[:1], 0) for q, r in runners.items()}
+    assert torch.equal(chunk["int4@1+none"], chunk["none"])  # 64 rows: the dense kernel
+    assert torch.equal(one["int4@1+none"], one["int4"])  # one row: int4 (and its int8 head)
+    assert not torch.equal(one["int4"], one["none"])
