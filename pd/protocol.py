@@ -991,8 +991,7 @@ def _is_first_logprobs(v: Any) -> bool:  # [logprob, [[token id, logprob], ...]]
         isinstance(top, list)
         and len(top) <= MAX_TOP_LOGPROBS
         and all(
-            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_logprob(e[1])
-            for e in top
+            isinstance(e, list) and len(e) == 2 and _is_int(e[0]) and _is_logprob(e[1]) for e in top
         )
     )
 
@@ -1028,8 +1027,9 @@ _KV_FIELDS: dict[str, tuple[Any, str]] = {
     ),
     "first_token_id": (_is_int, f"a token id (0..{MAX_TOKEN_ID})"),
     "page_ids": (
-        lambda v: isinstance(v, dict)
-        and all(isinstance(k, str) and _is_ids(p) for k, p in v.items()),
+        lambda v: (
+            isinstance(v, dict) and all(isinstance(k, str) and _is_ids(p) for k, p in v.items())
+        ),
         "an object of page id lists",
     ),
     "num_tokens": (lambda v: _is_int(v, 1), "a positive integer"),
@@ -1045,8 +1045,10 @@ _KV_FIELDS: dict[str, tuple[Any, str]] = {
         f"null or a list of 1..{MAX_N} token ids",
     ),
     "first_tokens_logprobs": (
-        lambda v: v is None
-        or (isinstance(v, list) and len(v) <= MAX_N and all(map(_is_first_logprobs, v))),
+        lambda v: (
+            v is None
+            or (isinstance(v, list) and len(v) <= MAX_N and all(map(_is_first_logprobs, v)))
+        ),
         "null or a list of first_token_logprobs",
     ),
     "cached_tokens": (_is_int, "a non-negative integer"),

@@ -319,8 +319,8 @@ class Config:
 def parse_configs(text: str, formats: list[str]) -> list[Config]:
     """`--configs`: `auto`, `DTYPE/QUANTIZATION` entries, or `all` (auto and every dtype with
     every weight format this machine runs, `formats`)."""
+    from pd.config import quantization_error
     from pd.worker.model.autotune import DTYPES
-    from pd.worker.model.quant import QUANTIZATIONS
 
     if text == "all":
         return [Config("auto", "auto")] + [Config(d, q) for d in DTYPES for q in formats]
@@ -328,10 +328,11 @@ def parse_configs(text: str, formats: list[str]) -> list[Config]:
     for entry in text.split(","):
         dtype, _, q = entry.strip().partition("/")
         c = Config("auto", "auto") if dtype == "auto" and not q else Config(dtype, q or "auto")
-        if c.dtype not in (*DTYPES, "auto") or c.quantization not in (*QUANTIZATIONS, "auto"):
+        why = "" if c.quantization == "auto" else quantization_error(c.quantization)
+        if c.dtype not in (*DTYPES, "auto") or why:
             raise SystemExit(
                 f"--configs: {entry!r} is not auto or DTYPE/QUANTIZATION (dtype one of "
-                f"{', '.join(DTYPES)}; quantization one of {', '.join(QUANTIZATIONS)})"
+                f"{', '.join(DTYPES)}; {why or 'quantization as --quantization takes it'})"
             )
         out.append(c)
     return out

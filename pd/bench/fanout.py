@@ -70,9 +70,7 @@ async def _measure(args: argparse.Namespace, router: str, p_url: str) -> dict[st
             modes = {
                 f"n={n}": [{**base, "n": n, "cache_salt": run + "a"}],
                 f"{n} separate, concurrent": [{**base, "cache_salt": run + "b"}] * n,
-                f"{n} separate, no cache": [
-                    {**base, "cache_salt": f"{run}c{i}"} for i in range(n)
-                ],
+                f"{n} separate, no cache": [{**base, "cache_salt": f"{run}c{i}"} for i in range(n)],
             }
             for name, bodies in modes.items():
                 before = await _computed(http, p_url)

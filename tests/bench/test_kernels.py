@@ -109,6 +109,23 @@ def test_parse_cpuinfo_x86_and_arm():
     assert read_cpu_info().logical_cpus >= 1
 
 
+def test_an_avx2_cap_in_the_environment_takes_avx512_and_amx_off_the_flags():
+    from pd.worker.model.cpu_info import effective_flags, isa_limits
+
+    amx = frozenset(
+        {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx_vnni"}
+    )
+    assert isa_limits({"PATH": "/bin"}) == {}
+    assert effective_flags(amx, {}) == amx
+    capped = effective_flags(amx, isa_limits({"ONEDNN_MAX_CPU_ISA": "AVX2"}))
+    assert capped == {"avx2", "fma"}
+    assert effective_flags(amx, {"ATEN_CPU_CAPABILITY": "AVX2"}) == capped  # case-insensitive
+    assert effective_flags(amx, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}) == amx  # not an AVX2 cap
+    cpu = CpuInfo("x", capped, 2, "x86_64", "AVX2", (("ONEDNN_MAX_CPU_ISA", "AVX2"),))
+    assert cpu.kind == "AVX2" and "capped by ONEDNN_MAX_CPU_ISA=AVX2" in cpu.describe()
+    assert cpu.as_dict()["limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def _fake(name: str, tol: float, bits: float = 32) -> Candidate:
     return Candidate(name, torch.float32, "fp32", bits, "op", tol, lambda w, rows: lambda x: x)
 
@@ -225,3 +242,58 @@ def test_pd_bench_engine_marks_a_quantization_slower_than_none_at_a_stream_count
     ]
     mark_slower_than_none(runs)
     assert [r.get("slower_than_none") for r in runs] == [None, None, False, True, None]
+
+
+def test_pd_bench_engine_configs_parse_and_bad_ones_are_refused():
+    from pd.bench.engine import Config, parse_configs
+
+    assert parse_configs("auto,bfloat16/int4,float32", []) == [
+        Config("auto", "auto"), Config("bfloat16", "int4"), Config("float32", "auto")
+    ]  # fmt: skip
+    assert parse_configs("bfloat16/int4@8+onednn-bf16", [])[0].name == "bfloat16/int4@8+onednn-bf16"
+    every = parse_configs("all", ["none", "int4"])
+    assert [c.name for c in every] == [
+        "auto", "float32/none", "float32/int4", "bfloat16/none", "bfloat16/int4"
+    ]  # fmt: skip
+    for bad in ("float64/none", "bfloat16/int3", "bfloat16/int4@0+none"):
+        with pytest.raises(SystemExit, match="--configs"):
+            parse_configs(bad, [])
+
+
+def test_pd_bench_engine_targets_compare_the_default_with_the_best_passing_config():
+    from pd.bench.engine import targets
+
+    runs = [
+        {"config": "auto", "streams": 1, "tok_s": 60.0},
+        {"config": "auto", "streams": 32, "tok_s": 600.0},
+        {"config": "bfloat16/int4", "streams": 1, "tok_s": 66.0},
+        {"config": "bfloat16/int4", "streams": 32, "tok_s": 300.0},
+        {"config": "float32/fbgemm-int8", "streams": 1, "tok_s": 90.0},  # over the bound
+        {"config": "bfloat16/onednn-bf16", "streams": 32, "tok_s": 620.0},
+    ]
+    ppl = {"bfloat16/int4": 1.006, "float32/fbgemm-int8": 1.7, "bfloat16/onednn-bf16": 1.003}
+    llama = {"tok_s_1_stream": 80.0, "prefill_tok_s": 200.0}
+    t = targets(runs, {"auto": 2000.0}, llama, ppl)
+    assert t["default_over_best_1"] == {"best": "bfloat16/int4", "ratio": round(60 / 66, 3)}
+    assert t["default_over_best_32"] == {"best": "bfloat16/onednn-bf16", "ratio": 0.968}
+    assert t["default_1_over_llama_cpp_1"] == 0.75
+    assert t["default_32_over_llama_cpp_1"] == 7.5
+    assert t["default_prefill_over_llama_cpp"] == 10.0
+    assert "default_1_over_llama_cpp_1" not in targets(runs, {}, {"skipped": "x"}, ppl)
+
+
+def test_pd_bench_engine_says_why_llama_cpp_did_not_run(monkeypatch):
+    import argparse
+    import importlib.util
+
+    from pd.bench import engine, llama_cpp
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name)
+    )
+    why = llama_cpp.unavailable()
+    assert "llama_cpp is not installed" in why and "llama-cpp-python[server]" in why
+    out = engine.measure_llama_cpp(argparse.Namespace(max_tokens=8), 1, [])
+    assert out == {"skipped": why}
+    assert llama_cpp.decode_body(frozenset({2, 0})) == {"logit_bias": {"0": -100.0, "2": -100.0}}

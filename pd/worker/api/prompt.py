@@ -171,4 +171,3 @@ def checked_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
 
 def _parse(path: str, raw: bytes, ignore_unknown_fields: bool) -> Request:
     return parse_request(path, parse_json_body(raw), ignore_unknown_fields=ignore_unknown_fields)
-

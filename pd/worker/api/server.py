@@ -285,9 +285,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         req.options = request.app[TOOLS].options(req.options, req.tools)
     if req.continuation is not None:
         req = _continuation(worker, req)
-    reqs = [req] if not isinstance(req, CompletionRequest) or req.batch is None else [
-        dataclasses.replace(req, prompt=p, batch=None) for p in req.batch
-    ]
+    reqs = (
+        [req]
+        if not isinstance(req, CompletionRequest) or req.batch is None
+        else [dataclasses.replace(req, prompt=p, batch=None) for p in req.batch]
+    )
     if len(reqs) > 1 and req.kv_transfer_params is not None:
         raise APIError(400, "kv_transfer_params take one prompt", param="kv_transfer_params")
     handles: list[RequestHandle] = []
@@ -303,11 +305,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 ]
             # The role (co-located, prefill or decode: build.py) queues it, tokenizing when
             # it must.
-            handles.append(
-                await worker.role.admit(
-                    r, _prompt_ids(prompts, r), rules, choice_rules
-                )
-            )
+            handles.append(await worker.role.admit(r, _prompt_ids(prompts, r), rules, choice_rules))
         return await _answer(request, worker, req, handles)
     finally:
         for h in handles:  # (each with its other choices)

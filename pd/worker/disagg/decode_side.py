@@ -87,9 +87,10 @@ class DecodeSide(TransferRole):
                     param="kv_transfer_params",
                 )
         pages = kvp.page_ids.get(KV_POOL, [])
-        if len(pages) != -(-kvp.num_tokens // kvp.page_size) or len(kvp.prompt_token_ids) + len(
-            given
-        ) != kvp.num_tokens:
+        if (
+            len(pages) != -(-kvp.num_tokens // kvp.page_size)
+            or len(kvp.prompt_token_ids) + len(given) != kvp.num_tokens
+        ):
             raise bad_request("kv_transfer_params are inconsistent", param="kv_transfer_params")
         # Ids past the vocabulary would fail the forward pass of every request in the batch (on
         # CUDA a device-side assert): refused at the door, as a client's own prompt ids are.

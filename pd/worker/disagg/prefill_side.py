@@ -55,9 +55,7 @@ class PrefillSide(TransferRole):
                 first_token_logprobs=_entry(first_logprobs),
                 first_token_ids=[t for t, _ in firsts] if len(firsts) > 1 else None,
                 first_tokens_logprobs=(
-                    [_entry(lp) for _, lp in firsts]
-                    if len(firsts) > 1 and first_logprobs
-                    else None
+                    [_entry(lp) for _, lp in firsts] if len(firsts) > 1 and first_logprobs else None
                 ),
                 num_tokens=len(seq.prompt_ids) + len(given),
                 cached_tokens=seq.num_cached_tokens or 0,

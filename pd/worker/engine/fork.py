@@ -47,7 +47,5 @@ def attach_riders(batch: ScheduledBatch, forks: Forks) -> None:
         if not sample:
             continue
         if not seq.output_ids and seq in forks:
-            batch.riders.extend(
-                (row, c) for c in forks[seq] if c.status is SeqStatus.FORKING
-            )
+            batch.riders.extend((row, c) for c in forks[seq] if c.status is SeqStatus.FORKING)
         row += 1

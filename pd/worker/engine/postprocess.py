@@ -35,6 +35,7 @@ from pd.worker.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+
 class PendingText(NamedTuple):
     """A token appended to its request whose text `emit_text` has still to produce."""
 

@@ -1,5 +1,11 @@
 """The CPU a benchmark ran on: model name, the instruction-set flags that decide torch's CPU
-kernels, and torch's own view of them (`torch.backends.cpu.get_cpu_capability`)."""
+kernels, and torch's own view of them (`torch.backends.cpu.get_cpu_capability`).
+
+The libraries under torch each take an environment variable that caps the instructions they use
+(`ISA_LIMITS`): set to AVX2, the machine runs as an AVX2-only CPU would, as far as kernels go
+(`scripts/as_avx2.sh` sets them all). When any of them says AVX2, the flags here drop AVX-512
+and AMX (`effective_flags`), so the kernel choice, its cache key and FBGEMM's activation range
+follow the capped machine, and the description says so."""
 
 from __future__ import annotations
 
@@ -25,6 +31,29 @@ KEY_FLAGS = (
 )
 
 
+# Each library's cap on its instructions, and the value that means "AVX2 only"
+ISA_LIMITS = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized kernels
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (bf16 and fp32 matmuls, quantized onednn engine)
+    "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",  # FBGEMM (quantized fbgemm engine, fp16 gemm)
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # MKL (fp32 sgemm)
+}
+ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")  # flag prefixes an AVX2 cap removes
+
+
+def isa_limits(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The caps set in the environment (name -> value)."""
+    env = dict(os.environ) if env is None else env
+    return {k: env[k] for k in ISA_LIMITS if env.get(k)}
+
+
+def effective_flags(flags: frozenset[str], limits: dict[str, str]) -> frozenset[str]:
+    """`flags` as the kernels see them: without AVX-512, AMX and AVX-VNNI under an AVX2 cap."""
+    if any(v.lower() == ISA_LIMITS[k].lower() for k, v in limits.items()):
+        return frozenset(f for f in flags if not f.startswith(ABOVE_AVX2))
+    return flags
+
+
 @dataclass(frozen=True)
 class CpuInfo:
     model: str  # "AMD EPYC", "Intel(R) Xeon(R) Platinum 8480+", ...
@@ -32,6 +61,7 @@ class CpuInfo:
     logical_cpus: int
     arch: str  # platform.machine(): "x86_64", "aarch64"
     torch_capability: str  # "AVX2", "AVX512", "DEFAULT", ...
+    limits: tuple[tuple[str, str], ...] = ()  # ISA_LIMITS set in the environment
 
     @property
     def kind(self) -> str:
@@ -52,9 +82,10 @@ class CpuInfo:
     def describe(self) -> str:
         """One line: `AMD EPYC (x86_64, 2 CPUs; torch: AVX2): avx2 yes, avx512f no, ...`."""
         flags = ", ".join(f"{f} {'yes' if ok else 'no'}" for f, ok in self.key_flags().items())
+        capped = "; capped by " + ", ".join(f"{k}={v}" for k, v in self.limits)
         return (
             f"{self.model} ({self.arch}, {self.logical_cpus} CPUs, kind {self.kind}; "
-            f"torch: {self.torch_capability}): {flags}"
+            f"torch: {self.torch_capability}{capped if self.limits else ''}): {flags}"
         )
 
     def as_dict(self) -> dict:
@@ -65,6 +96,7 @@ class CpuInfo:
             "kind": self.kind,
             "torch_capability": self.torch_capability,
             "flags": self.key_flags(),
+            "limits": dict(self.limits),
         }
 
 
@@ -94,9 +126,11 @@ def read_cpu_info() -> CpuInfo:
             model, flags = parse_cpuinfo(f.read())
     except OSError:
         model, flags = platform.processor() or "unknown CPU", frozenset()
+    limits = isa_limits()
     return CpuInfo(
         model=model,
-        flags=flags,
+        flags=effective_flags(flags, limits),
+        limits=tuple(sorted(limits.items())),
         logical_cpus=os.cpu_count() or 1,
         arch=platform.machine(),
         torch_capability=torch.backends.cpu.get_cpu_capability(),

@@ -8,16 +8,13 @@ import torch
 
 from pd.kvcache.kv_pool import pages_for_budget
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.cpu_info import read_cpu_info  # its flags follow an AVX2 cap (ISA_LIMITS)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = read_cpu_info().flags
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # of the search: a change to what it measures or how it decides bumps it
+VERSION = 2  # of the search (2: splits); a change to what it measures or how it decides bumps it
 
 
 def cache_dir() -> Path:

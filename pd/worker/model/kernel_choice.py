@@ -90,6 +90,7 @@ def resolve_kernels(
     key = kernel_cache.cache_key(
         cpu_model=cpu.model,
         cpu_flags=cpu.flags,
+        isa_limits=dict(cpu.limits),
         torch=torch.__version__,
         checkpoint=digest,
         role=role,

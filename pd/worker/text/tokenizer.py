@@ -93,7 +93,9 @@ class Tokenizer:
         of the tokenizers we load has one.)"""
         decoded = spelled = 0
         for i in range(self.vocab_size):
-            decoded = max(decoded, len(self.backend.decode([i], skip_special_tokens=False).encode()))
+            decoded = max(
+                decoded, len(self.backend.decode([i], skip_special_tokens=False).encode())
+            )
             if self.backend.normalizer is not None:
                 spelled = max(spelled, len((self.backend.id_to_token(i) or "").encode()))
         return max(decoded + 1, spelled)

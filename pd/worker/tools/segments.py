@@ -79,7 +79,6 @@ class JsonEnd:
                     return i + 1
         return -1
 
-
     def strings(self, text: str) -> None:
         """Only follow whether `text` leaves it inside a string (brackets not counted)."""
         for ch in text:

@@ -120,9 +120,7 @@ class ToolStream:
             if name is None:
                 return  # not yet (or never: a call without a name is dropped)
             call.index = len(self.calls)
-            self.calls.append(
-                {"id": new_call_id(), "type": "function", "function": {"name": name}}
-            )
+            self.calls.append({"id": new_call_id(), "type": "function", "function": {"name": name}})
             out.append(
                 _call_delta(call.index, id=self.calls[-1]["id"], type="function",
                             function={"name": name, "arguments": ""})
