@@ -2,11 +2,15 @@
 candidate timed on the model's own linear layers at the role's batch sizes, and the model's
 perplexity on the shipped text for the candidates the rule asks about.
 
-Timing: one layer of each of the model's linear shapes on one TP rank (q/k/v, o, gate/up, down,
-built by `quant.make_linear` from random weights of that shape: a kernel's time does not depend
-on the values), a warm-up call and then `reps` rounds; a step's time is the median round's sum
-over the shapes times the layer count and TP ranks (one process drives every rank in turn), plus
-the LM head at the step's sampled rows (one at a prefill chunk). Activations are in the
+Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of each layer, built
+by `quant.make_linear` from random weights of those shapes: a kernel's time does not depend on
+the values), every layer distinct up to `WEIGHT_BUDGET` (`layer_groups`), run in the model's
+order, a warm-up pass and then `reps` passes; a step's time is the median pass scaled to the
+layer count and TP ranks (one process drives every rank in turn), plus the LM head at the
+step's sampled rows (one at a prefill chunk). Distinct layers matter: one layer of each shape
+called again and again stays in the core's L2, and at decode batches a kernel that reads twice
+the bytes then times the same as one that reads half (int8 against int4 here: 5.3 against 5.6
+ms a step hot, 12.2 against 7.2 in the model). Activations are in the
 candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
 (attention, norms) is not. A candidate already `DROP_FACTOR`x slower than the fastest at the
 smallest batch is not timed at the larger ones (it scores infinity). Only the layers are
@@ -34,6 +38,9 @@ from pd.worker.model.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 DROP_FACTOR = 4.0
+# fp32 bytes of random weights a search builds its layers from: every layer of a small model
+# (SmolLM2-135M: 30 layers, 425 MB), fewer of a large one (whose layers alone outgrow the caches)
+WEIGHT_BUDGET = 512e6
 
 
 @dataclass(frozen=True)
@@ -79,46 +86,91 @@ def formats_here(config: ModelConfig, tp: int, group_size: int) -> list[str]:
     return out
 
 
-def _median_s(layer: quant.Linear, x: torch.Tensor, reps: int) -> float:
-    layer(x)  # warm-up: the first call packs and allocates
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        layer(x)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
-
-
 def _resident_bytes(layer: quant.Linear) -> int:
     return int(getattr(layer, "resident_bytes", layer.nbytes))
 
 
+def layer_groups(shapes: Sequence[LinearShape], budget_bytes: float = WEIGHT_BUDGET) -> int:
+    """How many layers' worth of distinct weights to time: the model's layer count (over its
+    ranks), or as many as `budget_bytes` of fp32 weights hold (at least one)."""
+    layers = [s for s in shapes if s.name != "lm_head"]
+    per_layer = sum(s.out * s.inp * 4 for s in layers)
+    return max(1, min(layers[0].count, int(budget_bytes // per_layer)))
+
+
+@dataclass
+class RandomWeights:
+    """The weights every candidate is built from: `groups` layers of each shape, and the head."""
+
+    shapes: list[LinearShape]
+    groups: int
+    layers: list[list[tuple[LinearShape, torch.Tensor]]]  # [group][shape]
+    head: tuple[LinearShape, torch.Tensor]
+
+    @staticmethod
+    def make(shapes: Sequence[LinearShape], groups: int) -> RandomWeights:
+        gen = torch.Generator().manual_seed(0)
+
+        def w(s: LinearShape) -> torch.Tensor:
+            return torch.randn(s.out, s.inp, generator=gen) * s.inp**-0.5
+
+        body = [s for s in shapes if s.name != "lm_head"]
+        head = next(s for s in shapes if s.name == "lm_head")
+        return RandomWeights(
+            list(shapes),
+            groups,
+            [[(s, w(s)) for s in body] for _ in range(groups)],
+            (head, w(head)),
+        )
+
+
+def _median_round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]], reps: int) -> float:
+    """The median time of one pass through `calls` (after a warm-up pass: the first call of a
+    layer packs and allocates)."""
+    for layer, x in calls:
+        layer(x)
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for layer, x in calls:
+            layer(x)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
 def time_candidate(
     c: Candidate,
-    shapes: Sequence[LinearShape],
+    weights: RandomWeights,
     rows: Sequence[int],
     prefill_rows: int,
     group_size: int,
     reps: int = 3,
 ) -> tuple[dict[int, float], int]:
     """(ms of a step's linear layers per batch in `rows`, the bytes its weights hold); a batch
-    of `prefill_rows` samples one row at the LM head."""
+    of `prefill_rows` samples one row at the LM head. A pass runs every layer group in the
+    model's order, so each call reads weights the last one did not leave in the caches, as a
+    step does; a step is the pass scaled to the model's layer count, plus the head."""
     dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    layers = []
-    for s in shapes:
-        q = quant.head_quantization(c.quantization) if s.name == "lm_head" else c.quantization
-        w = torch.randn(s.out, s.inp, generator=gen) * s.inp**-0.5
-        layers.append((s, quant.make_linear(w, None, q, group_size, dtype, cpu)))
+    gen = torch.Generator().manual_seed(1)
+    layers = [
+        [(s, quant.make_linear(w, None, c.quantization, group_size, dtype, cpu)) for s, w in group]
+        for group in weights.layers
+    ]
+    head_shape, head_w = weights.head
+    head = quant.make_linear(
+        head_w, None, quant.head_quantization(c.quantization), group_size, dtype, cpu
+    )
+    scale = weights.layers[0][0][0].count / weights.groups  # the model's layers per group timed
     out: dict[int, float] = {}
     for r in rows:
-        ms = 0.0
-        for s, layer in layers:
-            n = 1 if s.name == "lm_head" and r == prefill_rows else r
-            x = torch.randn(n, s.inp, generator=gen).to(dtype)
-            ms += _median_s(layer, x, reps) * 1e3 * s.count
-        out[r] = ms
-    return out, sum(_resident_bytes(layer) * s.count for s, layer in layers)
+        xs = {s.name: torch.randn(r, s.inp, generator=gen).to(dtype) for s, _ in layers[0]}
+        body = [(layer, xs[s.name]) for group in layers for s, layer in group]
+        n = 1 if r == prefill_rows else r
+        h = torch.randn(n, head_shape.inp, generator=gen).to(dtype)
+        ms = _median_round_s(body, reps) * scale + _median_round_s([(head, h)], reps)
+        out[r] = 1e3 * ms
+    nbytes = sum(_resident_bytes(layer) for group in layers for _, layer in group)
+    return out, int(nbytes * scale) + _resident_bytes(head)
 
 
 def time_candidates(
@@ -133,7 +185,8 @@ def time_candidates(
     smallest batch first, then the ones within `DROP_FACTOR` of the fastest there at the
     others."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
-    first = {c: time_candidate(c, shapes, rows[:1], prefill_rows, group_size) for c in cands}
+    weights = RandomWeights.make(shapes, layer_groups(shapes))
+    first = {c: time_candidate(c, weights, rows[:1], prefill_rows, group_size) for c in cands}
     best = min(t[rows[0]] for t, _ in first.values())
     out, nbytes = {}, {}
     for c, (t, size) in first.items():
@@ -141,7 +194,7 @@ def time_candidates(
         if t[rows[0]] > DROP_FACTOR * best:
             out[c] = t
             continue
-        out[c] = {**t, **time_candidate(c, shapes, rows[1:], prefill_rows, group_size)[0]}
+        out[c] = {**t, **time_candidate(c, weights, rows[1:], prefill_rows, group_size)[0]}
     return out, nbytes
 
 

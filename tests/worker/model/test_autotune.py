@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from pd.worker.model import kernel_cache
 from pd.worker.model.autotune import (
@@ -203,3 +204,33 @@ def test_a_split_wins_only_by_a_margin_and_only_when_both_its_formats_pass():
     ratio, _ = _ratios({C(BF16, "int4"): 1.0, C(BF16, "onednn-bf16"): 1.0})
     near = with_splits(close, dict.fromkeys(close, 1), budget_bytes=10)
     assert choose(near, w, w, ratio)[0] == C(BF16, "onednn-bf16")
+
+
+def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_bytes():
+    from pd.worker.model.autotune import Candidate
+    from pd.worker.model.config import ModelConfig
+    from pd.worker.model.kernel_search import (
+        RandomWeights,
+        layer_groups,
+        linear_shapes,
+        time_candidate,
+    )
+
+    cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
+    shapes = linear_shapes(cfg, 1)
+    per_layer = sum(s.out * s.inp * 4 for s in shapes if s.name != "lm_head")
+    assert layer_groups(shapes) == 6  # every layer of a small model
+    assert layer_groups(shapes, budget_bytes=2.5 * per_layer) == 2
+    assert layer_groups(shapes, budget_bytes=1) == 1
+    weights = RandomWeights.make(shapes, 2)
+    assert len(weights.layers) == 2 and [s.name for s, _ in weights.layers[0]] == [
+        "qkv", "o", "gate_up", "down"
+    ]  # fmt: skip
+    assert not torch.equal(weights.layers[0][0][1], weights.layers[1][0][1])  # distinct
+    ms, nbytes = time_candidate(Candidate(F32, "none"), weights, [1, 32], 32, 32, reps=1)
+    assert set(ms) == {1, 32} and all(v > 0 for v in ms.values())
+    params = 6 * per_layer // 4 + cfg.vocab_size * cfg.hidden_size
+    assert nbytes == params * 4  # 6 layers (3 per timed group) and the head, fp32
+    _, split = time_candidate(Candidate(F32, "int8@1+none"), weights, [1], 32, 32, reps=1)
+    _, int8 = time_candidate(Candidate(F32, "int8"), weights, [1], 32, 32, reps=1)
+    assert split == nbytes + int8  # a split holds both formats
