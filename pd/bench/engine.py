@@ -547,7 +547,8 @@ def run(args: argparse.Namespace) -> int:
         "kernels": {
             n: {"dtype": k["dtype"], "quantization": k["quantization"], "how": k["how"]}
             for n, k in kernels.items()
-        },  # fmt: skip
+        },
+        "auto_search": kernels.get("auto"),  # what auto measured (or read from its cache)
         "perplexity_ratio": {n: round(p, 4) for n, p in ppl.items()},
         "refused": refused,
     }
