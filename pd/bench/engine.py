@@ -414,6 +414,7 @@ def measure_llama_cpp(args, threads: int, prompts: list[str]) -> dict:
     best = max(runs, key=lambda r: r["decode_tok_s"])
     return {
         "version": llama_cpp.version(),
+        "system_info": llama_cpp.system_info(),
         "gguf": os.path.basename(model),
         "tok_s_1_stream": round(best["decode_tok_s"], 1),
         "itl_ms": round(best["mean_itl_ms"], 2),
@@ -490,6 +491,7 @@ def run(args: argparse.Namespace) -> int:
     gbps = read_gbps(threads)
     context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
     runs, prefill, kernels, refused, prompt_tokens = [], {}, {}, {}, 0
+    before = measure_llama_cpp(args, threads, prompts) if args.compare_llama_cpp else {}
     for c in configs:
         try:
             got = measure_worker(args, c, levels, prompts)
@@ -535,7 +537,10 @@ def run(args: argparse.Namespace) -> int:
     mark_slower_than_none(runs)
     explicit = [c for c in configs if not c.is_default and c.name in kernels]
     ppl = perplexity_ratios(explicit, threads) if args.quality else {}
-    llama = measure_llama_cpp(args, threads, prompts) if args.compare_llama_cpp else {}
+    # llama.cpp before and after pd's runs (its OpenMP threads spin, and a noisy neighbour
+    # slowed one server instance 3x in a run here): the faster of the two is compared
+    llama_runs = [before, measure_llama_cpp(args, threads, prompts)] if before else []
+    llama = max(llama_runs, key=lambda r: r.get("tok_s_1_stream") or 0) if llama_runs else {}
     summary: dict = {
         "cpu": cpu.as_dict(),
         "cpu_line": cpu.describe(),
@@ -554,6 +559,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.compare_llama_cpp:
         summary["llama_cpp"] = llama
+        summary["llama_cpp_runs"] = [r.get("tok_s_1_stream") for r in llama_runs or [before]]
     summary["targets"] = targets(runs, prefill, llama, ppl) if ppl or llama else {}
     if args.constrained:
         summary["grammar"] = grammar_costs()

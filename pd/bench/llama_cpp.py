@@ -3,7 +3,19 @@ the same GGUF with the same threads, measured with the same client code as pd's 
 
 llama-cpp-python is an optional extra for benchmarking (`pip install 'llama-cpp-python[server]'`,
 a build from source of several minutes), never part of set-up or CI: `unavailable()` says why it
-cannot run here, and the benchmark reports that instead of a figure.
+cannot run here, and the benchmark reports that instead of a figure. Its build takes the
+machine's instruction sets (`system_info()` says which; the JSON has it). On the AMX Xeon of
+docs/BENCHMARKS.md the native build (0.3.36) dies at its first decode (a general protection
+fault at `ldtilecfg` in ggml's AMX path, even with the tile permission asked for), so it was
+built without AMX:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install 'llama-cpp-python[server]'
+
+and, for an AVX2 machine's kernels (beside `scripts/as_avx2.sh`), an AVX2-only build in its own
+directory, put first on PYTHONPATH for the run (`-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF`,
+`pip install --no-deps --target DIR`).
 
 What is measured, as for pd (engine.py):
 
@@ -54,6 +66,15 @@ def version() -> str:
     from importlib.metadata import version as v
 
     return v("llama_cpp_python")
+
+
+def system_info() -> str:
+    """The instruction sets its build uses (`CPU : AVX2 = 1 | ...`): a build from source takes
+    the machine's unless CMAKE_ARGS said otherwise."""
+    import llama_cpp
+
+    info: bytes = llama_cpp.llama_print_system_info()
+    return info.decode(errors="replace").strip()
 
 
 class LlamaCppServer:
