@@ -12,8 +12,9 @@ called again and again stays in the core's L2, and at decode batches a kernel th
 the bytes then times the same as one that reads half (int8 against int4 here: 5.3 against 5.6
 ms a step hot, 12.2 against 7.2 in the model). Activations are in the
 candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
-(attention, norms) is not. A candidate already `DROP_FACTOR`x slower than the fastest at the
-smallest batch is not timed at the larger ones (it scores infinity). Only the layers are
+(attention, norms) is not. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
+timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
+candidates would otherwise spend seconds a pass at a prefill chunk. Only the layers are
 built; the perplexity builds the whole model (a `ModelRunner`) in that configuration.
 """
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from pd.worker.model.runner import ModelRunner
 log = logging.getLogger(__name__)
 
 DROP_FACTOR = 4.0
+LONG_PASS_S = 0.25  # a pass this long is timed once after its warm-up, not `reps` times
 # fp32 bytes of random weights a search builds its layers from: every layer of a small model
 # (SmolLM2-135M: 30 layers, 425 MB), fewer of a large one (whose layers alone outgrow the caches)
 WEIGHT_BUDGET = 512e6
@@ -125,10 +127,13 @@ class RandomWeights:
 
 
 def _median_round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]], reps: int) -> float:
-    """The median time of one pass through `calls` (after a warm-up pass: the first call of a
-    layer packs and allocates)."""
+    """The median time of one pass through `calls`, after a warm-up pass (the first call of a
+    layer packs and allocates); a pass over `LONG_PASS_S` is timed once more only."""
+    t = time.perf_counter()
     for layer, x in calls:
         layer(x)
+    if time.perf_counter() - t > LONG_PASS_S:
+        reps = 1
     samples = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -145,11 +150,13 @@ def time_candidate(
     prefill_rows: int,
     group_size: int,
     reps: int = 3,
+    go_on: Callable[[int, float], bool] = lambda rows, ms: True,
 ) -> tuple[dict[int, float], int]:
     """(ms of a step's linear layers per batch in `rows`, the bytes its weights hold); a batch
     of `prefill_rows` samples one row at the LM head. A pass runs every layer group in the
     model's order, so each call reads weights the last one did not leave in the caches, as a
-    step does; a step is the pass scaled to the model's layer count, plus the head."""
+    step does; a step is the pass scaled to the model's layer count, plus the head. After each
+    batch `go_on(rows, ms)` says whether to time the next (False: the rest are left out)."""
     dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
     gen = torch.Generator().manual_seed(1)
     layers = [
@@ -169,6 +176,8 @@ def time_candidate(
         h = torch.randn(n, head_shape.inp, generator=gen).to(dtype)
         ms = _median_round_s(body, reps) * scale + _median_round_s([(head, h)], reps)
         out[r] = 1e3 * ms
+        if not go_on(r, out[r]):
+            break
     nbytes = sum(_resident_bytes(layer) for group in layers for _, layer in group)
     return out, int(nbytes * scale) + _resident_bytes(head)
 
@@ -181,20 +190,20 @@ def time_candidates(
     prefill_rows: int,
     group_size: int,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
-    """(ms per candidate per batch, bytes of each candidate's weights): every candidate at the
-    smallest batch first, then the ones within `DROP_FACTOR` of the fastest there at the
-    others."""
+    """(ms per candidate per batch, bytes of each candidate's weights): each candidate in turn,
+    the batches smallest first, while it is within `DROP_FACTOR` of the fastest timed so far at
+    each (a dropped one is not timed at the larger batches: it scores infinity)."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     weights = RandomWeights.make(shapes, layer_groups(shapes))
-    first = {c: time_candidate(c, weights, rows[:1], prefill_rows, group_size) for c in cands}
-    best = min(t[rows[0]] for t, _ in first.values())
+    best: dict[int, float] = {}  # the fastest ms at each batch so far
+
+    def go_on(r: int, ms: float) -> bool:
+        best[r] = min(best.get(r, ms), ms)
+        return ms <= DROP_FACTOR * best[r]
+
     out, nbytes = {}, {}
-    for c, (t, size) in first.items():
-        nbytes[c] = size
-        if t[rows[0]] > DROP_FACTOR * best:
-            out[c] = t
-            continue
-        out[c] = {**t, **time_candidate(c, weights, rows[1:], prefill_rows, group_size)[0]}
+    for c in cands:  # each built once, timed batch by batch while it is not far behind
+        out[c], nbytes[c] = time_candidate(c, weights, rows, prefill_rows, group_size, go_on=go_on)
     return out, nbytes
 
 
