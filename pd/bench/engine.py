@@ -488,24 +488,31 @@ def run(args: argparse.Namespace) -> int:
             ",".join(f"{args.dtype}/{q}" for q in args.quantizations.split(",")), []
         )
     prompts = prefill_prompts(args.prefill_tokens, 4) if args.prefill_tokens else []
-    gbps = read_gbps(threads)
     context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
-    runs, prefill, kernels, refused, prompt_tokens = [], {}, {}, {}, 0
+    # First every server (llama.cpp before and after pd's, the faster compared), with this
+    # process only their client: torch's work in the client process (a 1 GiB read with 2
+    # threads) made the llama.cpp server it started next 3x slower here (29 against 85-97
+    # tok/s), so the in-process figures (bandwidth, bytes, linear ms, perplexity) come after.
     before = measure_llama_cpp(args, threads, prompts) if args.compare_llama_cpp else {}
+    served, refused = {}, {}
     for c in configs:
         try:
-            got = measure_worker(args, c, levels, prompts)
+            served[c.name] = measure_worker(args, c, levels, prompts)
         except RuntimeError as e:  # e.g. a format this CPU's torch refuses
             refused[c.name] = str(e)
-            continue
+    llama_runs = [before, measure_llama_cpp(args, threads, prompts)] if before else []
+    llama = max(llama_runs, key=lambda r: r.get("tok_s_1_stream") or 0) if llama_runs else {}
+    gbps = read_gbps(threads)
+    runs, prefill, kernels, prompt_tokens = [], {}, {}, 0
+    for name, got in served.items():
         k = got["kernels"]
-        kernels[c.name] = k
+        kernels[name] = k
         dtype = torch.float32 if k["dtype"] == "float32" else torch.bfloat16
         weight_bytes, linear_ms, kv_per_token = step_bytes_and_linear_ms(
             k["quantization"], dtype, levels, context, threads
         )
         if got["prefill"]:
-            prefill[c.name] = round(got["prefill"]["prefill_tok_s"], 1)
+            prefill[name] = round(got["prefill"]["prefill_tok_s"], 1)
             prompt_tokens = got["prefill"]["prompt_tokens"]
         for r in got["decode"]:
             n = r["concurrency"]
@@ -521,7 +528,7 @@ def run(args: argparse.Namespace) -> int:
             runs.append(
                 {
                     **extra,
-                    "config": c.name,
+                    "config": name,
                     "dtype": k["dtype"],
                     "quantization": k["quantization"],
                     "streams": n,
@@ -537,10 +544,6 @@ def run(args: argparse.Namespace) -> int:
     mark_slower_than_none(runs)
     explicit = [c for c in configs if not c.is_default and c.name in kernels]
     ppl = perplexity_ratios(explicit, threads) if args.quality else {}
-    # llama.cpp before and after pd's runs (its OpenMP threads spin, and a noisy neighbour
-    # slowed one server instance 3x in a run here): the faster of the two is compared
-    llama_runs = [before, measure_llama_cpp(args, threads, prompts)] if before else []
-    llama = max(llama_runs, key=lambda r: r.get("tok_s_1_stream") or 0) if llama_runs else {}
     summary: dict = {
         "cpu": cpu.as_dict(),
         "cpu_line": cpu.describe(),
