@@ -43,7 +43,7 @@ def quantization_error(value: str) -> str:
         return str(e)
     bad = [f for f in formats if f not in QUANTIZATION_CHOICES]
     if bad:
-        return f"--quantization must be auto, one of {choices}, or SMALL@ROWS+LARGE of two"
+        return f"--quantization must be one of auto, {choices}, or SMALL@ROWS+LARGE of two of these"
     if len(formats) == 2 and formats[0] == formats[1]:
         return f"--quantization {value!r}: a split needs two different formats"
     return ""

@@ -198,7 +198,7 @@ def test_a_split_is_parsed_once_and_malformed_ones_are_refused():
         ("int4@x+none", "SMALL@ROWS"),
         ("int4@8", "SMALL@ROWS"),
         ("int4@8+int4", "two different formats"),
-        ("int3@8+none", "must be auto"),
+        ("int3@8+none", "must be one of auto"),
         ("int4+none", "SMALL@ROWS"),
     ):
         assert why in quantization_error(bad), bad
