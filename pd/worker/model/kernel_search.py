@@ -14,7 +14,10 @@ ms a step hot, 12.2 against 7.2 in the model). Activations are in the
 candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
 (attention, norms) is not. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
 timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
-candidates would otherwise spend seconds a pass at a prefill chunk. Only the layers are
+candidates would otherwise spend seconds a pass at a prefill chunk. The smallest batch drops
+nothing (`DropRule`): there a format's time is the bytes it reads, and one that reads 4x the
+bytes (bf16 against int4) can still be the fastest at a prefill chunk, the large half of a split
+(dropped at one row under a noisy neighbour, onednn-bf16 was in no split). Only the layers are
 built; the perplexity builds the whole model (a `ModelRunner`) in that configuration.
 """
 
@@ -191,20 +194,31 @@ def time_candidates(
     group_size: int,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
     """(ms per candidate per batch, bytes of each candidate's weights): each candidate in turn,
-    the batches smallest first, while it is within `DROP_FACTOR` of the fastest timed so far at
-    each (a dropped one is not timed at the larger batches: it scores infinity)."""
+    the batches smallest first, while `DropRule` lets it go on (a dropped one is not timed at the
+    larger batches: it scores infinity)."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     weights = RandomWeights.make(shapes, layer_groups(shapes))
-    best: dict[int, float] = {}  # the fastest ms at each batch so far
-
-    def go_on(r: int, ms: float) -> bool:
-        best[r] = min(best.get(r, ms), ms)
-        return ms <= DROP_FACTOR * best[r]
-
+    rule = DropRule(rows)
     out, nbytes = {}, {}
     for c in cands:  # each built once, timed batch by batch while it is not far behind
-        out[c], nbytes[c] = time_candidate(c, weights, rows, prefill_rows, group_size, go_on=go_on)
+        out[c], nbytes[c] = time_candidate(
+            c, weights, rows, prefill_rows, group_size, go_on=rule.go_on
+        )
     return out, nbytes
+
+
+class DropRule:
+    """Whether a candidate just timed at a batch is timed at the next (larger) one: when it is
+    within `DROP_FACTOR` of the fastest timed so far at that batch, or the batch is the
+    smallest (where time is bytes read: see the module's note)."""
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        self.smallest = min(rows)
+        self.best: dict[int, float] = {}  # the fastest ms at each batch so far
+
+    def go_on(self, rows: int, ms: float) -> bool:
+        self.best[rows] = min(self.best.get(rows, ms), ms)
+        return rows == self.smallest or ms <= DROP_FACTOR * self.best[rows]
 
 
 class PerplexityJudge:

@@ -166,7 +166,7 @@ def test_splits_take_each_formats_time_on_its_side_of_the_rows():
     ms = {
         C(BF16, "int4"): {1: 5.0, 8: 15.0, 512: 600.0},
         C(BF16, "onednn-bf16"): {1: 10.0, 8: 12.0, 512: 60.0},
-        C(BF16, "slow"): {1: 100.0},  # dropped at the smallest batch: in no split
+        C(BF16, "slow"): {1: 100.0, 8: 90.0},  # dropped at the second batch: in no split
         C(F32, "none"): {1: 12.0, 8: 30.0, 512: 300.0},  # another dtype: never paired
     }
     nbytes = {C(BF16, "int4"): 80, C(BF16, "onednn-bf16"): 270, C(BF16, "slow"): 1}
@@ -234,3 +234,14 @@ def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_byt
     _, split = time_candidate(Candidate(F32, "int8@1+none"), weights, [1], 32, 32, reps=1)
     _, int8 = time_candidate(Candidate(F32, "int8"), weights, [1], 32, 32, reps=1)
     assert split == nbytes + int8  # a split holds both formats
+
+
+def test_the_drop_rule_spares_the_smallest_batch():
+    from pd.worker.model.kernel_search import DROP_FACTOR, DropRule
+
+    rule = DropRule([1, 8, 512])
+    assert rule.go_on(1, 8.0) and rule.go_on(8, 20.0)  # the first candidate sets the pace
+    # bf16 dense reads 4x int4's bytes: 5x slower at one row, but timed on (fastest at 512)
+    assert rule.go_on(1, 42.0) and rule.go_on(8, 39.0)
+    assert not rule.go_on(8, 20.0 * DROP_FACTOR * 1.01)  # far behind past the smallest: dropped
+    assert rule.go_on(512, 60.0) and rule.go_on(512, 240.0) and not rule.go_on(512, 241.0)
