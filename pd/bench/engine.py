@@ -440,9 +440,13 @@ def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
     return {c.name: judge.ratio(Candidate(c.dtype, c.quantization)) for c in configs}
 
 
-def targets(runs: list[dict], prefill: dict[str, float], llama: dict, ppl: dict) -> dict:
+def targets(
+    runs: list[dict], prefill: dict[str, float], llama: dict, ppl: dict, duel: dict | None = None
+) -> dict:
     """The issue's ratios from this run: the default against llama.cpp, and against the best
-    explicit configuration within the quality bound at 1 and 32 streams."""
+    explicit configuration within the quality bound at 1 and 32 streams. With a head-to-head
+    (`head_to_head`), the 1-stream ratio is its medians'; `..._separately` keeps the ratio of
+    each server's own measurement."""
     from pd.worker.model.autotune import PPL_BOUND
 
     rate = {(r["config"], r["streams"]): r["tok_s"] for r in runs}
@@ -464,11 +468,57 @@ def targets(runs: list[dict], prefill: dict[str, float], llama: dict, ppl: dict)
         for n in (1, 32):
             if ("auto", n) in rate:
                 out[f"default_{n}_over_llama_cpp_1"] = round(rate["auto", n] / one, 3)
+        if duel and "ratio" in duel:
+            if "default_1_over_llama_cpp_1" in out:
+                out["default_1_over_llama_cpp_1_separately"] = out["default_1_over_llama_cpp_1"]
+            out["default_1_over_llama_cpp_1"] = duel["ratio"]
         if llama.get("prefill_tok_s") and "auto" in prefill:
             out["default_prefill_over_llama_cpp"] = round(
                 prefill["auto"] / llama["prefill_tok_s"], 3
             )
     return out
+
+
+HEAD_TO_HEAD_ROUNDS = 5
+
+
+def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
+    """The default worker and llama.cpp's server up at once, one stream on each in turns,
+    `rounds` times: the 1-stream target from the medians. On a machine with noisy neighbours
+    (this one: one stream of the same worker at 36 and at 50 tok/s a few minutes apart) a
+    figure from each server's own minutes compares the noise; turns a few seconds apart see
+    the same machine. An idle server takes no CPU from the other (both wait on sockets)."""
+    from pd.bench import llama_cpp
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
+
+    why = llama_cpp.unavailable()
+    if why:
+        return {"skipped": why}
+    model = default_model_path()
+    no_eos = llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
+    proc, url = start_worker(args, Config("auto", "auto"))
+    try:
+        with llama_cpp.LlamaCppServer(model, threads) as server:
+            ours: list[float] = []
+            theirs: list[float] = []
+            asyncio.run(measure(url, 1, 8))  # warm-ups
+            asyncio.run(measure(server.url, 1, 8, no_eos=no_eos))
+            for _ in range(rounds):
+                ours.append(asyncio.run(measure(url, 1, args.max_tokens))["decode_tok_s"])
+                r = asyncio.run(measure(server.url, 1, args.max_tokens, no_eos=no_eos))
+                theirs.append(r["decode_tok_s"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    pd_median, llama_median = statistics.median(ours), statistics.median(theirs)
+    return {
+        "rounds": rounds,
+        "pd_tok_s": [round(x, 1) for x in ours],
+        "llama_cpp_tok_s": [round(x, 1) for x in theirs],
+        "pd_median": round(pd_median, 1),
+        "llama_cpp_median": round(llama_median, 1),
+        "ratio": round(pd_median / llama_median, 3),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -501,6 +551,11 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as e:  # e.g. a format this CPU's torch refuses
             refused[c.name] = str(e)
     llama_runs = [before, measure_llama_cpp(args, threads, prompts)] if before else []
+    duel = (
+        head_to_head(args, threads)
+        if args.compare_llama_cpp and args.url is None and "skipped" not in before
+        else {}
+    )
     llama = max(llama_runs, key=lambda r: r.get("tok_s_1_stream") or 0) if llama_runs else {}
     gbps = read_gbps(threads)
     runs, prefill, kernels, prompt_tokens = [], {}, {}, 0
@@ -563,7 +618,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_llama_cpp:
         summary["llama_cpp"] = llama
         summary["llama_cpp_runs"] = [r.get("tok_s_1_stream") for r in llama_runs or [before]]
-    summary["targets"] = targets(runs, prefill, llama, ppl) if ppl or llama else {}
+        summary["head_to_head"] = duel
+    summary["targets"] = targets(runs, prefill, llama, ppl, duel) if ppl or llama else {}
     if args.constrained:
         summary["grammar"] = grammar_costs()
     if args.json:
@@ -609,6 +665,13 @@ def print_summary(summary: dict) -> None:
                 f"llama.cpp {lc['version']} ({lc['gguf']}): {lc['tok_s_1_stream']:.1f} tok/s at one "
                 f"stream, prefill {lc['prefill_tok_s']} tok/s ({lc['prompt_tokens']} tokens)"
             )
+    duel = summary.get("head_to_head") or {}
+    if "ratio" in duel:
+        print(
+            f"head to head, one stream in turns x{duel['rounds']}: pd default "
+            f"{duel['pd_tok_s']} (median {duel['pd_median']}), llama.cpp "
+            f"{duel['llama_cpp_tok_s']} (median {duel['llama_cpp_median']}): {duel['ratio']}x"
+        )
     for name, v in summary["targets"].items():
         print(f"target {name}: {v}")
     if "grammar" in summary:

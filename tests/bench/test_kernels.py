@@ -280,6 +280,12 @@ def test_pd_bench_engine_targets_compare_the_default_with_the_best_passing_confi
     assert t["default_32_over_llama_cpp_1"] == 7.5
     assert t["default_prefill_over_llama_cpp"] == 10.0
     assert "default_1_over_llama_cpp_1" not in targets(runs, {}, {"skipped": "x"}, ppl)
+    # a head-to-head's medians decide the 1-stream ratio; the separate figures' stays beside it
+    duel = {"ratio": 1.05, "pd_median": 84.0, "llama_cpp_median": 80.0}
+    t = targets(runs, {"auto": 2000.0}, llama, ppl, duel)
+    assert t["default_1_over_llama_cpp_1"] == 1.05
+    assert t["default_1_over_llama_cpp_1_separately"] == 0.75
+    assert t["default_32_over_llama_cpp_1"] == 7.5  # from the separate figures
 
 
 def test_pd_bench_engine_says_why_llama_cpp_did_not_run(monkeypatch):
@@ -296,4 +302,5 @@ def test_pd_bench_engine_says_why_llama_cpp_did_not_run(monkeypatch):
     assert "llama_cpp is not installed" in why and "llama-cpp-python[server]" in why
     out = engine.measure_llama_cpp(argparse.Namespace(max_tokens=8), 1, [])
     assert out == {"skipped": why}
+    assert engine.head_to_head(argparse.Namespace(max_tokens=8), 1) == {"skipped": why}
     assert llama_cpp.decode_body(frozenset({2, 0})) == {"logit_bias": {"0": -100.0, "2": -100.0}}
