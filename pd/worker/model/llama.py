@@ -35,21 +35,23 @@ class RMSNorm:
     On CPU, torch's `F.rms_norm` is a composite of ~20 ops (~16 us a call for one row, ~35 us
     inside a step, where the weights streamed between calls evict torch's own code and data);
     `layer_norm` is one fused kernel but subtracts the mean. The mean of `[x, -x]` is zero and its
-    mean square is x's, so the first half of `layer_norm([x, -x])` (weights `[w, 0]`) is x's RMS
-    norm: 5 ops, 1.3 ms off a one-row decode step of the default model (61 norms). On CUDA,
-    `F.rms_norm` is a fused kernel of its own."""
+    mean square is x's, so the first half of `layer_norm([x, -x])` is x normalized by its RMS
+    (then times the weight, in the model's dtype: ~1 ms off a one-row decode step of the default
+    model, 61 norms). The weight inside the fused kernel (one rounding, as `F.rms_norm` rounds)
+    is one op fewer, but bf16 int4's first token for "What is the capital of France?" is a near
+    tie (25.5 against 25.375 logits): that form made it an exact tie and the answer "L'Étoile",
+    this one keeps F.rms_norm's logits there and "Paris". On CUDA, `F.rms_norm` is fused."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight, self.eps = weight, eps
         self.fused = weight.device.type != "cpu"
-        self.padded = None if self.fused else torch.cat([weight, torch.zeros_like(weight)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, hidden]
         n = x.shape[-1]
-        if self.padded is None:
+        if self.fused:
             return F.rms_norm(x, (n,), self.weight, self.eps)
-        y = F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), self.padded, None, self.eps)
-        return y[:, :n].contiguous()  # a view when T is 1: the kernels take [T, hidden] dense
+        y = F.layer_norm(torch.cat([x, -x], dim=-1), (2 * n,), None, None, self.eps)
+        return y[:, :n] * self.weight  # [T, hidden], dense
 
 
 class Rotary:
