@@ -395,17 +395,25 @@ def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) 
             proc.wait(timeout=60)
 
 
+def _llama_cpp_model() -> tuple[str, dict]:
+    """The GGUF llama.cpp serves (pd's default model) and the body part that bans its EOS ids
+    (what pd's `ignore_eos` does)."""
+    from pd.bench import llama_cpp
+    from pd.worker.checkpoint import default_model_path, load_tokenizer
+
+    model = default_model_path()
+    return model, llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
+
+
 def measure_llama_cpp(args, threads: int, prompts: list[str]) -> dict:
     """llama.cpp's server on the same GGUF and threads: decode at one stream, and prefill; or
     why it did not run."""
     from pd.bench import llama_cpp
-    from pd.worker.checkpoint import default_model_path, load_tokenizer
 
     why = llama_cpp.unavailable()
     if why:
         return {"skipped": why}
-    model = default_model_path()
-    no_eos = llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
+    model, no_eos = _llama_cpp_model()
     with llama_cpp.LlamaCppServer(model, threads) as server:
         asyncio.run(measure(server.url, 1, 8, no_eos=no_eos))  # warm-up
         runs = [asyncio.run(measure(server.url, 1, args.max_tokens, no_eos=no_eos))]
@@ -489,13 +497,11 @@ def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
     figure from each server's own minutes compares the noise; turns a few seconds apart see
     the same machine. An idle server takes no CPU from the other (both wait on sockets)."""
     from pd.bench import llama_cpp
-    from pd.worker.checkpoint import default_model_path, load_tokenizer
 
     why = llama_cpp.unavailable()
     if why:
         return {"skipped": why}
-    model = default_model_path()
-    no_eos = llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
+    model, no_eos = _llama_cpp_model()
     proc, url = start_worker(args, Config("auto", "auto"))
     try:
         with llama_cpp.LlamaCppServer(model, threads) as server:

@@ -16,7 +16,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # of the search (2: splits; 3: the smallest batch drops nothing); a change to what it measures or how it decides bumps it
+# The search's version: a change to what it measures or how it decides bumps it (2: splits;
+# 3: the smallest batch drops nothing).
+VERSION = 3
 
 
 def cache_dir() -> Path:
