@@ -6,7 +6,7 @@ import aiohttp
 
 from pd.router import deregister_from_router, register_with_router
 from pd.router.register import RegistrationError
-from tests.router.conftest import COMPLETION, registry_of
+from tests.router.conftest import COMPLETION, registry_of, wait_for
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -24,6 +24,8 @@ async def test_admin_api_lists_adds_and_removes(stub, router):
         (p.url, "prefill"),
         (d.url, "decode"),
     }
+    # A loaded CI machine can time out the first probe of d; the next one admits it.
+    await wait_for(lambda: registry_of(client).decode.workers[d.url].healthy, timeout=15.0)
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 200
     assert len(p.requests) == 1
     resp = await client.delete("/workers", params={"url": p.url}, headers=ADMIN)
