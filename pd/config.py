@@ -180,6 +180,14 @@ class WorkerConfig:
         "after a warm-up at start-up (~2 min on a cold inductor cache, ~15 s on a warm one)",
         boolean=True,
     )
+    background_compile: str = _flag(
+        "auto",
+        "CPU: compile the one-row decode step (one stream's) in the background while the worker "
+        "serves eagerly, and switch to it when it times faster (minutes once per machine on a "
+        "cold inductor cache under $PD_CACHE_DIR, seconds after); auto: when the worker decodes "
+        "on the kernels its machine chose (--dtype auto --quantization auto), on, or off",
+        choices=("auto", "on", "off"),
+    )
     cuda_graph_max_batch: int = _flag(
         0,
         "CUDA, --tp 1: replay decode steps of up to this many sequences from CUDA graphs "

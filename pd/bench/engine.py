@@ -365,11 +365,27 @@ def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the worker exited before it was ready: " + " | ".join(tail))
 
 
+# Longest wait for a started worker's one-row step to compile (minutes on a cold inductor cache).
+COMPILE_WAIT_S = 1800.0
+
+
 def kernels_of(url: str) -> dict:
-    """The worker's /health `kernels`: what it runs and, for auto, the figures that chose it."""
+    """The worker's /health `kernels`: what it runs and, for auto, the figures that chose it;
+    with its one-row step's background compile (`one_row_compile`)."""
     with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-        kernels: dict = orjson.loads(r.read())["kernels"]
-        return kernels
+        health = orjson.loads(r.read())
+    kernels: dict = health["kernels"]
+    return {**kernels, "one_row_compile": health.get("one_row_compile", {"state": "off"})}
+
+
+def wait_for_background_compile(url: str, timeout_s: float = COMPILE_WAIT_S) -> None:
+    """Until the worker's one-row step is no longer compiling (one_row.py): the figures are
+    the default's steady state, not its first minutes."""
+    deadline = time.monotonic() + timeout_s
+    while kernels_of(url)["one_row_compile"]["state"] == "compiling":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker's one-row step still compiles after {timeout_s} s")
+        time.sleep(1.0)
 
 
 def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) -> dict:
@@ -379,6 +395,7 @@ def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) 
     if url is None:
         proc, url = start_worker(args, config)
     try:
+        wait_for_background_compile(url)
         kernels = kernels_of(url)
         asyncio.run(measure(url, 2, 8, args.constrained))  # warm-up (and the grammar compiled)
         out = []
@@ -504,6 +521,8 @@ def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
     model, no_eos = _llama_cpp_model()
     proc, url = start_worker(args, Config("auto", "auto"))
     try:
+        wait_for_background_compile(url)
+        compiled = kernels_of(url)["one_row_compile"]
         with llama_cpp.LlamaCppServer(model, threads) as server:
             ours: list[float] = []
             theirs: list[float] = []
@@ -524,6 +543,7 @@ def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
         "pd_median": round(pd_median, 1),
         "llama_cpp_median": round(llama_median, 1),
         "ratio": round(pd_median / llama_median, 3),
+        "one_row_compile": compiled,
     }
 
 

@@ -35,7 +35,7 @@ from pd.worker.disagg.contract import KVRunner, make_transfer_manager
 from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
-from pd.worker.model import ModelRunner, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.kernel_choice import resolve_kernels
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.torch_thread import TorchThread
@@ -77,6 +77,8 @@ class Worker:
     quantization: str = "none"  # the linear layers' format, --quantization auto resolved
     # What --dtype/--quantization auto chose and the figures that chose it (/health `kernels`)
     kernels: dict[str, Any] = field(default_factory=dict)
+    # The background compile of the one-row decode step: its state (None: not run)
+    one_row_compile: Callable[[], dict[str, Any]] | None = None
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -123,6 +125,7 @@ class _Model:
     simulated: SimulatedRunner | None = None  # the runner again, when it is pd.sim's
     quantization: str = "none"
     kernels: dict[str, Any] = field(default_factory=dict)
+    one_row_compile: Callable[[], dict[str, Any]] | None = None  # its state, for /health
 
 
 def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Worker:
@@ -197,6 +200,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         simulation=simulation,
         quantization=model.quantization,
         kernels=model.kernels,
+        one_row_compile=model.one_row_compile,
     )
 
 
@@ -231,6 +235,15 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)
+    one_row_why = None
+    if not cfg.compile:  # --compile compiles every decode step at start-up
+        one_row_why = one_row.wanted(
+            cfg.background_compile,
+            device=device,
+            role=cfg.role,
+            how=choice.how,
+            quantization=choice.quantization,
+        )
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(
         mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
@@ -253,7 +266,11 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         # No batch grows past --max-running-requests: larger buckets would never replay.
         cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
         checkpoint_digest=ckpt.digest,
+        one_row_compile=one_row_why,
     )
+    # Compiles while the worker serves (one_row.py): started now, installed between steps.
+    runner.start_background_compile()
+    bg = runner.background_compile
     summary = (
         f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}, "
         f"linear layers {choice.quantization}"
@@ -269,6 +286,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         summary,
         quantization=choice.quantization,
         kernels=choice.as_dict(),
+        one_row_compile=bg.as_dict if bg is not None else None,
     )
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
+from pd.worker.model.one_row import BackgroundCompile
 from tests.e2e.conftest import assert_all_pages_free, chat, make_worker, wait_idle
 from tests.e2e.test_worker_api import post
 from tests.model_fixtures import default_checkpoint
@@ -29,8 +30,8 @@ def three_layer_worker(**overrides) -> Worker:
     return make_worker(ckpt=cut, **overrides)
 
 
-async def answers(client) -> list[list[tuple[str, float]]]:
-    """Per request, its tokens with the gap between the two best logprobs at each."""
+async def answers(client, asks: list[dict] = ASKS) -> list[list[tuple[str, float]]]:
+    """Per request (at once), its tokens with the gap between the two best logprobs at each."""
 
     async def ask(body: dict) -> list[tuple[str, float]]:
         status, out = await post(
@@ -43,7 +44,7 @@ async def answers(client) -> list[list[tuple[str, float]]]:
             for t in content
         ]
 
-    return list(await asyncio.gather(*(ask(b) for b in ASKS)))
+    return list(await asyncio.gather(*(ask(b) for b in asks)))
 
 
 @pytest.mark.slow
@@ -82,3 +83,42 @@ async def test_a_compiled_worker_serves_the_eager_text(aiohttp_client):
 async def post_get(client, path: str) -> tuple[int, dict]:
     resp = await client.get(path)
     return resp.status, await resp.json()
+
+
+@pytest.mark.slow
+async def test_a_background_compile_takes_over_one_row_steps(aiohttp_client, monkeypatch):
+    """`--background-compile on`: the worker serves eagerly while its one-row step compiles,
+    then one-stream decode steps run the compiled graph with the eager text, batches stay
+    eager, and the scratch pages it warmed up on are none of the allocator's."""
+    # The timing is the machine's: here the graph is installed whatever it measured.
+    monkeypatch.setattr(BackgroundCompile, "_time", lambda self, compiled: (2.0, 1.0))
+    worker = three_layer_worker(background_compile="on")
+    runner = worker.engine.runner
+    bg = runner.background_compile
+    assert bg is not None
+    assert bg.scratch.start >= worker.engine.scheduler.cache.num_total  # past every page handed out
+    client = await aiohttp_client(make_app(worker))
+    early = await answers(client)  # served whatever the compile's state
+    assert await asyncio.to_thread(bg.done.wait, 900), "the background compile did not finish"
+    status, health = await post_get(client, "/health")
+    assert status == 200 and health["one_row_compile"]["state"] == "on", health["one_row_compile"]
+    model = runner.model
+    graph, calls = model.compiled_one_row, []
+    assert graph is not None
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return graph(*args)
+
+    model.compiled_one_row = counting
+    alone = [(await answers(client, [ask]))[0] for ask in ASKS]  # one stream: one-row steps
+    assert calls and set(calls) == {1}
+    together = await answers(client)  # three streams: their batched steps are eager
+    await wait_idle(worker)
+    assert_all_pages_free(worker)
+    for compiled, eager in ((alone, early), (together, early)):
+        for c, e in zip(compiled, eager):
+            for (tc, _), (te, gap) in zip(c, e):
+                if tc != te:
+                    assert gap < 1e-2, f"compiled and eager part at a clear choice: {c} vs {e}"
+                    break

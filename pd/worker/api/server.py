@@ -177,6 +177,10 @@ async def health(request: web.Request) -> web.Response:
         "quantization": worker.quantization,
         "kernels": worker.kernels,
         "compiled_decode": worker.config.compile,
+        # the one-row step's background compile (one_row.py): compiling, on, slower, failed
+        "one_row_compile": (
+            worker.one_row_compile() if worker.one_row_compile else {"state": "off"}
+        ),
         "cuda_graph_max_batch": worker.config.cuda_graph_max_batch,
         "load": load,
         **load,

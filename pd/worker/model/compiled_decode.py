@@ -27,11 +27,13 @@ import logging
 import re
 import time
 import types
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from pd.kvcache.paged_metadata import build_paged_metadata
+from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import DecodeInputs, TorchAttentionBackend
 from pd.worker.model.llama import LlamaModel
 
@@ -77,6 +79,70 @@ def _own_code(method: Any) -> Any:
 
 def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
     """Compile `model`'s decode steps and warm them up; returns the seconds it took."""
+    check_compilable(model)
+    need = max(b * p for b, p in WARMUP_SHAPES)
+    if num_pages < need:
+        raise ValueError(
+            f"the compiled decode step warms up on {need} KV pages; the pool has {num_pages}"
+        )
+    start = time.monotonic()
+    compiled, marked = _compiled_layers(model)
+    # The C++ wrapper calls the graph's kernels without a Python line per kernel: on 2 cores,
+    # 26.4 ms against 29.1 ms a bf16 step with the Python wrapper (eager: 29.6).
+    model.compiled_decode = marked
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        for batch, pages in WARMUP_SHAPES:
+            seqs = [
+                (list(range(s * pages, (s + 1) * pages)), pages * page_size - 1, 1)
+                for s in range(batch)
+            ]
+            meta = build_paged_metadata(seqs, page_size, model.ranks[0].device)
+            ids = torch.ones(batch, dtype=torch.long)
+            model.forward(ids, meta, torch.arange(batch))
+    model.compiled_decode = compiled
+    for rank in model.ranks:
+        rank.kv.buffer[:need].zero_()  # the warm-up's K/V: pages are zeros until written
+    took = time.monotonic() - start
+    log.info("compiled the decode step in %.1f s", took)
+    return took
+
+
+def compile_one_row(
+    model: LlamaModel, page_size: int, scratch: range, threads: int
+) -> Callable[..., torch.Tensor]:
+    """Compile `model`'s one-row decode step on the calling thread while another serves the
+    model (one_row.py): the warm-up steps write only the pool's `scratch` pages (none the
+    allocator hands out; zeroed after) and plan on attention backends of their own, and the
+    graph's parallel loops take the serving thread's `threads`. Returns the compiled step, for
+    the caller to install (`LlamaModel.compiled_one_row`); `layers_inputs` makes its inputs."""
+    check_compilable(model)
+    if len(scratch) < 3:
+        raise ValueError(f"the one-row warm-up writes 3 scratch pages, not {len(scratch)}")
+    compiled, marked = _compiled_layers(model)
+    attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in model.ranks]
+    options = {"cpp_wrapper": True, "cpp.threads": threads}
+    with torch.inference_mode(), torch._inductor.config.patch(options):
+        for pages in (2, 3):  # the second marks the context dynamic
+            marked(*layers_inputs(model, attns, scratch[:pages], page_size))
+    for rank in model.ranks:
+        rank.kv.buffer[scratch.start : scratch.stop].zero_()
+    return compiled
+
+
+def layers_inputs(
+    model: LlamaModel, attns: list[AttentionBackend], pages: Sequence[int], page_size: int
+) -> tuple:
+    """`LlamaModel.layers`' arguments for one row decoding the last slot of `pages`, planned on
+    `attns` (not the ranks' own backends, which the serving thread plans on)."""
+    device = model.ranks[0].device
+    meta = build_paged_metadata([(list(pages), len(pages) * page_size - 1, 1)], page_size, device)
+    angles, kv_rows = model.plan(meta, attns)
+    decode = [attn.decode_inputs(min_pages=2) for attn in attns]
+    ids = torch.ones(1, dtype=torch.long, device=device)
+    return ids, angles, kv_rows, decode, torch.zeros(1, dtype=torch.long, device=device)
+
+
+def check_compilable(model: LlamaModel) -> None:
     if any(r.device.type != "cpu" for r in model.ranks) or not all(
         isinstance(r.attn, TorchAttentionBackend) for r in model.ranks
     ):
@@ -84,12 +150,13 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
             "--compile runs on CPU with the torch attention backend (on CUDA, decode steps replay "
             "CUDA graphs: --cuda-graph-max-batch)"
         )
-    need = max(b * p for b, p in WARMUP_SHAPES)
-    if num_pages < need:
-        raise ValueError(
-            f"the compiled decode step warms up on {need} KV pages; the pool has {num_pages}"
-        )
-    start = time.monotonic()
+
+
+def _compiled_layers(
+    model: LlamaModel,
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """`model.layers` through torch.compile, bare and with each call's sizes marked dynamic
+    (the warm-up's: the compiled graphs then take any context, and batch when > 1)."""
     compiled = torch.compile(
         _own_code(model.layers), fullgraph=True, options={"guard_filter_fn": _guard_on_inputs}
     )
@@ -115,21 +182,4 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
                 torch._dynamo.mark_dynamic(rows, 1)
         return compiled(input_ids, angles, kv_rows, decode, logits_indices)
 
-    # The C++ wrapper calls the graph's kernels without a Python line per kernel: on 2 cores,
-    # 26.4 ms against 29.1 ms a bf16 step with the Python wrapper (eager: 29.6).
-    model.compiled_decode = marked
-    with torch._inductor.config.patch(cpp_wrapper=True):
-        for batch, pages in WARMUP_SHAPES:
-            seqs = [
-                (list(range(s * pages, (s + 1) * pages)), pages * page_size - 1, 1)
-                for s in range(batch)
-            ]
-            meta = build_paged_metadata(seqs, page_size, model.ranks[0].device)
-            ids = torch.ones(batch, dtype=torch.long)
-            model.forward(ids, meta, torch.arange(batch))
-    model.compiled_decode = compiled
-    for rank in model.ranks:
-        rank.kv.buffer[:need].zero_()  # the warm-up's K/V: pages are zeros until written
-    took = time.monotonic() - start
-    log.info("compiled the decode step in %.1f s", took)
-    return took
+    return compiled, marked

@@ -21,9 +21,14 @@ log = logging.getLogger(__name__)
 VERSION = 3
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """pd's cache directory: `$PD_CACHE_DIR`, default `~/.cache/pd`."""
     root = os.environ.get("PD_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "pd") / "kernels"
+    return Path(root) if root else Path.home() / ".cache" / "pd"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
 
 
 def cache_key(**fields: Any) -> dict[str, Any]:

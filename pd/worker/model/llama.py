@@ -164,8 +164,10 @@ class LlamaModel:
         self.lm_head = lm_head
         self.comm = comm
         self.sm_scale = config.head_dim**-0.5
-        # `layers` compiled (torch.compile) for decode steps, when asked: see `compile_decode`.
+        # `layers` compiled (torch.compile) for decode steps, when asked: see `compile_decode`;
+        # for one-row decode steps only, once a background compile installs it (one_row.py).
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
+        self.compiled_one_row: Callable[..., torch.Tensor] | None = None
 
     @property
     def tp(self) -> int:
@@ -179,12 +181,29 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] rows of T whose next-token logits are wanted
         eager: bool = False,  # not the compiled step (extra rows: the prompt's logprobs)
     ) -> torch.Tensor:  # [S, V] fp32
+        attns = [rank.attn for rank in self.ranks]
+        angles, kv_rows = self.plan(meta, attns)
+        compiled = self.compiled_decode
+        if compiled is None and input_ids.shape[0] == 1:
+            compiled = self.compiled_one_row
+        if compiled is not None and meta.is_decode_only and not eager:
+            # At least 2 pages: a size of 1 would be a graph of its own (dynamo specializes it).
+            decode = [attn.decode_inputs(min_pages=2) for attn in attns]
+            return compiled(input_ids, angles, kv_rows, decode, logits_indices)
+        return self.layers(input_ids, angles, kv_rows, None, logits_indices)
+
+    def plan(
+        self, meta: PagedMetadata, attns: list[AttentionBackend]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Plan the step's attention on `attns` (a backend per rank: the ranks' own, or a
+        background compile's private ones); the `layers` arguments that come from `meta`: the
+        rotary angles and the K/V rows, per rank."""
         cfg = self.config
         metas = [
             meta if r.device == self.ranks[0].device else meta.to(r.device) for r in self.ranks
         ]
-        for rank, m in zip(self.ranks, metas):
-            rank.attn.plan(
+        for rank, attn, m in zip(self.ranks, attns, metas):
+            attn.plan(
                 m,
                 rank.num_heads,
                 rank.num_kv_heads,
@@ -196,11 +215,7 @@ class LlamaModel:
         kv_rows = [
             rank.kv.rows_of(m.write_page_ids, m.write_offsets) for rank, m in zip(self.ranks, metas)
         ]
-        if self.compiled_decode is not None and meta.is_decode_only and not eager:
-            # At least 2 pages: a size of 1 would be a graph of its own (dynamo specializes it).
-            decode = [rank.attn.decode_inputs(min_pages=2) for rank in self.ranks]
-            return self.compiled_decode(input_ids, angles, kv_rows, decode, logits_indices)
-        return self.layers(input_ids, angles, kv_rows, None, logits_indices)
+        return angles, kv_rows
 
     def layers(
         self,

@@ -21,10 +21,11 @@ from pd.protocol import GenerationOptions
 from pd.worker.model.attention import select_attention_backend
 from pd.worker.model.attention.flashinfer_backend import FlashInferAttentionBackend
 from pd.worker.model.communicator import make_communicator
-from pd.worker.model.compiled_decode import compile_decode
+from pd.worker.model.compiled_decode import check_compilable, compile_decode
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.decode_graphs import DecodeGraphs
 from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
+from pd.worker.model.one_row import SCRATCH_PAGES, BackgroundCompile
 from pd.worker.model.prompt_logprobs import prompt_logprobs
 from pd.worker.model.quant import (
     GroupQuant,
@@ -96,6 +97,7 @@ class ModelRunner:
         compile: bool = False,
         cuda_graph_max_batch: int = 0,
         checkpoint_digest: str = "",
+        one_row_compile: str | None = None,  # why a background compile (one_row.py), or None
     ) -> None:
         check_tp(config, tp)
         check_quantization(quantization)
@@ -124,7 +126,10 @@ class ModelRunner:
             raise ValueError("--cuda-graph-max-batch needs --device cuda and --tp 1")
         # A CUDA-graph step pads its batch with sequences on a page of their own, one past the
         # pages the allocator hands out (`num_pages`).
+        # A background compile warms up on pages of its own, past those too.
         pool_pages = num_pages + (1 if cuda_graph_max_batch else 0)
+        scratch = range(pool_pages, pool_pages + (SCRATCH_PAGES if one_row_compile else 0))
+        pool_pages = scratch.stop
         ranks = []
         for r, dev in enumerate(devices):
             layers = [
@@ -180,6 +185,13 @@ class ModelRunner:
         self.compiled = compile
         if compile:
             compile_decode(self.model, page_size, num_pages)
+        # Started by `start_background_compile`, once the worker is built.
+        self.background_compile: BackgroundCompile | None = None
+        if one_row_compile:
+            check_compilable(self.model)
+            self.background_compile = BackgroundCompile(
+                self.model, page_size, scratch, torch.get_num_threads(), one_row_compile
+            )
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch:
             if not isinstance(ranks[0].attn, FlashInferAttentionBackend):
@@ -191,6 +203,10 @@ class ModelRunner:
             self.graphs = DecodeGraphs(
                 self.model, cuda_graph_max_batch, max_model_len, scratch_page=num_pages
             )
+
+    def start_background_compile(self) -> None:
+        if self.background_compile is not None:
+            self.background_compile.start()
 
     @property
     def kv_pools(self) -> list[KVPool]:

@@ -1,0 +1,50 @@
+"""When a worker compiles its one-row decode step in the background, and what it installs."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from pd.worker.model.one_row import BackgroundCompile, one_row_format, wanted
+
+
+def test_auto_compiles_a_cpu_decoder_on_the_kernels_its_machine_chose():
+    machine = dict(device="cpu", quantization="int4@8+none")
+    for role in ("decode", "both"):
+        for how in ("measured", "cache"):
+            assert wanted("auto", role=role, how=how, **machine)
+    assert wanted("auto", role="prefill", how="measured", **machine) is None  # never decodes
+    assert wanted("auto", role="both", how="pinned", **machine) is None  # tests pin both
+    assert wanted("auto", role="both", how="measured", device="cuda", quantization="none") is None
+    # a format torch.compile has not been run on
+    assert (
+        wanted("auto", role="both", how="cache", device="cpu", quantization="fbgemm-int8") is None
+    )
+    assert wanted("off", role="both", how="measured", **machine) is None
+    assert wanted("on", role="both", how="pinned", device="cpu", quantization="none")
+
+
+def test_on_refuses_what_it_cannot_compile():
+    with pytest.raises(ValueError, match="one-row weights"):
+        wanted("on", role="both", how="pinned", device="cpu", quantization="onednn-int8")
+    with pytest.raises(ValueError, match="CPU"):
+        wanted("on", role="both", how="pinned", device="cuda", quantization="none")
+
+
+def test_the_one_row_format_is_a_splits_small_one():
+    assert one_row_format("int4@8+none") == "int4"
+    assert one_row_format("int8") == "int8"
+
+
+def test_a_compiled_step_that_times_slower_is_never_installed():
+    model = types.SimpleNamespace(compiled_one_row=None, ranks=[])
+    bg = BackgroundCompile(model, 16, range(10, 13), 2, "test")  # type: ignore[arg-type]
+
+    def step(*args):
+        return None
+
+    bg.decide(step, eager_ms=10.0, compiled_ms=10.5)
+    assert bg.state == "slower" and model.compiled_one_row is None
+    bg.decide(step, eager_ms=10.0, compiled_ms=8.0)
+    assert bg.state == "on" and model.compiled_one_row is step
