@@ -181,11 +181,13 @@ class WorkerConfig:
         boolean=True,
     )
     background_compile: str = _flag(
-        "auto",
-        "CPU: compile the one-row decode step (one stream's) in the background while the worker "
-        "serves eagerly, and switch to it when it times faster (minutes once per machine on a "
-        "cold inductor cache under $PD_CACHE_DIR, seconds after); auto: when the worker decodes "
-        "on the kernels its machine chose (--dtype auto --quantization auto), on, or off",
+        "off",
+        "CPU, experimental: compile the one-row decode step (one stream's) on a thread while the "
+        "worker serves eagerly, finish it on the torch thread at an idle moment, and switch to "
+        "it when it times faster (minutes once per machine on a cold inductor cache under "
+        "$PD_CACHE_DIR, ~10 s after); auto: when the worker decodes on the kernels its machine "
+        "chose (--dtype auto --quantization auto), on, or off (the default: not yet measured "
+        "faster in its final form, docs/EXPERIMENTS.md section 9)",
         choices=("auto", "on", "off"),
     )
     cuda_graph_max_batch: int = _flag(

@@ -159,6 +159,9 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         overlap=cfg.overlap,
     )
     metrics.read_load_from(engine.load)
+    bg = getattr(runner, "background_compile", None)
+    if bg is not None:  # its final compile waits for an idle moment of this engine
+        bg.idle = lambda: engine.idle and not engine.handles
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
     simulation = None
     if model.simulated is not None:
@@ -269,7 +272,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         one_row_compile=one_row_why,
     )
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
-    runner.start_background_compile()
+    runner.start_background_compile(torch_thread.executor)
     bg = runner.background_compile
     summary = (
         f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}, "

@@ -61,6 +61,15 @@ def _guard_on_inputs(entries: list[Any]) -> list[bool]:
     ]
 
 
+def _guard_on_inputs_not_threads(entries: list[Any]) -> list[bool]:
+    """`_guard_on_inputs` without the global state guard (torch's thread count, among what
+    does not change once a worker runs): the one-row compile runs on a thread of one torch
+    thread (one_row.py; with the serving thread's count, its second OpenMP team slowed the
+    serving thread's steps 1.3-2x), and the graph's loops take `cpp.threads` baked in."""
+    keep = _guard_on_inputs(entries)
+    return [k and e.guard_type != "GLOBAL_STATE" for k, e in zip(keep, entries)]
+
+
 def _own_code(method: Any) -> Any:
     """`method` bound to a copy of its function with a code object of its own. Dynamo keeps a
     function's compiled graphs on its code object, and the guards `_guard_on_inputs` keeps say
@@ -118,7 +127,7 @@ def compile_one_row(
     check_compilable(model)
     if len(scratch) < 3:
         raise ValueError(f"the one-row warm-up writes 3 scratch pages, not {len(scratch)}")
-    compiled, marked = _compiled_layers(model)
+    compiled, marked = _compiled_layers(model, _guard_on_inputs_not_threads)
     attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in model.ranks]
     options = {"cpp_wrapper": True, "cpp.threads": threads}
     with torch.inference_mode(), torch._inductor.config.patch(options):
@@ -153,12 +162,12 @@ def check_compilable(model: LlamaModel) -> None:
 
 
 def _compiled_layers(
-    model: LlamaModel,
+    model: LlamaModel, guards: Callable[[list[Any]], list[bool]] = _guard_on_inputs
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """`model.layers` through torch.compile, bare and with each call's sizes marked dynamic
     (the warm-up's: the compiled graphs then take any context, and batch when > 1)."""
     compiled = torch.compile(
-        _own_code(model.layers), fullgraph=True, options={"guard_filter_fn": _guard_on_inputs}
+        _own_code(model.layers), fullgraph=True, options={"guard_filter_fn": guards}
     )
 
     def marked(

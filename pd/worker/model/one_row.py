@@ -1,21 +1,26 @@
-"""The one-row decode step, compiled in the background (`--background-compile`, on by default for
-a CPU worker that decodes with the kernels its machine chose).
+"""The one-row decode step, compiled in the background (`--background-compile`, experimental and
+off by default: see "Where it stands" below).
 
 A single stream's decode step is mostly the cost of ~500 small eager ops between the linear
 layers (docs/EXPERIMENTS.md §8); `torch.compile` fuses them. Compiling takes minutes on a cold
 inductor cache (far too long to wait for at start-up, as `--compile` does) and seconds on a warm
-one, so here the worker serves eagerly from the start while a thread of its own compiles the
-step for one row on scratch pages (`compile_one_row`), times it against the same layers eager,
-in turns, and installs it (`LlamaModel.compiled_one_row`) only when it is faster. Batches of
-more than one row stay eager (compiling them too gained 1.06-1.25x for minutes more of warm-up:
-compiled_decode.py).
+one. So the worker serves eagerly from the start while a thread of its own compiles the step for
+one row on scratch pages (`compile_one_row`: its own attention backends, 3 pages past the
+allocator's), which fills the cache; then, at a moment when the engine is idle, the torch thread
+compiles it again from the warm cache (~8 s), times it against the same layers eager, in turns,
+and installs it (`LlamaModel.compiled_one_row`) only when it is faster. A served call whose
+inputs no graph takes runs eagerly (never a compile on the serving thread). Batches of more
+than one row stay eager.
 
 The inductor cache lives under pd's cache directory (`$PD_CACHE_DIR/inductor`, unless
-`TORCHINDUCTOR_CACHE_DIR` says otherwise), beside the kernel search's: once per machine, model
-and kernel choice.
+`TORCHINDUCTOR_CACHE_DIR` says otherwise), beside the kernel search's. While the thread compiles,
+the serving thread shares the interpreter with tracing: Python's switch interval is lowered
+meanwhile, so that each eager op waits less for the lock.
 
-While it compiles, the serving thread shares the interpreter with tracing: Python's switch
-interval is lowered meanwhile, so that each eager op waits less for the lock.
+Where it stands (EXPERIMENTS.md §9): a first form, whose graph the serving thread recompiled by
+accident at its first one-row step (a ~10 s stall), served one-row steps in 17.2-19.5 ms against
+27-29 eager; this form, with no stall, measured 24.9-26.2 against 25.9-27.8 on the same noisy
+machine, so it is not a default until that gap is understood.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any
 
 import torch
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 
 SCRATCH_PAGES = 3  # the warm-up's and the timing's K/V: pages past the allocator's
 TIMING_TURNS = 15  # eager against compiled, in turns (medians)
+IDLE_POLL_S = 0.2
 SWITCH_INTERVAL_S = 0.00005  # while compiling (Python's default: 0.005)
 COMPILABLE = ("none", "int8", "int4")  # the one-row formats torch.compile has been run on
 
@@ -88,12 +95,20 @@ class BackgroundCompile:
     ) -> None:
         self.model, self.page_size, self.scratch, self.threads = model, page_size, scratch, threads
         self.why = why
-        self.state = "compiling"  # then: on (installed), slower (eager kept), failed
+        # then "waiting for an idle moment", "compiling" again (on the torch thread), and: on
+        # (installed), slower (eager kept), failed
+        self.state = "compiling"
         self.figures: dict[str, Any] = {}
         self.done = threading.Event()
+        # Whether the worker serves nothing now (the engine's `idle`, set once it is built):
+        # the final compile waits for it.
+        self.idle: Callable[[], bool] | None = None
+        self._executor: Executor | None = None
         self._thread = threading.Thread(target=self._run, name="pd-compile", daemon=True)
 
-    def start(self) -> None:
+    def start(self, executor: Executor) -> None:
+        """Start compiling; the final compile runs on `executor` (the torch thread's)."""
+        self._executor = executor
         self._thread.start()
 
     def as_dict(self) -> dict[str, Any]:
@@ -101,25 +116,30 @@ class BackgroundCompile:
         return {"state": self.state, "why": self.why, **self.figures}
 
     def _run(self) -> None:
-        torch.set_num_threads(1)  # its eager work is tiny; the graph's loops take `threads`
-        interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         start = time.monotonic()
         try:
             cache = use_pd_inductor_cache()
-            compiled = compile_one_row(self.model, self.page_size, self.scratch, self.threads)
-            took = time.monotonic() - start
-            eager_ms, compiled_ms = self._time(compiled)
+            self._warm_cache()
+            warm_s = time.monotonic() - start
+            self.state = "waiting for an idle moment"
+            while self.idle is None or not self.idle():
+                time.sleep(IDLE_POLL_S)
+            self.state = "compiling"
+            assert self._executor is not None
+            compiled, final_s, eager_ms, compiled_ms = self._executor.submit(self._final).result()
             self.figures = {
-                "compile_s": round(took, 1),
+                "compile_s": round(warm_s, 1),
+                "final_compile_s": round(final_s, 1),
                 "eager_ms": round(eager_ms, 2),
                 "compiled_ms": round(compiled_ms, 2),
                 "inductor_cache": cache,
             }
             self.decide(compiled, eager_ms, compiled_ms)
             log.info(
-                "one-row decode step compiled in %.1f s: %.2f ms against %.2f eager (%s)",
-                took,
+                "one-row decode step compiled in %.1f s (%.1f s on the torch thread): %.2f ms "
+                "against %.2f eager (%s)",
+                warm_s,
+                final_s,
                 compiled_ms,
                 eager_ms,
                 "installed" if self.state == "on" else "slower: eager kept",
@@ -128,17 +148,39 @@ class BackgroundCompile:
             log.exception("the one-row decode step did not compile: eager steps go on")
             self.state, self.figures = "failed", {"error": f"{type(e).__name__}: {e}"}
         finally:
-            sys.setswitchinterval(interval)
             for rank in self.model.ranks:
                 rank.kv.buffer[self.scratch.start : self.scratch.stop].zero_()
             self.done.set()
+
+    def _warm_cache(self) -> None:
+        """The long part, on this thread while the torch thread serves: inductor's cache filled
+        with the graph the torch thread compiles next (the same options: the graph's loops at
+        `threads`). This thread keeps one torch thread: at the serving thread's count, its
+        OpenMP team of its own slowed the torch thread's steps ~2x, after it too."""
+        torch.set_num_threads(1)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        try:
+            compile_one_row(self.model, self.page_size, self.scratch, self.threads)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _final(self) -> tuple[Callable[..., torch.Tensor], float, float, float]:
+        """On the torch thread, between steps, while the engine is idle: the compile again,
+        from the warm cache (a graph compiled on another thread ran no faster than eager on
+        this one), then its timing against eager here, as served."""
+        start = time.monotonic()
+        compiled = compile_one_row(self.model, self.page_size, self.scratch, self.threads)
+        took = time.monotonic() - start
+        eager_ms, compiled_ms = self._time(compiled)
+        return compiled, took, eager_ms, compiled_ms
 
     def decide(
         self, compiled: Callable[..., torch.Tensor], eager_ms: float, compiled_ms: float
     ) -> None:
         """Install the compiled step when it timed faster (never a slow path by accident)."""
         if compiled_ms < eager_ms:
-            self.model.compiled_one_row = compiled
+            self.model.compiled_one_row = _eager_on_recompile(compiled)
             self.state = "on"
         else:
             self.state = "slower"
@@ -146,13 +188,24 @@ class BackgroundCompile:
     def _time(self, compiled: Callable[..., torch.Tensor]) -> tuple[float, float]:
         """Median ms of the layers eager and compiled on the scratch pages, in turns."""
         attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in self.model.ranks]
-        args = layers_inputs(self.model, attns, self.scratch, self.page_size)
         runs: dict[str, list[float]] = {"eager": [], "compiled": []}
         arms = (("eager", self.model.layers), ("compiled", compiled))
-        with torch.inference_mode():
+        with torch.inference_mode():  # as served: inputs made outside it would recompile
+            args = layers_inputs(self.model, attns, self.scratch, self.page_size)
             for _ in range(TIMING_TURNS + 1):  # the first turn warms up
                 for name, fn in arms:
                     t = time.perf_counter()
                     fn(*args)
                     runs[name].append(time.perf_counter() - t)
         return tuple(1000 * statistics.median(r[1:]) for r in runs.values())  # type: ignore[return-value]
+
+
+def _eager_on_recompile(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The compiled step as served: a call whose inputs no compiled graph takes runs eagerly,
+    never compiles on the serving thread (seconds of a stalled step)."""
+
+    def step(*args: Any) -> torch.Tensor:
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return compiled(*args)
+
+    return step

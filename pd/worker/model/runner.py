@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from typing import Protocol
 
 import numpy as np
@@ -204,9 +205,10 @@ class ModelRunner:
                 self.model, cuda_graph_max_batch, max_model_len, scratch_page=num_pages
             )
 
-    def start_background_compile(self) -> None:
+    def start_background_compile(self, executor: Executor) -> None:
+        """Start the one-row compile, if any; `executor`: the thread steps run on."""
         if self.background_compile is not None:
-            self.background_compile.start()
+            self.background_compile.start(executor)
 
     @property
     def kv_pools(self) -> list[KVPool]:

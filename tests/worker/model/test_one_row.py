@@ -41,10 +41,14 @@ def test_a_compiled_step_that_times_slower_is_never_installed():
     model = types.SimpleNamespace(compiled_one_row=None, ranks=[])
     bg = BackgroundCompile(model, 16, range(10, 13), 2, "test")  # type: ignore[arg-type]
 
+    calls = []
+
     def step(*args):
-        return None
+        calls.append(args)
+        return "logits"
 
     bg.decide(step, eager_ms=10.0, compiled_ms=10.5)
     assert bg.state == "slower" and model.compiled_one_row is None
     bg.decide(step, eager_ms=10.0, compiled_ms=8.0)
-    assert bg.state == "on" and model.compiled_one_row is step
+    assert bg.state == "on" and model.compiled_one_row is not None
+    assert model.compiled_one_row(1, 2) == "logits" and calls == [(1, 2)]  # as served
