@@ -181,13 +181,12 @@ class WorkerConfig:
         boolean=True,
     )
     background_compile: str = _flag(
-        "off",
-        "CPU, experimental: compile the one-row decode step (one stream's) on a thread while the "
-        "worker serves eagerly, finish it on the torch thread at an idle moment, and switch to "
+        "auto",
+        "CPU: compile the one-row decode step (one stream's) on a thread while the worker "
+        "serves eagerly, finish it on the torch thread at an idle moment (~10 s), and switch to "
         "it when it times faster (minutes once per machine on a cold inductor cache under "
-        "$PD_CACHE_DIR, ~10 s after); auto: when the worker decodes on the kernels its machine "
-        "chose (--dtype auto --quantization auto), on, or off (the default: not yet measured "
-        "faster in its final form, docs/EXPERIMENTS.md section 9)",
+        "$PD_CACHE_DIR, ~30 s after); auto (the default): when the worker decodes on the "
+        "kernels its machine chose (--dtype auto --quantization auto), on, or off",
         choices=("auto", "on", "off"),
     )
     cuda_graph_max_batch: int = _flag(

@@ -117,7 +117,11 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
 
 
 def compile_one_row(
-    model: LlamaModel, page_size: int, scratch: range, threads: int
+    model: LlamaModel,
+    page_size: int,
+    scratch: range,
+    threads: int,
+    options: dict[str, Any] | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Compile `model`'s one-row decode step on the calling thread while another serves the
     model (one_row.py): the warm-up steps write only the pool's `scratch` pages (none the
@@ -129,7 +133,8 @@ def compile_one_row(
         raise ValueError(f"the one-row warm-up writes 3 scratch pages, not {len(scratch)}")
     compiled, marked = _compiled_layers(model, _guard_on_inputs_not_threads)
     attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in model.ranks]
-    options = {"cpp_wrapper": True, "cpp.threads": threads}
+    if options is None:
+        options = {"cpp_wrapper": True, "cpp.threads": threads}
     with torch.inference_mode(), torch._inductor.config.patch(options):
         for pages in (2, 3):  # the second marks the context dynamic
             marked(*layers_inputs(model, attns, scratch[:pages], page_size))
@@ -144,11 +149,18 @@ def layers_inputs(
     """`LlamaModel.layers`' arguments for one row decoding the last slot of `pages`, planned on
     `attns` (not the ranks' own backends, which the serving thread plans on)."""
     device = model.ranks[0].device
-    meta = build_paged_metadata([(list(pages), len(pages) * page_size - 1, 1)], page_size, device)
-    angles, kv_rows = model.plan(meta, attns)
-    decode = [attn.decode_inputs(min_pages=2) for attn in attns]
-    ids = torch.ones(1, dtype=torch.long, device=device)
-    return ids, angles, kv_rows, decode, torch.zeros(1, dtype=torch.long, device=device)
+    # Made as `ModelRunner.execute` makes them: the ids and the metadata outside inference
+    # mode, what `forward` plans inside it. A tensor of another kind (an inference tensor or
+    # not) fails a compiled graph's guards: served calls would run eagerly.
+    with torch.inference_mode(False):
+        seqs = [(list(pages), len(pages) * page_size - 1, 1)]
+        meta = build_paged_metadata(seqs, page_size, device)
+        ids = torch.ones(1, dtype=torch.long, device=device)
+        rows = torch.zeros(1, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        angles, kv_rows = model.plan(meta, attns)
+        decode = [attn.decode_inputs(min_pages=2) for attn in attns]
+    return ids, angles, kv_rows, decode, rows
 
 
 def check_compilable(model: LlamaModel) -> None:
