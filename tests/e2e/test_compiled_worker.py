@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
@@ -103,14 +104,15 @@ async def test_a_background_compile_takes_over_one_row_steps(aiohttp_client, mon
     status, health = await post_get(client, "/health")
     assert status == 200 and health["one_row_compile"]["state"] == "on", health["one_row_compile"]
     model = runner.model
-    graph, calls = model.compiled_one_row, []
-    assert graph is not None
+    graph, calls = bg.compiled, []
+    assert graph is not None and model.compiled_one_row is not None
 
-    def counting(*args):
+    def strict(*args):  # served inputs the graph does not take would run eagerly: fail instead
         calls.append(args[0].shape[0])
-        return graph(*args)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return graph(*args)
 
-    model.compiled_one_row = counting
+    model.compiled_one_row = strict
     alone = [(await answers(client, [ask]))[0] for ask in ASKS]  # one stream: one-row steps
     assert calls and set(calls) == {1}
     together = await answers(client)  # three streams: their batched steps are eager
