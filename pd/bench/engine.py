@@ -367,6 +367,7 @@ def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
 
 # Longest wait for a started worker's one-row step to compile (minutes on a cold inductor cache).
 COMPILE_WAIT_S = 1800.0
+PENDING = ("compiling", "waiting for an idle moment")  # one_row.py's states before the last
 
 
 def kernels_of(url: str) -> dict:
@@ -382,7 +383,7 @@ def wait_for_background_compile(url: str, timeout_s: float = COMPILE_WAIT_S) -> 
     """Until the worker's one-row step is no longer compiling (one_row.py): the figures are
     the default's steady state, not its first minutes."""
     deadline = time.monotonic() + timeout_s
-    while kernels_of(url)["one_row_compile"]["state"] == "compiling":
+    while kernels_of(url)["one_row_compile"]["state"] in PENDING:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the worker's one-row step still compiles after {timeout_s} s")
         time.sleep(1.0)
