@@ -117,11 +117,7 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
 
 
 def compile_one_row(
-    model: LlamaModel,
-    page_size: int,
-    scratch: range,
-    threads: int,
-    options: dict[str, Any] | None = None,
+    model: LlamaModel, page_size: int, scratch: range, threads: int
 ) -> Callable[..., torch.Tensor]:
     """Compile `model`'s one-row decode step on the calling thread while another serves the
     model (one_row.py): the warm-up steps write only the pool's `scratch` pages (none the
@@ -133,8 +129,7 @@ def compile_one_row(
         raise ValueError(f"the one-row warm-up writes 3 scratch pages, not {len(scratch)}")
     compiled, marked = _compiled_layers(model, _guard_on_inputs_not_threads)
     attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in model.ranks]
-    if options is None:
-        options = {"cpp_wrapper": True, "cpp.threads": threads}
+    options = {"cpp_wrapper": True, "cpp.threads": threads}
     with torch.inference_mode(), torch._inductor.config.patch(options):
         for pages in (2, 3):  # the second marks the context dynamic
             marked(*layers_inputs(model, attns, scratch[:pages], page_size))
