@@ -14,7 +14,7 @@ from pd.router.stub import StubWorker
 
 # Decode-local prefill is off unless a test turns it on: the flow tests exercise P then D.
 FAST = dict(
-    health_interval=0.05, health_timeout=2.0, connect_timeout=0.5, local_prefill_max_tokens=0
+    health_interval=0.05, health_timeout=2.0, connect_timeout=2.0, local_prefill_max_tokens=0
 )
 
 

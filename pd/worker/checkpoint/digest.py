@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from gguf import GGUFReader
 
+from pd.worker.checkpoint.gguf_file import GGUFFile, read_gguf
 from pd.worker.checkpoint.load_utils import CheckpointError
 
 WINDOWS = 16  # sampled windows per tensor
@@ -36,7 +36,7 @@ ReadAt = Callable[[int, int], bytes]  # (absolute offset, length) -> those bytes
 
 
 def _mmap_reader(data: np.ndarray) -> ReadAt:
-    """Reads of a memory-mapped file (GGUFReader.data): only the pages touched are read."""
+    """Reads of a memory-mapped file: only the pages touched are read."""
     return lambda offset, size: bytes(data[offset : offset + size])
 
 
@@ -74,9 +74,9 @@ def _digest(kind: str, entries: Iterable[_Entry]) -> str:
     return f"{kind}:{h.hexdigest()[:32]}"
 
 
-def gguf_digest(reader: GGUFReader) -> str:
+def gguf_digest(gguf: GGUFFile) -> str:
     """The digest of an opened GGUF file (its tensors as stored, quantized blocks included)."""
-    read = _mmap_reader(reader.data)
+    read = _mmap_reader(gguf.data)
     return _digest(
         "gguf",
         (
@@ -89,7 +89,7 @@ def gguf_digest(reader: GGUFReader) -> str:
                 int(t.n_bytes),
                 read,
             )  # fmt: skip
-            for t in reader.tensors
+            for t in gguf.tensors.values()
         ),
     )
 
@@ -127,4 +127,4 @@ def checkpoint_digest(path: str) -> str:
     p = Path(path)
     if p.is_dir():
         return safetensors_digest(sorted(p.glob("*.safetensors")))
-    return gguf_digest(GGUFReader(path))
+    return gguf_digest(read_gguf(path))

@@ -14,11 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType
 
 from pd.worker.checkpoint.digest import gguf_digest
-from pd.worker.checkpoint.gguf_metadata import read_gguf_metadata
+from pd.worker.checkpoint.gguf_file import GGUFTensor, dequantize, read_gguf, read_gguf_metadata
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pd.worker.checkpoint.load_utils import CheckpointError, Progress, check_weights
 from pd.worker.model.config import ModelConfig
@@ -68,10 +67,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
 def model_name(path: str, meta: dict[str, Any]) -> str:
     """A served name: the file stem without its quantization suffix (the name people gave the
     file, e.g. "SmolLM2-135M-Instruct"), else the GGUF's general.* naming."""
@@ -89,8 +84,10 @@ def _f32(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def config_from_metadata(path: str, meta: dict[str, Any], tensors: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from `{arch}.*` keys; `tensors` maps GGUF names to reader tensors."""
+def config_from_metadata(
+    path: str, meta: dict[str, Any], tensors: dict[str, GGUFTensor]
+) -> ModelConfig:
+    """ModelConfig from `{arch}.*` keys; `tensors` maps GGUF names to the file's tensors."""
     arch = meta.get("general.architecture")
     if arch not in PERMUTED_QK:
         raise CheckpointError(
@@ -116,8 +113,7 @@ def config_from_metadata(path: str, meta: dict[str, Any], tensors: dict[str, Any
         raise CheckpointError(f"{path}: rope scaling {scaling_type!r} is not supported")
     rope_scaling = None
     if "rope_freqs.weight" in tensors:
-        t = tensors["rope_freqs.weight"]
-        factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+        factors = dequantize(tensors["rope_freqs.weight"]).double().numpy().reshape(-1)
         theta = _f32(key("rope.freq_base", 10000.0))
         rope_scaling = llama3_scaling_from_factors(factors, theta, head_dim)
     return ModelConfig(
@@ -198,13 +194,12 @@ def load_gguf(
     """Config, weights, tokenizer and the digest of the file as stored (see digest.py)."""
     if re.search(r"-\d{5}-of-\d{5}\.gguf$", path):
         raise CheckpointError(f"{path}: split GGUF files are not supported; merge them first")
-    reader = GGUFReader(path)
-    meta = read_metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    gguf = read_gguf(path)
+    meta, tensors = gguf.metadata, gguf.tensors
     config = config_from_metadata(path, meta, tensors)
     tokenizer = tokenizer_from_gguf_metadata(meta)
     permuted = PERMUTED_QK[config.architecture]
-    digest = gguf_digest(reader)  # from the stored bytes, before any dequantization or cast
+    digest = gguf_digest(gguf)  # from the stored bytes, before any dequantization or cast
 
     weights: dict[str, Weight] = {}
     bar = Progress(len(tensors), progress)
@@ -216,17 +211,13 @@ def load_gguf(
         if target is None:
             raise CheckpointError(f"{path}: unsupported tensor {name!r} ({config.architecture})")
         if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1 and "_proj." in target:
-            cols, rows = (int(n) for n in t.shape)  # GGUF's shape is [in, out]
-            g = q4_1_groups(t.data, rows, cols)
+            g = q4_1_groups(t.data, *t.rows_cols)
             if permuted and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
                 g = GroupQuant(*(unpermute_qk(x, heads) for x in (g.q, g.scale, g.low)))
             weights[target] = g
             continue
-        # dequantize gives numpy's (reversed GGUF) shape: [out, in] for a Linear, as in HF.
-        # F32 tensors come back as a read-only view of the mapped file: copy those.
-        array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = torch.from_numpy(array if array.flags.writeable else array.copy())
+        w = dequantize(t)  # GGUF's shape reversed: [out, in] for a Linear, as in HF
         if permuted and ".attn_q." in name:
             w = unpermute_qk(w, config.num_heads)
         elif permuted and ".attn_k." in name:
@@ -238,5 +229,5 @@ def load_gguf(
 
 
 def load_gguf_tokenizer(path: str) -> Tokenizer:
-    """Only the tokenizer: the header read straight through, no tensor mapped (gguf_metadata.py)."""
+    """Only the tokenizer: the header read straight through, no tensor mapped (gguf_file.py)."""
     return tokenizer_from_gguf_metadata(read_gguf_metadata(path))

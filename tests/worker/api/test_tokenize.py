@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from gguf import GGUFReader
 
 from pd.config import WorkerConfig
 from pd.protocol import parse_request
@@ -13,7 +12,7 @@ from pd.worker.api.prompt import PromptBuilder
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
 from pd.worker.checkpoint.default_model import default_model_path
-from pd.worker.checkpoint.gguf_loader import read_metadata
+from pd.worker.checkpoint.gguf_file import read_gguf_metadata
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.text import Tokenizer
@@ -23,7 +22,7 @@ MAX_MODEL_LEN = 2048
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return tokenizer_from_gguf_metadata(read_metadata(GGUFReader(default_model_path())))
+    return tokenizer_from_gguf_metadata(read_gguf_metadata(default_model_path()))
 
 
 class StandInEngine:

@@ -3,7 +3,6 @@ blocks packed as they are, the group-size checks, and the model's perplexity on 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -50,19 +49,18 @@ def test_int4_matches_its_groups_exactly_and_the_float_weights_roughly():
 
 
 def test_the_gguf_q4_1_blocks_are_the_weights_gguf_dequantizes():
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
+    from gguf import GGMLQuantizationType
 
     from pd.worker.checkpoint.default_model import default_model_path
+    from pd.worker.checkpoint.gguf_file import dequantize, read_gguf
     from pd.worker.checkpoint.gguf_loader import q4_1_groups
 
-    reader = GGUFReader(default_model_path())
-    t = next(t for t in reader.tensors if t.tensor_type == GGMLQuantizationType.Q4_1)
-    inp, out = (int(n) for n in t.shape)
-    groups = q4_1_groups(t.data, out, inp)
-    ref = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+    tensors = read_gguf(default_model_path()).tensors.values()
+    t = next(t for t in tensors if t.tensor_type == GGMLQuantizationType.Q4_1)
+    groups = q4_1_groups(t.data, *t.rows_cols)
+    ref = dequantize(t)  # gguf's own numpy dequantization bit for bit (test_gguf_file.py)
     assert groups.group == 32 and tuple(groups.shape) == ref.shape
-    assert torch.equal(groups.dequantize(), torch.from_numpy(ref))  # no rounding on the way
+    assert torch.equal(groups.dequantize(), ref)  # no rounding on the way
 
 
 def test_a_rank_slice_must_fall_on_groups():

@@ -14,10 +14,9 @@ import os
 
 import pytest
 import regex
-from gguf import GGUFReader
 
 from pd.worker.checkpoint.default_model import default_model_path
-from pd.worker.checkpoint.gguf_loader import read_metadata
+from pd.worker.checkpoint.gguf_file import read_gguf_metadata
 from pd.worker.checkpoint.gguf_tokenizer import pre_tokenizer_spec, tokenizer_from_gguf_metadata
 from pd.worker.checkpoint.load_utils import CheckpointError
 from pd.worker.text.tokenizer import ChatTemplateError, Tokenizer
@@ -50,7 +49,7 @@ _DIGIT = regex.compile(r"(\p{N})")
 
 @pytest.fixture(scope="module")
 def meta() -> dict:
-    return read_metadata(GGUFReader(default_model_path()))
+    return read_gguf_metadata(default_model_path())
 
 
 @pytest.fixture(scope="module")
