@@ -1,7 +1,8 @@
 """`pd-bench SUBCOMMAND ...`: benchmarks that start what they measure and print figures.
 
 Each subcommand lives in its own module `pd.bench.<name>` (`-` spelled `_`) exposing
-`add_arguments(parser)` and `run(args) -> int`.
+`add_arguments(parser)` and `run(args) -> int`. Only the chosen one is imported (several import
+torch, seconds of a start that a bad flag should not wait for).
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="pd-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen_name = next((a for a in argv if not a.startswith("-")), None)
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        if name != chosen_name:
+            continue
         module_name = f"pd.bench.{name.replace('-', '_')}"
         try:
             module = importlib.import_module(module_name)

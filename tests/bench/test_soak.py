@@ -477,7 +477,7 @@ def test_a_short_real_soak_has_no_hung_request_and_no_leaked_page():
     proc = subprocess.run(
         # Short prompts and long deadlines: an fp32 P on an AVX2-only CPU (no native bf16) under
         # load prefills 300 tokens too slowly for the default 30 s deadline (a "hang").
-        [sys.executable, "-m", "pd.bench.cli", "soak", "--duration", "40", "--prompt-tokens",
+        [sys.executable, "-m", "pd.bench.cli", "soak", "--duration", "24", "--prompt-tokens",
          "64", "--prefill-timeout", "60", "--read-timeout", "30", "--json"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
