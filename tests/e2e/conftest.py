@@ -6,7 +6,6 @@ After every test the worker must be idle with every KV page free and its page ac
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -14,16 +13,29 @@ from pd.config import WorkerConfig
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker, build_worker
 from pd.worker.checkpoint.load_utils import LoadedCheckpoint
-from tests.e2e.processes import start_worker, stop
+from tests.e2e.processes import start_workers, stop
 from tests.model_fixtures import default_checkpoint
 
 # The fp32 prefill + decode pair the feature modules share (test_tools, test_logprobs,
-# test_n_choices): one start per session, both processes at once (each ~10 s to load).
-PAIR_FLAGS = ("--dtype", "float32", "--quantization", "none", "--kv-pages", "256", "--max-model-len", "2048", "--threads", "1")
+# test_n_choices): one start per session, both processes at once (each ~6 s to import and load).
+PAIR_FLAGS = (
+    "--dtype",
+    "float32",
+    "--quantization",
+    "none",
+    "--kv-pages",
+    "256",
+    "--max-model-len",
+    "2048",
+    "--threads",
+    "1",
+)
 
 
 def make_worker(ckpt: LoadedCheckpoint | None = None, **overrides) -> Worker:
-    fields = dict(dtype="float32", quantization="none", device="cpu", kv_pages=256, max_model_len=2048, port=0)
+    fields = dict(
+        dtype="float32", quantization="none", device="cpu", kv_pages=256, max_model_len=2048, port=0
+    )
     fields.update(overrides)
     return build_worker(WorkerConfig(**fields), ckpt or default_checkpoint())
 
@@ -33,24 +45,16 @@ def worker() -> Worker:
     return make_worker()
 
 
-def start_workers(*roles: str, flags: tuple[str, ...] = PAIR_FLAGS) -> list:
-    """Start a `pd-worker` process per role at once; [(process, url)] in that order (every one
-    started is stopped if another fails)."""
-    with ThreadPoolExecutor(len(roles)) as pool:
-        started = [pool.submit(start_worker, "--role", role, *flags) for role in roles]
-    procs = [f.result() for f in started if f.exception() is None]
-    if len(procs) < len(roles):
-        for proc, _ in procs:
-            stop(proc)
-        raise AssertionError([f.exception() for f in started if f.exception() is not None])
-    return procs
+def start_roles(*roles: str, flags: tuple[str, ...] = PAIR_FLAGS) -> list:
+    """Start a `pd-worker` process per role at once; [(process, url)] in that order."""
+    return start_workers(*(("--role", role, *flags) for role in roles))
 
 
 @pytest.fixture(scope="session")
 def fp32_pair():
     """(P's URL, D's URL): real processes with NIXL between them, shared by the modules that
     need a pair with these flags; their tests leave every page free."""
-    procs = start_workers("prefill", "decode")
+    procs = start_roles("prefill", "decode")
     try:
         yield tuple(url for _, url in procs)
     finally:

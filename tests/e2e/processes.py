@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
@@ -40,6 +42,20 @@ def start_worker(
             return proc, line.split("url=")[1].split()[0]
     proc.kill()
     raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
+
+
+def start_workers(*arg_lists: Sequence[str]) -> list[tuple[subprocess.Popen, str]]:
+    """Start a `pd-worker` per argument list, all at once (each start is mostly one core's
+    import and load); [(process, url)] in that order. Every one started is stopped if another
+    fails."""
+    with ThreadPoolExecutor(len(arg_lists)) as pool:
+        started = [pool.submit(start_worker, *args) for args in arg_lists]
+    procs = [f.result() for f in started if f.exception() is None]
+    if len(procs) < len(arg_lists):
+        for proc, _ in procs:
+            stop(proc)
+        raise AssertionError([f.exception() for f in started if f.exception() is not None])
+    return procs
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -18,7 +18,7 @@ from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.router.keys import METRICS, REGISTRY
 from pd.transfer import nixl_available
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import start_workers, stop, wait_pages_free
 
 pytestmark = [
     pytest.mark.slow,
@@ -48,13 +48,10 @@ QUESTIONS = ["Which cities can I visit?", "Which one is cheapest?", "How do I ge
 
 @pytest.fixture(scope="module")
 def cluster():
-    procs, urls = [], {}
+    started = start_workers(*(("--role", role, *FLAGS) for role in ("prefill", "decode", "decode")))
+    procs = [proc for proc, _ in started]
     try:
-        for name, role in (("p", "prefill"), ("d1", "decode"), ("d2", "decode")):
-            proc, url = start_worker("--role", role, *FLAGS)
-            procs.append(proc)
-            urls[name] = url
-        yield urls, procs
+        yield dict(zip(("p", "d1", "d2"), (url for _, url in started))), procs
     finally:
         for proc in procs:
             stop(proc)

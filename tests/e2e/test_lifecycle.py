@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from pd.transfer import nixl_available
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import start_workers, stop, wait_pages_free
 from tests.e2e.test_pd import start_router
 
 pytestmark = [
@@ -45,12 +45,13 @@ HALF, LONG = SENTENCE * 32, SENTENCE * 64  # ~320 and ~640 tokens
 
 @pytest.fixture
 def procs():
+    """`procs(args, ...)`: a worker per argument list, started at once; [(process, url)]."""
     started: list = []
 
-    def start(*args: str):
-        proc, url = start_worker(*args)
-        started.append(proc)
-        return proc, url
+    def start(*arg_lists: tuple[str, ...]):
+        pairs = start_workers(*arg_lists)
+        started.extend(proc for proc, _ in pairs)
+        return pairs
 
     yield start
     for proc in started:
@@ -115,8 +116,9 @@ async def _running(http, d_url: str) -> bool:
 
 
 async def test_p_sees_a_killed_decode_worker_by_its_heartbeats(procs):
-    _, p_url = procs("--role", "prefill", *COMMON)
-    d, d_url = procs("--role", "decode", *COMMON, *D_PAGES)
+    (_, p_url), (d, d_url) = procs(
+        ("--role", "prefill", *COMMON), ("--role", "decode", *COMMON, *D_PAGES)
+    )
     async with aiohttp.ClientSession() as http:
         first, second = await one_pull_waiting_for_pages(http, p_url, d_url)
         t0 = time.monotonic()
@@ -134,8 +136,9 @@ async def test_p_sees_a_killed_decode_worker_by_its_heartbeats(procs):
 
 
 async def test_a_pull_waiting_for_pages_fails_within_seconds_when_p_is_killed(procs):
-    p, p_url = procs("--role", "prefill", *COMMON)
-    _, d_url = procs("--role", "decode", *COMMON, *D_PAGES)
+    (p, p_url), (_, d_url) = procs(
+        ("--role", "prefill", *COMMON), ("--role", "decode", *COMMON, *D_PAGES)
+    )
     async with aiohttp.ClientSession() as http:
         first, second = await one_pull_waiting_for_pages(http, p_url, d_url)
         t0 = time.monotonic()
@@ -153,10 +156,10 @@ async def test_a_pull_waiting_for_pages_fails_within_seconds_when_p_is_killed(pr
 async def test_a_decode_refusal_releases_p_at_once_and_p_refuses_what_no_d_could_take(
     procs, aiohttp_server
 ):
-    _, p_url = procs("--role", "prefill", *COMMON)
     # D's context is shorter than P's: D refuses the ~640-token prompt with a 400.
-    _, d_url = procs("--role", "decode", "--dtype", "float32", "--quantization", "none", "--max-model-len", "256",
-                     "--lease-ttl-s", "60", "--threads", "1")  # fmt: skip
+    short = ("--dtype", "float32", "--quantization", "none", "--max-model-len", "256", "--lease-ttl-s", "60",
+             "--threads", "1")  # fmt: skip
+    (_, p_url), (_, d_url) = procs(("--role", "prefill", *COMMON), ("--role", "decode", *short))
     url = await start_router(aiohttp_server, p_url, d_url)
     async with aiohttp.ClientSession() as http:
         body = {"prompt": LONG, "max_tokens": 8, "temperature": 0}

@@ -17,7 +17,7 @@ import pytest
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
-from tests.e2e.conftest import start_workers
+from tests.e2e.conftest import start_roles
 from tests.e2e.processes import stop, wait_pages_free
 
 pytestmark = [
@@ -37,7 +37,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def cluster():
     """P, then four decode workers (each kill or drain takes one): [(process, url)]."""
-    procs = start_workers("prefill", "decode", "decode", "decode", "decode")
+    procs = start_roles("prefill", "decode", "decode", "decode", "decode")
     try:
         yield procs
     finally:

@@ -13,7 +13,7 @@ import pytest
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
-from tests.e2e.conftest import start_workers
+from tests.e2e.conftest import start_roles
 from tests.e2e.processes import stop, wait_pages_free
 from tests.e2e.test_pd import start_router
 
@@ -25,11 +25,10 @@ pytestmark = [
 ]
 
 
-
 @pytest.fixture(scope="module")
 def workers(fp32_pair):
     """P, D (the session's pair) and a co-located worker."""
-    [(proc, both)] = start_workers("both")
+    [(proc, both)] = start_roles("both")
     try:
         yield (*fp32_pair, both)
     finally:

@@ -16,7 +16,7 @@ import pytest
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.transfer import nixl_available
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import start_worker, start_workers, stop, wait_pages_free
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,15 +39,13 @@ FLAGS = (
 
 @pytest.fixture(scope="module")
 def pair():
-    procs = []
+    (p, p_url), (d, d_url) = start_workers(
+        ("--role", "prefill", *FLAGS), ("--role", "decode", *FLAGS)
+    )
     try:
-        p, p_url = start_worker("--role", "prefill", *FLAGS)
-        procs.append(p)
-        d, d_url = start_worker("--role", "decode", *FLAGS)
-        procs.append(d)
         yield p_url, d_url
     finally:
-        for proc in procs:
+        for proc in (p, d):
             stop(proc)
 
 
