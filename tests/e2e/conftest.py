@@ -18,18 +18,8 @@ from tests.model_fixtures import default_checkpoint
 
 # The fp32 prefill + decode pair the feature modules share (test_tools, test_logprobs,
 # test_n_choices): one start per session, both processes at once (each ~6 s to import and load).
-PAIR_FLAGS = (
-    "--dtype",
-    "float32",
-    "--quantization",
-    "none",
-    "--kv-pages",
-    "256",
-    "--max-model-len",
-    "2048",
-    "--threads",
-    "1",
-)
+PAIR_FLAGS = ("--dtype", "float32", "--quantization", "none", "--kv-pages", "256", "--max-model-len", "2048",
+              "--threads", "1")  # fmt: skip
 
 
 def make_worker(ckpt: LoadedCheckpoint | None = None, **overrides) -> Worker:

@@ -18,6 +18,7 @@ from pd.router import RouterConfig
 from pd.router import make_app as make_router
 from pd.router.keys import METRICS, REGISTRY
 from pd.transfer import nixl_available
+from tests.e2e.conftest import PAIR_FLAGS
 from tests.e2e.processes import start_workers, stop, wait_pages_free
 
 pytestmark = [
@@ -25,18 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not nixl_available(), reason="the KV pull needs a NIXL package"),
 ]
 
-FLAGS = (
-    "--dtype",
-    "float32",
-    "--quantization",
-    "none",
-    "--kv-pages",
-    "256",
-    "--max-model-len",
-    "2048",
-    "--threads",
-    "1",
-)
+FLAGS = PAIR_FLAGS  # fp32, 256 pages, 2048 context, one thread each
 SYSTEM = (
     "You are a careful assistant for a travel agency. Answer in one short sentence. "
     "The agency sells trips to Paris, Rome, Lisbon, Vienna and Prague, by train or by plane, "

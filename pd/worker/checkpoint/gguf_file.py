@@ -23,6 +23,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from pd.worker.checkpoint.load_utils import CheckpointError
 
 _MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32  # of the tensor data, unless general.alignment says otherwise
 _STRING, _ARRAY = 8, 9
 # GGUF value types of fixed size: struct format (little-endian) and numpy dtype.
 _SCALARS: dict[int, tuple[str, str]] = {
@@ -38,9 +39,6 @@ _SCALARS: dict[int, tuple[str, str]] = {
     11: ("<q", "<i8"),
     12: ("<d", "<f8"),
 }
-
-
-_DEFAULT_ALIGNMENT = 32
 
 
 @dataclass(frozen=True)
