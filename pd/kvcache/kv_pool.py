@@ -12,28 +12,6 @@ from __future__ import annotations
 
 import torch
 
-# `KVPool.write` as one opaque op that mutates the pool in place, for compiled steps. Written
-# inline, the `index_put_` into the pool (an input of the compiled graph) is functionalized: the
-# graph computes a new pool and copies all of it back, every step (3.8 GB of the default pool,
-# ~1.1 s a step on the 2-core CPU). An op whose schema says it mutates `buffer` (`Tensor(a!)`)
-# is re-inplaced by inductor: it writes the new rows and nothing else. Defined with
-# `torch.library.Library` rather than `torch.library.custom_op`: a step of 30 calls took ~1 ms
-# less (the decorator's op dispatches through more Python per call).
-_LIB = torch.library.Library("pd", "DEF")
-_LIB.define("kv_write_(Tensor(a!) buffer, Tensor rows, Tensor kv) -> ()")
-
-
-def _kv_write_(buffer: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor) -> None:
-    buffer.view(-1, buffer.shape[-1]).index_put_((rows,), kv)
-
-
-def _kv_write_meta(buffer: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor) -> None:
-    return None
-
-
-_LIB.impl("kv_write_", _kv_write_, "CompositeExplicitAutograd")
-_LIB.impl("kv_write_", _kv_write_meta, "Meta")
-
 
 def bytes_per_page(
     num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype
@@ -94,12 +72,19 @@ class KVPool:
         # For `rows_of`: the buffer as rows of head_dim items, a page spans `_page_rows` rows;
         # within a page, the row of slot 0 of each (layer, K/V, head).
         rows = [s // head_dim for s in self.buffer.stride()[:4]]
+        # The buffer as those rows: the one tensor steps write and read K/V through. A compiled
+        # step then mutates a graph input in place (inductor stores the new rows and nothing
+        # else); a view taken inside the graph (`buffer.view(-1, D).index_put_`) was
+        # functionalized instead, the whole pool copied back every step (~1.1 s with the
+        # default 3.8 GB pool).
         self._page_rows = rows[0]
         self._within_page = (
             torch.arange(num_layers, device=self.device)[:, None, None] * rows[1]
             + torch.arange(2, device=self.device)[None, :, None] * rows[2]
             + torch.arange(num_kv_heads, device=self.device)[None, None, :] * rows[3]
         )  # [L, 2, Hkv]
+        self._rows = self.buffer.view(-1, head_dim)
+        self._page_shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -134,7 +119,8 @@ class KVPool:
 
     def layer_cache(self, layer: int) -> torch.Tensor:
         """The strided view [num_pages, 2, Hkv, page_size, head_dim] of one layer."""
-        return self.buffer[:, layer]  # [N, 2, Hkv, P, D]
+        # From `_rows` alone (a compiled step then takes no second, aliasing view of the pool)
+        return self._rows.view(-1, *self._page_shape)[:, layer]  # [N, 2, Hkv, P, D]
 
     def rows_of(self, page_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Where a step's new tokens go, computed once per step: [L, T, 2, Hkv] indices into
@@ -149,10 +135,7 @@ class KVPool:
         """Scatter new tokens' K/V [T, 2, Hkv, D] (K then V) into their slots, in one op;
         `rows` is `rows_of(...)` of the step (slots are distinct by construction)."""
         kv = kv if kv.dtype == self.dtype else kv.to(self.dtype)
-        if torch.compiler.is_compiling():
-            torch.ops.pd.kv_write_(self.buffer, rows[layer], kv)  # in place in a compiled graph too
-        else:
-            self.buffer.view(-1, self.head_dim).index_put_((rows[layer],), kv)
+        self._rows.index_put_((rows[layer],), kv)
 
     def __repr__(self) -> str:
         return (

@@ -9,9 +9,10 @@ compiles a graph for the first shape it sees, and one with those sizes symbolic 
 (plus the specializations of size 1 it keeps), so `compile_decode` runs a few decode steps of
 each kind at start-up, on scratch pages it zeroes afterwards: no request pays a compile.
 
-The K/V write is the custom op `pd::kv_write_` (kv_pool.py), which declares that it mutates
-the pool: written inline, the pool (a graph input) was functionalized and copied back whole on
-every step, ~1.1 s a step with the default 3.8 GB pool.
+The K/V write goes through the pool seen as rows (`KVPool._rows`, a view made once, outside
+the graph), which inductor mutates in place: a view taken inside the graph was functionalized
+and the pool copied back whole on every step (~1.1 s a step with the default 3.8 GB pool). An
+opaque custom op did it in place too, at ~35 us of Python a layer (~1 ms a one-row step).
 
 Measured on the 2-core CPU (docs/BENCHMARKS.md, `pd-bench engine`, two rounds against eager):
 a bf16 worker decodes one stream in 25.3-25.7 ms a step against 30.6-30.8 (1.17-1.21x its
