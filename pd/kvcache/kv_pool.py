@@ -72,17 +72,17 @@ class KVPool:
         # For `rows_of`: the buffer as rows of head_dim items, a page spans `_page_rows` rows;
         # within a page, the row of slot 0 of each (layer, K/V, head).
         rows = [s // head_dim for s in self.buffer.stride()[:4]]
-        # The buffer as those rows: the one tensor steps write and read K/V through. A compiled
-        # step then mutates a graph input in place (inductor stores the new rows and nothing
-        # else); a view taken inside the graph (`buffer.view(-1, D).index_put_`) was
-        # functionalized instead, the whole pool copied back every step (~1.1 s with the
-        # default 3.8 GB pool).
         self._page_rows = rows[0]
         self._within_page = (
             torch.arange(num_layers, device=self.device)[:, None, None] * rows[1]
             + torch.arange(2, device=self.device)[None, :, None] * rows[2]
             + torch.arange(num_kv_heads, device=self.device)[None, None, :] * rows[3]
         )  # [L, 2, Hkv]
+        # The buffer as rows of head_dim items: the one tensor steps write and read K/V
+        # through. A compiled step then mutates a graph input in place (inductor stores the new
+        # rows and nothing else); a view taken inside the graph (`buffer.view(-1, D)
+        # .index_put_`) was functionalized instead, the whole pool copied back every step
+        # (~1.1 s with the default 3.8 GB pool).
         self._rows = self.buffer.view(-1, head_dim)
         self._page_shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
 
