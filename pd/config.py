@@ -14,7 +14,7 @@ TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", "onednn-bf16")
 
 
-def split_quantization(value: str) -> tuple[str, int, str] | None:
+def split_quantization(value: str, flag: str = "--quantization") -> tuple[str, int, str] | None:
     """`SMALL@ROWS+LARGE` as (SMALL, ROWS, LARGE), None for a plain value: the same weights held
     in two formats, a batch of at most ROWS rows multiplied by SMALL's kernel and a larger one
     by LARGE's (e.g. `int4@8+onednn-bf16`: int4 for decode steps of up to 8 streams, bf16 on
@@ -24,7 +24,7 @@ def split_quantization(value: str) -> tuple[str, int, str] | None:
     small, _, rest = value.partition("@")
     rows, _, large = rest.partition("+")
     if not rows.isdigit() or int(rows) < 1 or not large:
-        raise ValueError(f"--quantization {value!r}: a split is SMALL@ROWS+LARGE, ROWS >= 1")
+        raise ValueError(f"{flag} {value!r}: a split is SMALL@ROWS+LARGE, ROWS >= 1")
     return small, int(rows), large
 
 
@@ -34,18 +34,30 @@ def quantization_formats(value: str) -> tuple[str, ...]:
     return (value,) if split is None else (split[0], split[2])
 
 
-def quantization_error(value: str) -> str:
-    """What is wrong with a `--quantization` value other than auto ("" if nothing)."""
+def format_at(value: str, rows: int) -> str:
+    """The format a `--quantization` value runs a batch of `rows` rows on (a split's SMALL up to
+    its ROWS, else its LARGE)."""
+    split = split_quantization(value)
+    if split is None:
+        return value
+    small, limit, large = split
+    return small if rows <= limit else large
+
+
+def quantization_error(value: str, flag: str = "--quantization") -> str:
+    """What is wrong with a `--quantization` (or `--lm-head-quantization`: `flag`) value other
+    than auto ("" if nothing)."""
     choices = ", ".join(QUANTIZATION_CHOICES)
     try:
-        formats = quantization_formats(value)
+        split_quantization(value, flag)
     except ValueError as e:
         return str(e)
+    formats = quantization_formats(value)
     bad = [f for f in formats if f not in QUANTIZATION_CHOICES]
     if bad:
-        return f"--quantization must be one of auto, {choices}, or SMALL@ROWS+LARGE of two of these"
+        return f"{flag} must be one of auto, {choices}, or SMALL@ROWS+LARGE of two of these"
     if len(formats) == 2 and formats[0] == formats[1]:
-        return f"--quantization {value!r}: a split needs two different formats"
+        return f"{flag} {value!r}: a split needs two different formats"
     return ""
 
 
@@ -154,6 +166,13 @@ class WorkerConfig:
         "oneDNN); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
         "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16)",
     )
+    lm_head_quantization: str = _flag(
+        "auto",
+        "weights and kernel of the LM head, as --quantization takes them (a split too, e.g. "
+        "fbgemm-int8@8+int8); auto: measured with --quantization auto (the fastest head within "
+        "the same perplexity bound, a split's small half judged at its batch sizes), else the "
+        "layers' format (int8 under int4)",
+    )
     group_size: int = _flag(32, "inputs per int4 group")
     attention_backend: str = _flag(
         "auto",
@@ -254,6 +273,9 @@ class WorkerConfig:
             self.quantization == "auto" or not quantization_error(self.quantization),
             quantization_error(self.quantization),
         )
+        head_q = self.lm_head_quantization
+        why = "" if head_q == "auto" else quantization_error(head_q, "--lm-head-quantization")
+        check(not why, why)
         check(self.group_size >= 1, "--group-size must be >= 1")
         check(
             self.attention_backend in ("auto", "flashinfer", "torch"),

@@ -28,6 +28,7 @@ def make_runner(
     quantization: str = "none",
     group_size: int = 32,
     keep_q4_1: bool = False,
+    lm_head_quantization: str = "auto",
 ) -> ModelRunner:
     ckpt = default_checkpoint(keep_q4_1)
     return ModelRunner(
@@ -41,6 +42,7 @@ def make_runner(
         max_model_len=2048,
         quantization=quantization,
         group_size=group_size,
+        lm_head_quantization=lm_head_quantization,
     )
 
 

@@ -36,7 +36,7 @@ from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
-from pd.worker.model.kernel_choice import resolve_kernels
+from pd.worker.model.kernel_choice import Choice, resolve_kernels
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
@@ -235,6 +235,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         encode=ckpt.tokenizer.encode,
         digest=ckpt.digest,
         compile=cfg.compile,
+        lm_head_quantization=cfg.lm_head_quantization,
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)
@@ -270,13 +271,14 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
         checkpoint_digest=ckpt.digest,
         one_row_compile=one_row_why,
+        lm_head_quantization=choice.head,
     )
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
     runner.start_background_compile(torch_thread.executor)
     bg = runner.background_compile
     summary = (
         f"{mcfg.num_layers} layers, tp={cfg.tp}, {str(dtype).removeprefix('torch.')} on {device}, "
-        f"linear layers {choice.quantization}"
+        f"linear layers {choice.quantization}, LM head {runner.lm_head_quantization}"
     )
     return _Model(
         runner,
@@ -288,9 +290,17 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         torch_thread.executor,
         summary,
         quantization=choice.quantization,
-        kernels=choice.as_dict(),
+        kernels=_kernels_health(choice, runner.lm_head_quantization),
         one_row_compile=bg.as_dict if bg is not None else None,
     )
+
+
+def _kernels_health(choice: Choice, head_runs: str) -> dict:
+    """/health's `kernels`: the choice and its figures, with the LM head's format as it runs
+    (`lm_head.runs`: the rule's when the choice says auto)."""
+    kernels = choice.as_dict()
+    kernels["lm_head"]["runs"] = head_runs
+    return kernels
 
 
 def _simulated_model(cfg: WorkerConfig) -> _Model:

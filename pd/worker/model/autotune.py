@@ -40,6 +40,7 @@ DECODE_ROWS = (1, 8, 32)
 DTYPES = ("float32", "bfloat16")
 REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
 SPLIT_GAIN = 1.05  # a split (two formats resident) must score this much better than one format
+HEAD_GAIN = 1.01  # an LM head other than the layers' own must score this much better
 
 
 @dataclass(frozen=True, order=True)
@@ -146,6 +147,13 @@ class Choice:
     scores: dict[str, float] = field(default_factory=dict)  # at the role's batches
     perplexity_ratio: dict[str, float] = field(default_factory=dict)  # over fp32 dense's
     search_s: float = 0.0
+    # The LM head's format ("auto": the layers' rule, quant.head_quantization) and, when it was
+    # measured (`choose_head`), each head format's ms alone, score and perplexity ratio (the
+    # chosen layers with that head).
+    head: str = "auto"
+    head_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    head_scores: dict[str, float] = field(default_factory=dict)
+    head_perplexity_ratio: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -153,24 +161,33 @@ class Choice:
             "quantization": self.quantization,
             "how": self.how,
             "search_s": round(self.search_s, 2),
-            "ms_per_step": {
-                c: {str(r): round(v, 3) for r, v in t.items()} for c, t in self.ms.items()
-            },
+            "ms_per_step": _rounded_ms(self.ms),
             # None: not timed at every batch (dropped as far too slow)
-            "score": {c: round(s, 3) if math.isfinite(s) else None for c, s in self.scores.items()},
+            "score": _rounded_scores(self.scores),
             "perplexity_ratio": {c: round(p, 4) for c, p in self.perplexity_ratio.items()},
+            "lm_head": {
+                "quantization": self.head,
+                "ms": _rounded_ms(self.head_ms),
+                "score": _rounded_scores(self.head_scores),
+                "perplexity_ratio": {c: round(p, 4) for c, p in self.head_perplexity_ratio.items()},
+            },
         }
 
     @staticmethod
     def from_dict(d: Mapping[str, Any], how: str) -> Choice:
+        head = d["lm_head"]
         return Choice(
             dtype=d["dtype"],
             quantization=d["quantization"],
             how=how,
-            ms={c: {int(r): v for r, v in t.items()} for c, t in d["ms_per_step"].items()},
-            scores={c: math.inf if s is None else s for c, s in d["score"].items()},
+            ms=_read_ms(d["ms_per_step"]),
+            scores=_read_scores(d["score"]),
             perplexity_ratio=dict(d["perplexity_ratio"]),
             search_s=d["search_s"],
+            head=head["quantization"],
+            head_ms=_read_ms(head["ms"]),
+            head_scores=_read_scores(head["score"]),
+            head_perplexity_ratio=dict(head["perplexity_ratio"]),
         )
 
     def summary(self) -> str:
@@ -187,12 +204,58 @@ class Choice:
                 + ("" if ppl is None else f"; perplexity x{ppl:.3f}")
                 + ")"
             )
+        ppl_h = self.head_perplexity_ratio
+        heads = [
+            f"{name} x{s:.2f}" + (f" (perplexity x{ppl_h[name]:.3f})" if name in ppl_h else "")
+            for name, s in sorted(self.head_scores.items(), key=lambda kv: kv[1])
+            if math.isfinite(s)
+        ]
         return (
-            f"kernels {self.dtype}/{self.quantization} ({self.how}"
+            f"kernels {self.dtype}/{self.quantization}"
+            + ("" if self.head == "auto" else f", LM head {self.head}")
+            + f" ({self.how}"
             + (f", search {self.search_s:.1f} s" if self.how == "measured" else "")
             + "): "
             + ("; ".join(parts) or "nothing timed")
+            + (f"; LM heads: {'; '.join(heads)}" if heads else "")
         )
+
+
+def _rounded_ms(ms: Mapping[str, Mapping[int, float]]) -> dict[str, dict[str, float]]:
+    return {c: {str(r): round(v, 3) for r, v in t.items()} for c, t in ms.items()}
+
+
+def _rounded_scores(scores: Mapping[str, float]) -> dict[str, float | None]:
+    return {c: round(s, 3) if math.isfinite(s) else None for c, s in scores.items()}
+
+
+def _read_ms(d: Mapping[str, Mapping[str, float]]) -> dict[str, dict[int, float]]:
+    return {c: {int(r): v for r, v in t.items()} for c, t in d.items()}
+
+
+def _read_scores(d: Mapping[str, float | None]) -> dict[str, float]:
+    return {c: math.inf if s is None else s for c, s in d.items()}
+
+
+def _best(
+    pool: Sequence[Candidate],
+    score: Mapping[Candidate, float],
+    passes: Callable[[Candidate], bool],
+    split_gain: float = SPLIT_GAIN,
+) -> Candidate | None:
+    """The best-scored passing single format, unless a passing split beats it by `split_gain`."""
+
+    def first_passing(among: Sequence[Candidate]) -> Candidate | None:
+        for c in sorted(among, key=lambda c: (score[c], c)):
+            if math.isfinite(score[c]) and passes(c):
+                return c
+        return None
+
+    single = first_passing([c for c in pool if not c.is_split])
+    split = first_passing([c for c in pool if c.is_split])
+    if split is not None and (single is None or score[split] * split_gain < score[single]):
+        return split
+    return single
 
 
 def choose(
@@ -218,30 +281,53 @@ def choose(
             ratios[c] = ratio_of(c)
         return ratios[c] <= bound
 
-    def first_passing(pool: Sequence[Candidate], score: Mapping[Candidate, float]):
-        for c in sorted(pool, key=lambda c: (score[c], c)):
-            if math.isfinite(score[c]) and passes(c):
-                return c
-        return None
-
-    def best(pool: Sequence[Candidate], score: Mapping[Candidate, float]) -> Candidate | None:
-        """The best single format, unless a split beats it by SPLIT_GAIN."""
-        single = first_passing([c for c in pool if not c.is_split], score)
-        split = first_passing([c for c in pool if c.is_split], score)
-        if split is not None and (single is None or score[split] * SPLIT_GAIN < score[single]):
-            return split
-        return single
-
     role_scores = scores(ms, role_weights)
     pool = list(ms)
     if dict(dtype_weights) != dict(role_weights):
-        first = best(pool, scores(ms, dtype_weights))
+        first = _best(pool, scores(ms, dtype_weights), passes)
         if first is not None:
             pool = [c for c in pool if c.dtype == first.dtype]
-    chosen = best(pool, role_scores)
+    chosen = _best(pool, role_scores, passes)
     if chosen is None:
         raise ValueError(
             "no kernel configuration keeps the perplexity within "
             f"{bound}x of fp32's: pin --dtype float32 --quantization none"
         )
     return chosen, role_scores, ratios
+
+
+def choose_head(
+    ms: Mapping[Candidate, Mapping[int, float]],
+    step_ms: Mapping[int, float],
+    weights: Mapping[int, float],
+    ratio_of: Callable[[Candidate], float],
+    rule: Candidate,
+    bound: float = PPL_BOUND,
+) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
+    """The LM head for layers already chosen (with `rule`'s head, which passed with them):
+    (the head, the scores at `weights`, the perplexity ratios measured). `ms` holds each head
+    format alone (and splits, `with_splits`) at the role's batches, `step_ms` the chosen
+    layers' step with the rule's head: a head is scored by the step it makes (the step less
+    the rule's head plus its own), so a head's share of a prefill chunk counts for what it is.
+    `ratio_of` gives the perplexity of the chosen layers with that head (a split's small half
+    judged at its batch sizes: kernel_search.PerplexityJudge.head_ratio). The best passing
+    head (a split holds two heads, a few tens of MB: no margin over one), when it beats the
+    rule by HEAD_GAIN; else `rule`. At a co-located worker's batches half the weight is the
+    prefill chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a
+    ~9 ms step) scores ~3% better."""
+    ratios: dict[Candidate, float] = {}
+
+    def passes(c: Candidate) -> bool:
+        if c == rule:
+            return True
+        if c not in ratios:
+            ratios[c] = ratio_of(c)
+        return ratios[c] <= bound
+
+    body = {r: max(step_ms[r] - ms[rule][r], 0.0) for r in weights}
+    steps = {c: {r: body[r] + t[r] for r in weights if r in t} for c, t in ms.items()}
+    head_scores = scores(steps, weights)
+    best = _best(list(ms), head_scores, passes, split_gain=1.0)
+    if best is None or head_scores[best] * HEAD_GAIN >= head_scores[rule]:
+        best = rule
+    return best, head_scores, ratios

@@ -1,8 +1,9 @@
 """A compiled decode step: decode steps run through `torch.compile` (inductor) on CPU
 (`--compile`, off by default: the warm-up takes minutes).
 
-What is compiled is `LlamaModel.layers` (every layer and the LM head) for pure decode steps; the
-step's planning stays eager, and prefill or mixed steps run eager. Attention comes in as tensors
+What is compiled is `LlamaModel.hidden` (every layer and the final norm) for pure decode steps;
+the LM head (`LlamaModel.logits`: a dynamic int8 head is an object dynamo does not trace) and
+the step's planning stay eager, and prefill or mixed steps run eager. Attention comes in as tensors
 (`TorchAttentionBackend.decode_inputs`: the padded page table and the mask), so the compiled
 code reads no Python list, and its shapes follow the batch and the longest context. Dynamo
 compiles a graph for the first shape it sees, and one with those sizes symbolic when they change
@@ -47,8 +48,8 @@ log = logging.getLogger(__name__)
 WARMUP_SHAPES = ((1, 2), (1, 3), (2, 2), (3, 3))
 
 
-# The arguments of `LlamaModel.layers`, which dynamo's guards name as they are.
-_STEP_ARGS = frozenset(list(inspect.signature(LlamaModel.layers).parameters)[1:])
+# The arguments of `LlamaModel.hidden`, which dynamo's guards name as they are.
+_STEP_ARGS = frozenset(list(inspect.signature(LlamaModel.hidden).parameters)[1:])
 
 
 def _guard_on_inputs(entries: list[Any]) -> list[bool]:
@@ -142,7 +143,7 @@ def compile_one_row(
 def layers_inputs(
     model: LlamaModel, attns: list[AttentionBackend], pages: Sequence[int], page_size: int
 ) -> tuple:
-    """`LlamaModel.layers`' arguments for one row decoding the last slot of `pages`, planned on
+    """`LlamaModel.hidden`'s arguments for one row decoding the last slot of `pages`, planned on
     `attns` (not the ranks' own backends, which the serving thread plans on)."""
     device = model.ranks[0].device
     # Made as `ModelRunner.execute` makes them: the ids and the metadata outside inference
@@ -172,10 +173,10 @@ def check_compilable(model: LlamaModel) -> None:
 def _compiled_layers(
     model: LlamaModel, guards: Callable[[list[Any]], list[bool]] = _guard_on_inputs
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
-    """`model.layers` through torch.compile, bare and with each call's sizes marked dynamic
+    """`model.hidden` through torch.compile, bare and with each call's sizes marked dynamic
     (the warm-up's: the compiled graphs then take any context, and batch when > 1)."""
     compiled = torch.compile(
-        _own_code(model.layers), fullgraph=True, options={"guard_filter_fn": guards}
+        _own_code(model.hidden), fullgraph=True, options={"guard_filter_fn": guards}
     )
 
     def marked(

@@ -13,21 +13,28 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from pd.config import format_at
 from pd.worker.model import kernel_cache
 from pd.worker.model.autotune import (
     Candidate,
     Choice,
     candidates,
     choose,
+    choose_head,
     decision_batches,
     with_splits,
 )
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.cpu_info import read_cpu_info
 from pd.worker.model.device import cpu_has_fast_bf16
-from pd.worker.model.kernel_search import PerplexityJudge, formats_here, time_candidates
+from pd.worker.model.kernel_search import (
+    PerplexityJudge,
+    formats_here,
+    time_candidates,
+    time_heads,
+)
 from pd.worker.model.perplexity import shipped_text
-from pd.worker.model.quant import Weight
+from pd.worker.model.quant import Weight, head_quantization
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +55,13 @@ def split_budget_bytes() -> float:
         return 0.0
 
 
-def fixed_choice(dtype: str, quantization: str, device: str, how: str) -> Choice:
-    """The unmeasured rule for whichever of the two is auto."""
+def fixed_choice(
+    dtype: str, quantization: str, device: str, how: str, head: str = "auto"
+) -> Choice:
+    """The unmeasured rule for whichever of the two is auto (the head: the layers' rule)."""
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" or cpu_has_fast_bf16() else "float32"
-    return Choice(dtype, "none" if quantization == "auto" else quantization, how)
+    return Choice(dtype, "none" if quantization == "auto" else quantization, how, head=head)
 
 
 def resolve_kernels(
@@ -71,21 +80,25 @@ def resolve_kernels(
     encode: Callable[[str], list[int]],  # the model's tokenizer (pd.worker.text is not model's)
     digest: str,
     compile: bool = False,
+    lm_head_quantization: str = "auto",
 ) -> Choice:
-    """The worker's (dtype, quantization), with the figures behind it. Runs torch ops: call it on
-    the worker's torch thread, with `threads` its thread count."""
+    """The worker's (dtype, quantization, LM head), with the figures behind it. Runs torch ops:
+    call it on the worker's torch thread, with `threads` its thread count. The head is measured
+    when the layers are (`--quantization auto`) and it is not pinned; else it is the pinned one,
+    or the layers' rule ("auto")."""
+    head = lm_head_quantization
     if dtype != "auto" and quantization != "auto":
-        return Choice(dtype, quantization, "pinned")
+        return Choice(dtype, quantization, "pinned", head=head)
     if device != "cpu":
-        return fixed_choice(dtype, quantization, device, f"not measured on {device}")
+        return fixed_choice(dtype, quantization, device, f"not measured on {device}", head)
     if search_disabled():
-        return fixed_choice(dtype, quantization, device, f"not measured: {SKIP_ENV}=0")
+        return fixed_choice(dtype, quantization, device, f"not measured: {SKIP_ENV}=0", head)
     formats = formats_here(config, tp, group_size)
     if compile:  # the runner compiles these only (runner.py)
         formats = [q for q in formats if q in ("none", "int8", "int4")]
     cands = candidates(dtype, quantization, formats)
     if len(cands) == 1:
-        return Choice(cands[0].dtype, cands[0].quantization, "the only candidate")
+        return Choice(cands[0].dtype, cands[0].quantization, "the only candidate", head=head)
     cpu = read_cpu_info()
     key = kernel_cache.cache_key(
         cpu_model=cpu.model,
@@ -102,6 +115,7 @@ def resolve_kernels(
         dtype=dtype,
         quantization=quantization,
         compile=compile,
+        lm_head_quantization=head,
     )
     hit = kernel_cache.load(key)
     if hit is not None:
@@ -122,6 +136,12 @@ def resolve_kernels(
     ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)
     chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio)
+    if head == "auto" and quantization == "auto":
+        head_ms, head_scores, head_ratios, chosen_head = _measured_head(
+            chosen, ms[chosen], formats, config, rows, chunk_size, group_size, role_w, judge
+        )
+    else:
+        head_ms, head_scores, head_ratios, chosen_head = {}, {}, {}, head
     # what /health and the log show: every single format, and the best few splits
     splits = sorted((c for c in ms if c.is_split), key=lambda c: (scores[c], c))
     shown = [c for c in ms if not c.is_split] + [
@@ -135,9 +155,50 @@ def resolve_kernels(
         scores={c.name: scores[c] for c in shown},
         perplexity_ratio={c.name: r for c, r in ratios.items()},
         search_s=time.perf_counter() - start,
+        head=chosen_head,
+        head_ms={c.quantization: dict(t) for c, t in head_ms.items() if c in head_scores},
+        head_scores={c.quantization: s for c, s in head_scores.items()},
+        head_perplexity_ratio={c.quantization: r for c, r in head_ratios.items()},
     )
     kernel_cache.store(key, choice.as_dict())
     return choice
+
+
+def _measured_head(
+    layers: Candidate,
+    step_ms: Mapping[int, float],
+    formats: list[str],
+    config: ModelConfig,
+    rows: list[int],
+    chunk_size: int,
+    group_size: int,
+    role_w: Mapping[int, float],
+    judge: PerplexityJudge,
+) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, float], dict[Candidate, float], str]:
+    """The LM head for the chosen layers (`autotune.choose_head`): every format and split of two
+    in the layers' dtype, the head alone timed at the role's batches, scored by the step it
+    makes with the layers (`step_ms`, their step with the rule's head); the layers' own head
+    (the rule, which passed with them) unless another scores better within the bound. Returns
+    (each shown head's ms alone, scores, perplexity ratios measured, the head: "auto" for the
+    rule)."""
+    rule = Candidate(layers.dtype, head_quantization(layers.quantization))
+    single, nbytes = time_heads(layers.dtype, formats, config, rows, chunk_size, group_size)
+    ms = with_splits(single, nbytes, split_budget_bytes())
+    if rule not in ms:  # a split beyond the memory budget: its parts' times
+        ms[rule] = {
+            r: single[Candidate(rule.dtype, format_at(rule.quantization, r))][r] for r in rows
+        }
+    head, head_scores, ratios = choose_head(
+        ms, step_ms, role_w, lambda h: judge.head_ratio(layers, h), rule
+    )
+    shown = sorted(head_scores, key=lambda c: (head_scores[c], c))[: SPLITS_SHOWN * 2]
+    shown += [c for c in (rule, head) if c not in shown]
+    return (
+        {c: ms[c] for c in shown},
+        {c: head_scores[c] for c in shown},
+        ratios,
+        "auto" if head == rule else head.quantization,
+    )
 
 
 __all__ = ["Candidate", "Choice", "SKIP_ENV", "resolve_kernels"]

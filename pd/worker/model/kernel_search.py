@@ -12,7 +12,8 @@ called again and again stays in the core's L2, and at decode batches a kernel th
 the bytes then times the same as one that reads half (int8 against int4 here: 5.3 against 5.6
 ms a step hot, 12.2 against 7.2 in the model). Activations are in the
 candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
-(attention, norms) is not. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
+(attention, norms) is not. A batch of `COMPUTE_ROWS` or more (a prefill chunk) is compute-bound
+and timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
 timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
 candidates would otherwise spend seconds a pass at a prefill chunk. The smallest batch drops
 nothing (`DropRule`): there a format's time is the bytes it reads, and one that reads 4x the
@@ -31,18 +32,24 @@ from dataclasses import dataclass
 
 import torch
 
+from pd.config import format_at, split_quantization
 from pd.worker.model import quant
-from pd.worker.model.autotune import Candidate
+from pd.worker.model.autotune import REFERENCE, Candidate
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_BF16, onednn_bf16_refusal
-from pd.worker.model.perplexity import pages_for, perplexity
-from pd.worker.model.runner import ModelRunner
+from pd.worker.model.perplexity import final_hidden, pages_for, perplexity, perplexity_of
+from pd.worker.model.runner import ModelRunner, lm_head_weight
 
 log = logging.getLogger(__name__)
 
 DROP_FACTOR = 4.0
 LONG_PASS_S = 0.25  # a pass this long is timed once after its warm-up, not `reps` times
+# A batch this large is compute-bound: timed on the first COMPUTE_GROUPS layer groups only
+# (scaled to the model's layers), where the weights' traffic hardly counts (a prefill chunk's
+# pass over all 30 layers took ~1.6 s a candidate, a third of a search).
+COMPUTE_ROWS = 128
+COMPUTE_GROUPS = 6
 # fp32 bytes of random weights a search builds its layers from: every layer of a small model
 # (SmolLM2-135M: 30 layers, 425 MB), fewer of a large one (whose layers alone outgrow the caches)
 WEIGHT_BUDGET = 512e6
@@ -170,19 +177,21 @@ def time_candidate(
     head = quant.make_linear(
         head_w, None, quant.head_quantization(c.quantization), group_size, dtype, cpu
     )
-    scale = weights.layers[0][0][0].count / weights.groups  # the model's layers per group timed
+    count = weights.layers[0][0][0].count  # the model's layers of each shape
     out: dict[int, float] = {}
     for r in rows:
         xs = {s.name: torch.randn(r, s.inp, generator=gen).to(dtype) for s, _ in layers[0]}
-        body = [(layer, xs[s.name]) for group in layers for s, layer in group]
+        # a batch of COMPUTE_ROWS or more is timed on a few of the layers (module docstring)
+        timed = layers if r < COMPUTE_ROWS else layers[:COMPUTE_GROUPS]
+        body = [(layer, xs[s.name]) for group in timed for s, layer in group]
         n = 1 if r == prefill_rows else r
         h = torch.randn(n, head_shape.inp, generator=gen).to(dtype)
-        ms = _median_round_s(body, reps) * scale + _median_round_s([(head, h)], reps)
+        ms = _median_round_s(body, reps) * count / len(timed) + _median_round_s([(head, h)], reps)
         out[r] = 1e3 * ms
         if not go_on(r, out[r]):
             break
     nbytes = sum(_resident_bytes(layer) for group in layers for _, layer in group)
-    return out, int(nbytes * scale) + _resident_bytes(head)
+    return out, int(nbytes * count / len(layers)) + _resident_bytes(head)
 
 
 def time_candidates(
@@ -205,6 +214,60 @@ def time_candidates(
             c, weights, rows, prefill_rows, group_size, go_on=rule.go_on
         )
     return out, nbytes
+
+
+def time_heads(
+    dtype: str,
+    formats: Sequence[str],
+    config: ModelConfig,
+    rows: Sequence[int],
+    prefill_rows: int,
+    group_size: int,
+    reps: int = 5,
+) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
+    """(ms of the LM head alone in each of `formats` at each batch in `rows`, its bytes): the
+    head at a step's sampled rows (one at a prefill chunk), after a read of `FLUSH_BYTES` that
+    evicts it from the caches, as a step's layers do between two heads (hot, a 28 MB int8 head
+    timed 2.0 ms and a dynamic int8 one 0.4; after the read 2.1-2.7 and 0.9-1.2)."""
+    head = next(s for s in linear_shapes(config, 1) if s.name == "lm_head")
+    w = RandomWeights.make([head], 1).head[1]
+    flush = torch.ones(int(FLUSH_BYTES) // 4)
+    gen = torch.Generator().manual_seed(2)
+    ms, nbytes = {}, {}
+    for fmt in formats:
+        c = Candidate(dtype, fmt)
+        layer = quant.make_linear(w, None, fmt, group_size, DTYPES[dtype], torch.device("cpu"))
+        ms[c] = {}
+        for r in rows:
+            x = torch.randn(1 if r == prefill_rows else r, head.inp, generator=gen)
+            x = x.to(DTYPES[dtype])
+            layer(x)  # warm-up
+            samples = []
+            for _ in range(reps):
+                flush.sum()
+                t = time.perf_counter()
+                layer(x)
+                samples.append(time.perf_counter() - t)
+            ms[c][r] = 1e3 * statistics.median(samples)
+        nbytes[c] = _resident_bytes(layer)
+    return ms, nbytes
+
+
+FLUSH_BYTES = 64e6
+
+
+class ChunkedLinear:
+    """A linear layer called on at most `rows` rows at a time: a split's small half as it runs
+    (decode batches of up to ROWS rows), for its perplexity. Weight-only formats give the same
+    answer either way; a dynamic int8 kernel quantizes its activations once per call, so over a
+    whole text at once (369 rows in one call) it is judged far harsher than it runs: an
+    fbgemm-int8 head 1.023x fp32's perplexity in one call, 1.005x a row at a time."""
+
+    def __init__(self, layer: quant.Linear, rows: int) -> None:
+        self.layer, self.rows, self.nbytes = layer, rows, layer.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layer(part) for part in x.split(self.rows)])
 
 
 class DropRule:
@@ -241,10 +304,12 @@ class PerplexityJudge:
             group_size,
         )
         self._base: float | None = None
+        self._hiddens: dict[Candidate, torch.Tensor] = {}
+        # (dtype, layers' format, head's format, rows a head call takes or None) -> ratio
+        self._head_ratios: dict[tuple[str, str, str, int | None], float] = {}
 
-    def perplexity(self, c: Candidate) -> float:
-        t = time.perf_counter()
-        runner = ModelRunner(
+    def _runner(self, c: Candidate) -> ModelRunner:
+        return ModelRunner(
             self.config,
             self.weights,
             tp=self.tp,
@@ -256,11 +321,64 @@ class PerplexityJudge:
             quantization=c.quantization,
             group_size=self.group_size,
         )
-        p = perplexity(runner, self.ids)
+
+    def perplexity(self, c: Candidate) -> float:
+        t = time.perf_counter()
+        p = perplexity(self._runner(c), self.ids)
         log.info("perplexity of %s: %.3f (%.1f s)", c.name, p, time.perf_counter() - t)
         return p
 
     def ratio(self, c: Candidate) -> float:
+        r = self.perplexity(c) / self.base()
+        self._head_ratios[
+            (c.dtype, c.quantization, quant.head_quantization(c.quantization), None)
+        ] = r
+        return r
+
+    def base(self) -> float:
         if self._base is None:
-            self._base = self.perplexity(Candidate("float32", "none"))
-        return self.perplexity(c) / self._base
+            self._base = self.perplexity(Candidate(*REFERENCE))
+        return self._base
+
+    def _hidden(self, layers: Candidate) -> torch.Tensor:
+        """The LM head's input over the text with `layers`' model, computed once."""
+        if layers not in self._hiddens:
+            self._hiddens[layers] = final_hidden(self._runner(layers), self.ids)
+        return self._hiddens[layers]
+
+    def head_ratio(self, layers: Candidate, head: Candidate) -> float:
+        """The perplexity ratio of `layers` with the LM head `head`, each of the head's formats
+        judged as it runs: a split's small half on chunks of its ROWS rows (`ChunkedLinear`)
+        beside the layers' format at that many rows, its large half (or a single format) on
+        the whole text at once beside the layers' format there; the worse of the two. A
+        combination measured before (by `ratio`: a format with its own head) is not again."""
+        split = split_quantization(head.quantization)
+        parts = (
+            [(head.quantization, None)]
+            if split is None
+            else [(split[0], split[1]), (split[2], None)]
+        )
+        worst = 0.0
+        for fmt, rows in parts:
+            lq = format_at(layers.quantization, rows or len(self.ids))
+            if fmt not in DYNAMIC_INT8:
+                rows = None  # weights only: the same answer whatever the rows a call
+            key = (layers.dtype, lq, fmt, rows)
+            if key not in self._head_ratios:
+                t = time.perf_counter()
+                hidden = self._hidden(Candidate(layers.dtype, lq))
+                dtype = DTYPES[layers.dtype]
+                w = lm_head_weight(self.config, self.weights, dtype)
+                head: quant.Linear = quant.make_linear(
+                    w, None, fmt, self.group_size, dtype, torch.device("cpu")
+                )
+                if rows is not None:
+                    head = ChunkedLinear(head, rows)
+                with torch.inference_mode():
+                    p = perplexity_of(head(hidden), self.ids)
+                self._head_ratios[key] = p / self.base()
+                at = "" if rows is None else f" on {rows} rows a call"
+                log.info("perplexity of %s/%s with an LM head %s%s: %.3f (%.1f s)",
+                         layers.dtype, lq, fmt, at, p, time.perf_counter() - t)  # fmt: skip
+            worst = max(worst, self._head_ratios[key])
+        return worst

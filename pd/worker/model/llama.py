@@ -164,8 +164,9 @@ class LlamaModel:
         self.lm_head = lm_head
         self.comm = comm
         self.sm_scale = config.head_dim**-0.5
-        # `layers` compiled (torch.compile) for decode steps, when asked: see `compile_decode`;
+        # `hidden` compiled (torch.compile) for decode steps, when asked: see `compile_decode`;
         # for one-row decode steps only, once a background compile installs it (one_row.py).
+        # The LM head runs after it, eagerly (its kernel may be one dynamo cannot trace).
         self.compiled_decode: Callable[..., torch.Tensor] | None = None
         self.compiled_one_row: Callable[..., torch.Tensor] | None = None
 
@@ -189,7 +190,7 @@ class LlamaModel:
         if compiled is not None and meta.is_decode_only and not eager:
             # At least 2 pages: a size of 1 would be a graph of its own (dynamo specializes it).
             decode = [attn.decode_inputs(min_pages=2) for attn in attns]
-            return compiled(input_ids, angles, kv_rows, decode, logits_indices)
+            return self.logits(compiled(input_ids, angles, kv_rows, decode, logits_indices))
         return self.layers(input_ids, angles, kv_rows, None, logits_indices)
 
     def plan(
@@ -225,8 +226,20 @@ class LlamaModel:
         decode: list[DecodeInputs] | None,  # per rank, a pure decode step's attention inputs
         logits_indices: torch.Tensor,  # [S]
     ) -> torch.Tensor:  # [S, V] fp32
-        """Every layer and the LM head, after the step's metadata is planned: the part that
-        `compiled_decode.py` compiles for decode steps (no Python reads the metadata's lists here)."""
+        """Every layer and the LM head, after the step's metadata is planned."""
+        return self.logits(self.hidden(input_ids, angles, kv_rows, decode, logits_indices))
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        angles: list[torch.Tensor],
+        kv_rows: list[torch.Tensor],
+        decode: list[DecodeInputs] | None,
+        logits_indices: torch.Tensor,  # [S]
+    ) -> torch.Tensor:  # [S, hidden]
+        """Every layer and the final norm of the rows in `logits_indices`: the part that
+        `compiled_decode.py` compiles for decode steps (no Python reads the metadata's lists
+        here); `layers`' arguments."""
         cfg = self.config
         h = self.embed[input_ids]  # [T, hidden]
         for i in range(cfg.num_layers):
@@ -242,8 +255,12 @@ class LlamaModel:
             xs = self.comm.broadcast(x)
             partial = [self._mlp(rank.layers[i], xr) for rank, xr in zip(self.ranks, xs)]
             h = h + self.comm.reduce(partial)
-        h = self.final_norm(h[logits_indices])  # [S, hidden]
-        return self.lm_head(h).float()  # [S, V]
+        return self.final_norm(h[logits_indices])  # [S, hidden]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # h [S, hidden] -> [S, V] fp32
+        """The LM head, outside any compiled graph: a dynamic int8 head's packed weight is an
+        object dynamo does not trace."""
+        return self.lm_head(h).float()
 
     def _attention(
         self,

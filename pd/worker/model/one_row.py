@@ -194,10 +194,11 @@ class BackgroundCompile:
             self.state = "slower"
 
     def _time(self, compiled: Callable[..., torch.Tensor]) -> tuple[float, float]:
-        """Median ms of the layers eager and compiled on the scratch pages, in turns."""
+        """Median ms of the layers (`LlamaModel.hidden`; the head runs eagerly after either) eager
+        and compiled on the scratch pages, in turns."""
         attns: list[AttentionBackend] = [TorchAttentionBackend() for _ in self.model.ranks]
         runs: dict[str, list[float]] = {"eager": [], "compiled": []}
-        arms = (("eager", self.model.layers), ("compiled", compiled))
+        arms = (("eager", self.model.hidden), ("compiled", compiled))
         with torch.inference_mode():  # as served: inputs made outside it would recompile
             args = layers_inputs(self.model, attns, self.scratch, self.page_size)
             for _ in range(TIMING_TURNS + 1):  # the first turn warms up

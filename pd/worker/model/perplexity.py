@@ -22,13 +22,28 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 @torch.inference_mode()
-def perplexity(runner: ModelRunner, ids: list[int]) -> float:
-    """exp(mean NLL) of each token of `ids` after the ones before it, in one prefill on pages
-    0.. of `runner` (it needs `pages_for(len(ids), page_size)` of them)."""
+def final_hidden(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """The final norm's output [len(ids) - 1, hidden] at each token of `ids` but the last (the
+    LM head's input), in one prefill on pages 0.. of `runner` (it needs
+    `pages_for(len(ids), page_size)` of them)."""
     pages = list(range(pages_for(len(ids), runner.page_size)))
     meta = build_paged_metadata([(pages, 0, len(ids))], runner.page_size, str(runner.device))
     tokens = torch.tensor(ids, dtype=torch.long, device=runner.device)
     rows = torch.arange(len(ids) - 1, device=runner.device)
-    logits = runner.model.forward(tokens, meta, rows).float()
-    nll = torch.nn.functional.cross_entropy(logits, tokens[1:])
-    return math.exp(nll.item())
+    model = runner.model
+    angles, kv_rows = model.plan(meta, [rank.attn for rank in model.ranks])
+    return model.hidden(tokens, angles, kv_rows, None, rows)
+
+
+@torch.inference_mode()
+def perplexity_of(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp(mean NLL) of each token of `ids` after the first, from the logits [len(ids) - 1, V]
+    before it."""
+    targets = torch.tensor(ids[1:], dtype=torch.long, device=logits.device)
+    return math.exp(torch.nn.functional.cross_entropy(logits.float(), targets).item())
+
+
+def perplexity(runner: ModelRunner, ids: list[int]) -> float:
+    """exp(mean NLL) of each token of `ids` after the ones before it, in one prefill on pages
+    0.. of `runner` (it needs `pages_for(len(ids), page_size)` of them)."""
+    return perplexity_of(runner.model.logits(final_hidden(runner, ids)), ids)

@@ -79,6 +79,18 @@ class StepBatch(Protocol):
     def riders(self) -> Sequence[tuple[int, StepRequest]]: ...  # (sampled row, a fork child)
 
 
+LM_HEAD = "lm_head.weight"  # its weights when not tied to the embedding's
+
+
+def lm_head_weight(
+    config: ModelConfig, weights: Mapping[str, Weight], dtype: torch.dtype
+) -> torch.Tensor:
+    """The LM head's weights [V, hidden] as the runner builds its head from them: dense, in the
+    compute dtype (the embedding's when tied)."""
+    w = weights["model.embed_tokens.weight" if config.tie_word_embeddings else LM_HEAD]
+    return (w.dequantize() if isinstance(w, GroupQuant) else w).to(dtype)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -99,10 +111,14 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         checkpoint_digest: str = "",
         one_row_compile: str | None = None,  # why a background compile (one_row.py), or None
+        lm_head_quantization: str = "auto",  # auto: the layers' rule (quant.head_quantization)
     ) -> None:
         check_tp(config, tp)
         check_quantization(quantization)
-        if holds_int4(quantization):
+        if lm_head_quantization == "auto":
+            lm_head_quantization = head_quantization(quantization)
+        check_quantization(lm_head_quantization)
+        if holds_int4(quantization) or holds_int4(lm_head_quantization):
             check_group_size(config, tp, group_size)
         if compile and quantization not in ("none", "int8", "int4"):
             raise ValueError(
@@ -110,6 +126,7 @@ class ModelRunner:
                 "torch.compile has not been tried on the oneDNN/FBGEMM kernels"
             )
         self.quantization = quantization
+        self.lm_head_quantization = lm_head_quantization
         self.checkpoint_digest = checkpoint_digest  # LoadedCheckpoint.digest: see KVContract
         if device == "cuda" and torch.cuda.device_count() < tp:
             raise ValueError(
@@ -163,12 +180,11 @@ class ModelRunner:
             return w.to(device=self.device, dtype=dtype)
 
         embed = dense("model.embed_tokens.weight")
-        head = embed if config.tie_word_embeddings else dense("lm_head.weight")
-        # The LM head is the largest matrix a step reads: in the layers' kernel (int8 under int4
-        # layers); the embedding's lookup reads a row per token: it stays dense.
-        lm_head = make_linear(
-            head, None, head_quantization(quantization), group_size, dtype, self.device
-        )
+        head = embed if config.tie_word_embeddings else dense(LM_HEAD)
+        # The LM head is the largest matrix a step reads: by default in the layers' kernel (int8
+        # under int4 layers), or its own (--lm-head-quantization, measured by auto); the
+        # embedding's lookup reads a row per token: it stays dense.
+        lm_head = make_linear(head, None, lm_head_quantization, group_size, dtype, self.device)
         norms = [
             (
                 dense(f"model.layers.{i}.input_layernorm.weight"),

@@ -245,3 +245,73 @@ def test_the_drop_rule_spares_the_smallest_batch():
     assert rule.go_on(1, 42.0) and rule.go_on(8, 39.0)
     assert not rule.go_on(8, 20.0 * DROP_FACTOR * 1.01)  # far behind past the smallest: dropped
     assert rule.go_on(512, 60.0) and rule.go_on(512, 240.0) and not rule.go_on(512, 241.0)
+
+
+def test_the_lm_head_is_scored_by_the_step_it_makes_and_must_beat_the_layers_own():
+    from pd.worker.model.autotune import choose_head, with_splits
+
+    rule = C(BF16, "int8")
+    heads = {
+        rule: {1: 2.0, 8: 2.4, 512: 2.0},  # 512: the one sampled row of a prefill chunk
+        C(BF16, "int4"): {1: 0.9, 8: 1.5, 512: 0.9},  # fastest, over the bound
+        C(BF16, "fbgemm-int8"): {1: 1.0, 8: 1.2, 512: 1.0},  # over the bound on a whole text
+        C(BF16, "onednn-bf16"): {1: 2.6, 8: 2.6, 512: 2.6},
+    }
+    step = {1: 8.0, 8: 16.0, 512: 300.0}  # the layers' step with the rule's head
+    w = {1: 0.25, 8: 0.25, 512: 0.5}
+    ms = with_splits(heads, dict.fromkeys(heads, 1), budget_bytes=10)
+    # the judge's ratios: a split's small half judged at its rows passes where the whole does not
+    table = {
+        C(BF16, "int4"): 1.08, C(BF16, "fbgemm-int8"): 1.024,
+        C(BF16, "fbgemm-int8@8+int8"): 1.006, C(BF16, "fbgemm-int8@1+int8"): 1.005,
+        C(BF16, "onednn-bf16"): 1.0,
+    }  # fmt: skip
+    ratio = lambda c: table.get(c, 1.5)  # noqa: E731
+    head, s, ratios = choose_head(ms, step, w, ratio, rule)
+    assert head == C(BF16, "fbgemm-int8@8+int8")
+    assert ratios[head] == 1.006 and rule not in ratios  # the rule passed with the layers
+    # scored by the step (the layers' 6 / 13.6 / 298 ms past the rule's head, plus its own)
+    # against the fastest head's at each batch (int4 at 1 and 512 rows, itself at 8)
+    assert s[head] == pytest.approx(
+        math.exp(0.25 * math.log(7.0 / 6.9) + 0.5 * math.log(300.0 / 298.9)), rel=1e-9
+    )
+    # a head no better than the rule by HEAD_GAIN leaves the rule
+    flat = {rule: {1: 2.0}, C(BF16, "onednn-bf16"): {1: 1.99}}
+    assert choose_head(flat, {1: 8.0}, {1: 1.0}, lambda c: 1.0, rule)[0] == rule
+    # nothing else passes: the rule
+    assert choose_head(ms, step, w, lambda c: 2.0, rule)[0] == rule
+
+
+def test_a_choice_with_its_head_round_trips_and_says_it():
+    import json
+
+    c = Choice(
+        BF16, "int4", "measured", ms={"bfloat16/int4": {1: 6.0}}, scores={"bfloat16/int4": 1.0},
+        head="fbgemm-int8@8+int8", head_ms={"fbgemm-int8@8+int8": {1: 1.0}, "int8": {1: 2.1}},
+        head_scores={"fbgemm-int8@8+int8": 1.0, "int8": 1.12},
+        head_perplexity_ratio={"fbgemm-int8@8+int8": 1.0061},
+    )  # fmt: skip
+    back = Choice.from_dict(json.loads(json.dumps(c.as_dict())), "cache")
+    assert back.head == "fbgemm-int8@8+int8" and back.head_ms["int8"] == {1: 2.1}
+    assert back.head_perplexity_ratio == {"fbgemm-int8@8+int8": 1.0061}
+    line = c.summary()
+    assert line.startswith("kernels bfloat16/int4, LM head fbgemm-int8@8+int8 (measured")
+    assert "LM heads: fbgemm-int8@8+int8 x1.00 (perplexity x1.006); int8 x1.12" in line
+
+
+def test_a_dynamic_int8_head_is_judged_as_it_runs():
+    from pd.worker.model.kernel_search import ChunkedLinear
+    from pd.worker.model.kernels import DynamicInt8Linear
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 32)
+    x = torch.randn(9, 32)
+    x[0] *= 50  # one row far larger: quantized together, the others lose their bits
+    layer = DynamicInt8Linear(w, None, "fbgemm")
+    exact = x @ w.t()
+    whole = (layer(x) - exact)[1:].abs().max()
+    chunked = ChunkedLinear(layer, 1)
+    per_row = (chunked(x) - exact)[1:].abs().max()
+    assert per_row < whole / 4  # a row at a time keeps each row's own scale
+    assert torch.equal(chunked(x)[3:4], layer(x[3:4]))  # the same kernel, a call per chunk
+    assert chunked.nbytes == layer.nbytes

@@ -217,3 +217,26 @@ def test_a_split_model_runs_one_row_on_its_small_format_and_a_chunk_on_its_large
     assert torch.equal(chunk["int4@1+none"], chunk["none"])  # 64 rows: the dense kernel
     assert torch.equal(one["int4@1+none"], one["int4"])  # one row: int4 (and its int8 head)
     assert not torch.equal(one["int4"], one["none"])
+
+
+def test_the_lm_head_takes_its_own_format_pinned_or_the_layers_rule():
+    from pd.config import WorkerConfig, format_at
+    from tests.model_fixtures import default_checkpoint, forward_chunk, make_runner
+
+    assert format_at("fbgemm-int8@8+int8", 8) == "fbgemm-int8"
+    assert format_at("fbgemm-int8@8+int8", 9) == "int8" and format_at("int8", 1) == "int8"
+    WorkerConfig(lm_head_quantization="fbgemm-int8@8+int8")
+    for bad, why in (("int3", "must be one of auto"), ("int8@0+none", "ROWS >= 1")):
+        with pytest.raises(ValueError, match="--lm-head-quantization") as e:
+            WorkerConfig(lm_head_quantization=bad)
+        assert why in str(e.value)
+    ids = default_checkpoint().tokenizer.encode(TEXT)[:8]
+    rule = make_runner(quantization="int4", keep_q4_1=True)
+    assert rule.lm_head_quantization == "int8"  # auto: the layers' rule
+    own = make_runner(quantization="int4", keep_q4_1=True, lm_head_quantization="none")
+    dense = make_runner(quantization="none")
+    assert own.lm_head_quantization == "none"
+    assert torch.equal(own.model.lm_head.weight, dense.model.lm_head.weight)
+    # the same int4 layers, another head: the logits differ by the head's rounding only
+    a, b = (forward_chunk(r, [0], ids, 0) for r in (rule, own))
+    assert not torch.equal(a, b) and (a - b).abs().mean() < 0.2
