@@ -178,20 +178,27 @@ def read_gbps(threads: int, gib: float = 1.0) -> float:
 
 
 def step_bytes_and_linear_ms(
-    quantization: str, dtype: torch.dtype, streams: list[int], context: int, threads: int
+    quantization: str,
+    dtype: torch.dtype,
+    streams: list[int],
+    context: int,
+    threads: int,
+    lm_head: str = "auto",
 ) -> tuple[int, dict[int, float], int]:
     """(weight bytes per step, {streams: linear-layers ms}, KV bytes per token of context)."""
     from pd.worker.checkpoint.default_model import default_model_path
     from pd.worker.checkpoint.loader import load_checkpoint
+    from pd.worker.model.quant import holds_int4
     from pd.worker.model.runner import ModelRunner
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(
-        default_model_path(), torch.float32, progress=False, keep_q4_1=quantization == "int4"
+        default_model_path(), torch.float32, progress=False, keep_q4_1=holds_int4(quantization)
     )
     runner = ModelRunner(
         ckpt.config, ckpt.weights, tp=1, dtype=dtype, device="cpu", num_pages=4,
         page_size=16, max_model_len=context + 16, quantization=quantization,
+        lm_head_quantization=lm_head,
     )  # fmt: skip
     model = runner.model
     layers = model.ranks[0].layers
@@ -302,14 +309,20 @@ async def measure_prefill(url: str, prompts: list[str]) -> dict:
 
 @dataclass(frozen=True)
 class Config:
-    """A worker's `--dtype` and `--quantization` (either may be `auto`)."""
+    """A worker's `--dtype`, `--quantization` (either may be `auto`) and
+    `--lm-head-quantization` (auto: measured with the layers, or the layers' rule)."""
 
     dtype: str
     quantization: str
+    head: str = "auto"
 
     @property
     def name(self) -> str:
-        return "auto" if self.is_default else f"{self.dtype}/{self.quantization}"
+        if self.is_default:
+            return "auto"
+        return f"{self.dtype}/{self.quantization}" + (
+            "" if self.head == "auto" else f"/{self.head}"
+        )
 
     @property
     def is_default(self) -> bool:
@@ -317,8 +330,8 @@ class Config:
 
 
 def parse_configs(text: str, formats: list[str]) -> list[Config]:
-    """`--configs`: `auto`, `DTYPE/QUANTIZATION` entries, or `all` (auto and every dtype with
-    every weight format this machine runs, `formats`)."""
+    """`--configs`: `auto`, `DTYPE/QUANTIZATION[/LM_HEAD]` entries, or `all` (auto and every
+    dtype with every weight format this machine runs, `formats`)."""
     from pd.config import quantization_error
     from pd.worker.model.autotune import DTYPES
 
@@ -326,12 +339,19 @@ def parse_configs(text: str, formats: list[str]) -> list[Config]:
         return [Config("auto", "auto")] + [Config(d, q) for d in DTYPES for q in formats]
     out = []
     for entry in text.split(","):
-        dtype, _, q = entry.strip().partition("/")
-        c = Config("auto", "auto") if dtype == "auto" and not q else Config(dtype, q or "auto")
+        dtype, _, rest = entry.strip().partition("/")
+        q, _, head = rest.partition("/")
+        c = (
+            Config("auto", "auto")
+            if dtype == "auto" and not rest
+            else Config(dtype, q or "auto", head or "auto")
+        )
         why = "" if c.quantization == "auto" else quantization_error(c.quantization)
+        if c.head != "auto":
+            why = why or quantization_error(c.head, "--lm-head-quantization")
         if c.dtype not in (*DTYPES, "auto") or why:
             raise SystemExit(
-                f"--configs: {entry!r} is not auto or DTYPE/QUANTIZATION (dtype one of "
+                f"--configs: {entry!r} is not auto or DTYPE/QUANTIZATION[/LM_HEAD] (dtype one of "
                 f"{', '.join(DTYPES)}; {why or 'quantization as --quantization takes it'})"
             )
         out.append(c)
@@ -342,6 +362,7 @@ def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
     cmd = [
         sys.executable, "-m", "pd.worker.main", "--role", "both", "--port", "0",
         "--dtype", config.dtype, "--quantization", config.quantization,
+        "--lm-head-quantization", config.head,
         "--threads", str(args.threads), *args.worker_args.split(),
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -463,7 +484,12 @@ def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
     ckpt = load_checkpoint(path, torch.float32, progress=False, keep_q4_1=True)
     ids = load_tokenizer(path).encode(shipped_text())
     judge = PerplexityJudge(ckpt.config, ckpt.weights, ids, 1, 32)
-    return {c.name: judge.ratio(Candidate(c.dtype, c.quantization)) for c in configs}
+    return {
+        c.name: judge.ratio(Candidate(c.dtype, c.quantization))
+        if c.head == "auto"
+        else judge.head_ratio(Candidate(c.dtype, c.quantization), Candidate(c.dtype, c.head))
+        for c in configs
+    }
 
 
 def targets(
@@ -591,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
         kernels[name] = k
         dtype = torch.float32 if k["dtype"] == "float32" else torch.bfloat16
         weight_bytes, linear_ms, kv_per_token = step_bytes_and_linear_ms(
-            k["quantization"], dtype, levels, context, threads
+            k["quantization"], dtype, levels, context, threads, k["lm_head"]["runs"]
         )
         if got["prefill"]:
             prefill[name] = round(got["prefill"]["prefill_tok_s"], 1)
@@ -635,7 +661,12 @@ def run(args: argparse.Namespace) -> int:
         "prefill_tok_s": prefill,
         "prompt_tokens": prompt_tokens,
         "kernels": {
-            n: {"dtype": k["dtype"], "quantization": k["quantization"], "how": k["how"]}
+            n: {
+                "dtype": k["dtype"],
+                "quantization": k["quantization"],
+                "lm_head": k["lm_head"]["runs"],
+                "how": k["how"],
+            }
             for n, k in kernels.items()
         },
         "auto_search": kernels.get("auto"),  # what auto measured (or read from its cache)

@@ -251,11 +251,14 @@ def test_pd_bench_engine_configs_parse_and_bad_ones_are_refused():
         Config("auto", "auto"), Config("bfloat16", "int4"), Config("float32", "auto")
     ]  # fmt: skip
     assert parse_configs("bfloat16/int4@8+onednn-bf16", [])[0].name == "bfloat16/int4@8+onednn-bf16"
+    headed = parse_configs("bfloat16/int4/fbgemm-int8@8+int8", [])[0]
+    assert headed == Config("bfloat16", "int4", "fbgemm-int8@8+int8")
+    assert headed.name == "bfloat16/int4/fbgemm-int8@8+int8"
     every = parse_configs("all", ["none", "int4"])
     assert [c.name for c in every] == [
         "auto", "float32/none", "float32/int4", "bfloat16/none", "bfloat16/int4"
     ]  # fmt: skip
-    for bad in ("float64/none", "bfloat16/int3", "bfloat16/int4@0+none"):
+    for bad in ("float64/none", "bfloat16/int3", "bfloat16/int4@0+none", "bfloat16/int4/int3"):
         with pytest.raises(SystemExit, match="--configs"):
             parse_configs(bad, [])
 

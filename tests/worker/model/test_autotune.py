@@ -315,3 +315,23 @@ def test_a_dynamic_int8_head_is_judged_as_it_runs():
     assert per_row < whole / 4  # a row at a time keeps each row's own scale
     assert torch.equal(chunked(x)[3:4], layer(x[3:4]))  # the same kernel, a call per chunk
     assert chunked.nbytes == layer.nbytes
+
+
+def test_the_judge_weighs_a_split_heads_small_half_at_its_rows_on_the_real_model():
+    from pd.worker.model.kernel_search import PerplexityJudge
+    from pd.worker.model.perplexity import shipped_text
+    from tests.model_fixtures import default_checkpoint
+
+    ckpt = default_checkpoint()
+    ids = ckpt.tokenizer.encode(shipped_text())[:160]
+    judge = PerplexityJudge(ckpt.config, ckpt.weights, ids, 1, 32)
+    layers = C(F32, "none")
+    whole = judge.head_ratio(layers, C(F32, "fbgemm-int8"))  # 159 rows quantized together
+    split = judge.head_ratio(layers, C(F32, "fbgemm-int8@1+none"))  # a row a call, dense above
+    assert split < whole and split < 1.02  # as decode runs it: each row its own scale
+    assert judge.head_ratio(layers, C(F32, "none")) == pytest.approx(1.0, abs=1e-4)
+    assert len(judge._hiddens) == 1  # the layers ran once for every head
+    # a weight-only half is judged once, whatever its rows
+    judge.head_ratio(layers, C(F32, "int8@8+none"))
+    assert (F32, "none", "int8", None) in judge._head_ratios
+    assert not any(k[2] == "int8" and k[3] is not None for k in judge._head_ratios)
