@@ -233,7 +233,8 @@ def time_heads(
     w = RandomWeights.make([head], 1).head[1]
     flush = torch.ones(int(FLUSH_BYTES) // 4)
     gen = torch.Generator().manual_seed(2)
-    ms, nbytes = {}, {}
+    ms: dict[Candidate, dict[int, float]] = {}
+    nbytes: dict[Candidate, int] = {}
     for fmt in formats:
         c = Candidate(dtype, fmt)
         layer = quant.make_linear(w, None, fmt, group_size, DTYPES[dtype], torch.device("cpu"))
@@ -369,13 +370,13 @@ class PerplexityJudge:
                 hidden = self._hidden(Candidate(layers.dtype, lq))
                 dtype = DTYPES[layers.dtype]
                 w = lm_head_weight(self.config, self.weights, dtype)
-                head: quant.Linear = quant.make_linear(
+                layer: quant.Linear = quant.make_linear(
                     w, None, fmt, self.group_size, dtype, torch.device("cpu")
                 )
                 if rows is not None:
-                    head = ChunkedLinear(head, rows)
+                    layer = ChunkedLinear(layer, rows)
                 with torch.inference_mode():
-                    p = perplexity_of(head(hidden), self.ids)
+                    p = perplexity_of(layer(hidden), self.ids)
                 self._head_ratios[key] = p / self.base()
                 at = "" if rows is None else f" on {rows} rows a call"
                 log.info("perplexity of %s/%s with an LM head %s%s: %.3f (%.1f s)",
