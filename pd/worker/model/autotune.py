@@ -101,10 +101,14 @@ def with_splits(
     ms: Mapping[Candidate, Mapping[int, float]],
     resident_bytes: Mapping[Candidate, float],
     budget_bytes: float,
+    seen: Mapping[int, int] | None = None,
 ) -> dict[Candidate, dict[int, float]]:
     """`ms` and every split of two single formats of one dtype (module docstring) whose weights
     together fit `budget_bytes`: SMALL's time up to ROWS rows, LARGE's above, ROWS each timed
-    batch size but the largest. Formats not timed at every batch (dropped) make no split."""
+    batch size but the largest. Formats not timed at every batch (dropped) make no split.
+    `seen`: the rows the layer gets at a batch, where not the batch's (the LM head gets one row
+    of a prefill chunk, so a split head runs SMALL there)."""
+    seen = seen or {}
     out = {c: dict(t) for c, t in ms.items()}
     rows = sorted({r for t in ms.values() for r in t})
     full = [c for c, t in ms.items() if not c.is_split and all(r in t for r in rows)]
@@ -116,7 +120,7 @@ def with_splits(
                 continue
             for limit in rows[:-1]:
                 split = Candidate(a.dtype, f"{a.quantization}@{limit}+{b.quantization}")
-                out[split] = {r: ms[a][r] if r <= limit else ms[b][r] for r in rows}
+                out[split] = {r: ms[a][r] if seen.get(r, r) <= limit else ms[b][r] for r in rows}
     return out
 
 

@@ -183,10 +183,12 @@ def _measured_head(
     rule)."""
     rule = Candidate(layers.dtype, head_quantization(layers.quantization))
     single, nbytes = time_heads(layers.dtype, formats, config, rows, chunk_size, group_size)
-    ms = with_splits(single, nbytes, split_budget_bytes())
+    seen = {chunk_size: 1}  # the head gets one row of a prefill chunk (time_heads times that)
+    ms = with_splits(single, nbytes, split_budget_bytes(), seen)
     if rule not in ms:  # a split beyond the memory budget: its parts' times
         ms[rule] = {
-            r: single[Candidate(rule.dtype, format_at(rule.quantization, r))][r] for r in rows
+            r: single[Candidate(rule.dtype, format_at(rule.quantization, seen.get(r, r)))][r]
+            for r in rows
         }
     head, head_scores, ratios = choose_head(
         ms, step_ms, role_w, lambda h: judge.head_ratio(layers, h), rule

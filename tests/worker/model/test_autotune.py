@@ -178,6 +178,9 @@ def test_splits_take_each_formats_time_on_its_side_of_the_rows():
     assert not any(c.is_split and ("slow" in c.quantization or c.dtype == F32) for c in out)
     assert len(out) == len(ms) + 4  # two orders x two limits
     assert with_splits(ms, nbytes, budget_bytes=300) == ms  # both formats do not fit
+    # an LM head gets one row of a prefill chunk: a split head runs its small half there
+    head = with_splits(ms, nbytes, budget_bytes=400, seen={512: 1})
+    assert head[C(BF16, "int4@8+onednn-bf16")] == {1: 5.0, 8: 15.0, 512: 600.0}
     assert C(BF16, "int4@8+onednn-bf16").parts == (C(BF16, "int4"), C(BF16, "onednn-bf16"))
 
 
