@@ -32,14 +32,18 @@ async def test_a_quantized_worker_gives_the_right_greedy_answer(quantization):
             async with http.get(f"{url}/health") as resp:
                 health = await resp.json()
             assert health["quantization"] == quantization
+            # Not "the capital of France": its first token is a near tie in this model ("The"
+            # against "L", -1.88 and -1.96 in fp32), an exact one with bf16 int4 on an AMD
+            # EPYC (Zen 4) and "Paris" on an Intel Xeon: the CPU's rounding picks the answer.
+            # Japan's first token leads by 2.5 logprobs (fp32, and bf16 int4 there).
             body = {
-                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "messages": [{"role": "user", "content": "What is the capital of Japan?"}],
                 "max_tokens": 16,
                 "temperature": 0,
             }
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 answer = await resp.json()
                 assert resp.status == 200, answer
-            assert "Paris" in answer["choices"][0]["message"]["content"]
+            assert "Tokyo" in answer["choices"][0]["message"]["content"]
     finally:
         stop(proc)
