@@ -52,3 +52,26 @@ def test_a_compiled_step_that_times_slower_is_never_installed():
     bg.decide(step, eager_ms=10.0, compiled_ms=8.0)
     assert bg.state == "on" and model.compiled_one_row is not None
     assert model.compiled_one_row(1, 2) == "logits" and calls == [(1, 2)]  # as served
+
+
+def test_inductors_cache_is_kept_apart_per_cpu_and_cap(monkeypatch, tmp_path):
+    from pd.worker.model.cpu_info import CpuInfo
+    from pd.worker.model.one_row import inductor_cache_name, use_pd_inductor_cache
+
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    cpu = CpuInfo("AMD EPYC", flags, 2, "x86_64", "AVX512")
+    capped = CpuInfo(
+        "AMD EPYC", frozenset({"avx2"}), 2, "x86_64", "AVX2", (("ATEN_CPU_CAPABILITY", "avx2"),)
+    )
+    name = inductor_cache_name(cpu)
+    assert name.startswith("avx512-bf16-") and name == inductor_cache_name(cpu)
+    assert inductor_cache_name(capped).startswith("avx2-") and inductor_cache_name(capped) != name
+    other = CpuInfo("Intel(R) Xeon(R)", flags, 2, "x86_64", "AVX512")
+    assert inductor_cache_name(other) != name
+    # use_pd_inductor_cache sets the variable itself: monkeypatch it first, so it is undone
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    assert use_pd_inductor_cache() == "/elsewhere"  # the user's own wins
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
+    path = use_pd_inductor_cache()
+    assert path.startswith(str(tmp_path / "inductor")) and path != str(tmp_path / "inductor")
