@@ -172,8 +172,11 @@ def assert_openai_answer(status: int, raw: bytes, content_type: str) -> None:
         assert "choices" in orjson.loads(raw)
 
 
-# CI runs a bounded number of examples; PD_FUZZ_EXAMPLES=5000 searches longer.
+# CI runs a bounded number of examples, the same ones every run (a random draw of 150 once
+# served 4 bodies, under the tests' "a good share was served" floor of 5: a flake, not a bug);
+# PD_FUZZ_EXAMPLES=5000 searches longer, on fresh random draws.
 EXAMPLES = int(os.environ.get("PD_FUZZ_EXAMPLES", "150"))
+DERANDOMIZE = "PD_FUZZ_EXAMPLES" not in os.environ
 
 
 def fuzz(
@@ -196,6 +199,7 @@ def fuzz(
 
     @settings(
         max_examples=EXAMPLES,
+        derandomize=DERANDOMIZE,
         deadline=None,
         database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],

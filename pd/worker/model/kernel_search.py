@@ -216,6 +216,9 @@ def time_candidates(
     return out, nbytes
 
 
+FLUSH_BYTES = 64e6  # read before each timed call of a head: it leaves the caches, as in a step
+
+
 def time_heads(
     dtype: str,
     formats: Sequence[str],
@@ -252,9 +255,6 @@ def time_heads(
             ms[c][r] = 1e3 * statistics.median(samples)
         nbytes[c] = _resident_bytes(layer)
     return ms, nbytes
-
-
-FLUSH_BYTES = 64e6
 
 
 class ChunkedLinear:
