@@ -8,14 +8,13 @@ and a good share are served. Raw bodies that are not JSON objects come too.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-import asyncio
-import os
-from collections.abc import Awaitable, Callable
-
 from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
