@@ -79,15 +79,12 @@ class StepBatch(Protocol):
     def riders(self) -> Sequence[tuple[int, StepRequest]]: ...  # (sampled row, a fork child)
 
 
-LM_HEAD = "lm_head.weight"  # its weights when not tied to the embedding's
-
-
 def lm_head_weight(
     config: ModelConfig, weights: Mapping[str, Weight], dtype: torch.dtype
 ) -> torch.Tensor:
     """The LM head's weights [V, hidden] as the runner builds its head from them: dense, in the
     compute dtype (the embedding's when tied)."""
-    w = weights["model.embed_tokens.weight" if config.tie_word_embeddings else LM_HEAD]
+    w = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     return (w.dequantize() if isinstance(w, GroupQuant) else w).to(dtype)
 
 
@@ -180,7 +177,7 @@ class ModelRunner:
             return w.to(device=self.device, dtype=dtype)
 
         embed = dense("model.embed_tokens.weight")
-        head = embed if config.tie_word_embeddings else dense(LM_HEAD)
+        head = embed if config.tie_word_embeddings else lm_head_weight(config, weights, dtype)
         # The LM head is the largest matrix a step reads: by default in the layers' kernel (int8
         # under int4 layers), or its own (--lm-head-quantization, measured by auto); the
         # embedding's lookup reads a row per token: it stays dense.
