@@ -11,7 +11,15 @@ ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral")
 # --quantization's values besides auto (pd.worker.model.quant.QUANTIZATIONS: what each means)
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "fbgemm-int8", "onednn-int8", "onednn-bf16")
+QUANTIZATION_CHOICES = (
+    "none",
+    "int8",
+    "int4",
+    "fbgemm-int8",
+    "onednn-int8",
+    "onednn-bf16",
+    "onednn-fp32",
+)
 
 
 def split_quantization(value: str, flag: str = "--quantization") -> tuple[str, int, str] | None:
@@ -162,8 +170,8 @@ class WorkerConfig:
         "auto; none elsewhere or with PD_KERNEL_SEARCH=0), none (dense in the dtype), int8 (weight-only, "
         "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
         "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
-        "quantized per call: quantized.linear_dynamic), onednn-bf16 (bf16 weights reordered for "
-        "oneDNN); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
+        "quantized per call: quantized.linear_dynamic), onednn-bf16 / onednn-fp32 (bf16 or fp32 "
+        "weights reordered for oneDNN); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
         "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16)",
     )
     lm_head_quantization: str = _flag(

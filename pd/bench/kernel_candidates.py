@@ -156,7 +156,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("fp32-mkl-packed", f32, "fp32", 32, "mkl._mkl_linear (packed for the batch)", 1e-4,
               _mkl_packed),
     Candidate("fp32-onednn", f32, "fp32", 32, "mkldnn._linear_pointwise (reordered)", 1e-4,
-              _onednn(f32)),
+              _onednn(f32), "--quantization onednn-fp32"),
     Candidate("bf16", bf16, "bf16", 16, "F.linear", 2e-2, _dense(bf16), "--dtype bfloat16"),
     Candidate("bf16-onednn", bf16, "bf16", 16, "mkldnn._linear_pointwise (reordered)", 2e-2,
               _onednn(bf16), "--quantization onednn-bf16"),

@@ -41,6 +41,12 @@ DTYPES = ("float32", "bfloat16")
 REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
 SPLIT_GAIN = 1.05  # a split (two formats resident) must score this much better than one format
 HEAD_GAIN = 1.01  # an LM head other than the layers' own must score this much better
+# The dtype the CPU prefers (bf16 where its products are native, else fp32) wins when its best
+# candidate scores within this of the other dtype's: only the linear layers are timed, and the
+# rest of a step (attention, norms, the K/V it reads) favours it. A tie otherwise fell either way
+# from one start to the next (bfloat16 and float32 `int4@1+onednn-bf16` on a Zen 4), and a
+# prefill and a decode worker falling apart would disagree on the KV dtype.
+DTYPE_TIE = 1.05
 
 
 @dataclass(frozen=True, order=True)
@@ -268,10 +274,12 @@ def choose(
     role_weights: Mapping[int, float],
     ratio_of: Callable[[Candidate], float],
     bound: float = PPL_BOUND,
+    prefer_dtype: str | None = None,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
     """(the choice, the role's scores, the perplexity ratios measured). The dtype is the best
     passing candidate's at `dtype_weights` (the same batches as `role_weights` for a co-located
-    worker); then the best passing format in that dtype at `role_weights`. `ratio_of` gives a
+    worker), or `prefer_dtype` when its best passing candidate there is within `DTYPE_TIE`;
+    then the best passing format in that dtype at `role_weights`. `ratio_of` gives a
     candidate's perplexity over the reference's; it is asked only of candidates tried, best
     first, and at most once each. Refuses (ValueError) when no candidate passes."""
     ratios: dict[Candidate, float] = {}
@@ -286,11 +294,16 @@ def choose(
         return ratios[c] <= bound
 
     role_scores = scores(ms, role_weights)
+    dtype_scores = scores(ms, dtype_weights)
     pool = list(ms)
-    if dict(dtype_weights) != dict(role_weights):
-        first = _best(pool, scores(ms, dtype_weights), passes)
-        if first is not None:
-            pool = [c for c in pool if c.dtype == first.dtype]
+    first = _best(pool, dtype_scores, passes)
+    if first is not None:
+        dtype = first.dtype
+        if prefer_dtype is not None and prefer_dtype != dtype:
+            alt = _best([c for c in pool if c.dtype == prefer_dtype], dtype_scores, passes)
+            if alt is not None and dtype_scores[alt] <= dtype_scores[first] * DTYPE_TIE:
+                dtype = prefer_dtype
+        pool = [c for c in pool if c.dtype == dtype]
     chosen = _best(pool, role_scores, passes)
     if chosen is None:
         raise ValueError(

@@ -76,6 +76,13 @@ class CpuInfo:
             return "AVX2"
         return self.arch
 
+    @property
+    def native_bf16(self) -> bool:
+        """Whether bf16 products run in hardware (AMX, AVX512-BF16, Arm's BF16), not converted."""
+        return self.kind in ("AMX", "AVX512-BF16") or (
+            self.arch in ("aarch64", "arm64") and "bf16" in self.flags
+        )
+
     def key_flags(self) -> dict[str, bool]:
         return {f: f in self.flags for f in KEY_FLAGS}
 

@@ -135,7 +135,8 @@ def resolve_kernels(
     # --compile runs single formats only (runner.py): no splits then
     ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)
-    chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio)
+    prefer = "bfloat16" if cpu.native_bf16 else "float32"
+    chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio, prefer_dtype=prefer)
     if head == "auto" and quantization == "auto":
         head_ms, head_scores, head_ratios, chosen_head = _measured_head(
             chosen, ms[chosen], formats, config, rows, chunk_size, group_size, role_w, judge

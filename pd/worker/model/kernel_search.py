@@ -37,7 +37,7 @@ from pd.worker.model import quant
 from pd.worker.model.autotune import REFERENCE, Candidate
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
-from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_BF16, onednn_bf16_refusal
+from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
 from pd.worker.model.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 from pd.worker.model.runner import ModelRunner, lm_head_weight
 
@@ -93,9 +93,7 @@ def formats_here(config: ModelConfig, tp: int, group_size: int) -> list[str]:
         for q, engine in DYNAMIC_INT8.items()
         if engine in torch.backends.quantized.supported_engines
     ]
-    if not onednn_bf16_refusal():
-        out.append(ONEDNN_BF16)
-    return out
+    return out + [q for q in ONEDNN_DTYPES if not onednn_refusal(q)]
 
 
 def _resident_bytes(layer: quant.Linear) -> int:

@@ -4,7 +4,13 @@ weight-only int8/int4 ones, and the builders `pd-bench kernels` times them with.
 - `onednn-bf16`: the weight in bf16, reordered once for oneDNN
   (`mkldnn._reorder_linear_weight`), multiplied by `mkldnn._linear_pointwise` (AMX or
   AVX512-BF16 dot products where the CPU has them). torch refuses the reorder on a CPU without a
-  bf16 path: `onednn_bf16_refusal` says so before a worker is built on it.
+  bf16 path: `onednn_refusal` says so before a worker is built on it.
+- `onednn-fp32`: the same with the weight in fp32: exact fp32 products (no bf16, no
+  quantization), in oneDNN's blocked layout made once rather than MKL's sgemm repacking the
+  weight at every call. Under the AVX2 cap on a Zen 4 (2 threads, the 30 layers' distinct
+  weights in turn) it took 51 ms a 32-row pass against F.linear's 76, 20 against 36 at one row,
+  578 against 709 at a 512-row chunk, and the LM head 18 against 26 ms at 32 rows
+  (docs/EXPERIMENTS.md section 13).
 - `fbgemm-int8` / `onednn-int8`: `quantized.linear_prepack` of per-channel symmetric int8 weights
   (`w = q * scale`, q in -127..127), `quantized.linear_dynamic` at each call: the activations are
   quantized per tensor to uint8 inside the kernel and the products summed in int32. With
@@ -32,6 +38,12 @@ from pd.worker.model.cpu_info import read_cpu_info
 # --quantization values that run here: the name and the quantized engine (None: oneDNN bf16)
 DYNAMIC_INT8 = {"fbgemm-int8": "fbgemm", "onednn-int8": "onednn"}
 ONEDNN_BF16 = "onednn-bf16"
+ONEDNN_FP32 = "onednn-fp32"
+ONEDNN_DTYPES = {ONEDNN_BF16: torch.bfloat16, ONEDNN_FP32: torch.float32}  # weights and products
+# The batch a weight's oneDNN layout is reordered for. 32 against 1, both dtypes, 30 layers'
+# distinct weights (Zen 4, 2 threads): bf16 11.0 against 12.1 ms a pass at one row, 306 against
+# 421 at a 512-row chunk; fp32 49 against 68 at 32 rows, 583 against 726 at 512.
+REORDER_ROWS = 32
 
 
 @contextmanager
@@ -93,15 +105,23 @@ def reduce_range_for(engine: str, flags: frozenset[str]) -> bool:
 
 
 @functools.cache
-def onednn_bf16_refusal() -> str:
-    """Why this CPU's torch cannot run oneDNN's bf16 linear ("" if it can): torch refuses the
-    reorder without a bf16 path (AVX512-BF16, AMX or AVX-NE-CONVERT)."""
+def onednn_refusal(quantization: str = ONEDNN_BF16) -> str:
+    """Why this CPU's torch cannot run oneDNN's linear of `quantization` ("" if it can): torch
+    refuses the bf16 reorder without a bf16 path (AVX512-BF16, AMX or AVX-NE-CONVERT), and
+    either without oneDNN."""
+    dtype = ONEDNN_DTYPES[quantization]
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN (mkldnn)"
     try:
-        w = reorder_onednn(torch.zeros(16, 16), torch.bfloat16, 1)
-        linear_onednn(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+        w = reorder_onednn(torch.zeros(16, 16), dtype, 1)
+        linear_onednn(torch.zeros(1, 16, dtype=dtype), w)
     except (RuntimeError, NotImplementedError) as e:
         return str(e).splitlines()[0][:160]
     return ""
+
+
+def onednn_bf16_refusal() -> str:
+    return onednn_refusal(ONEDNN_BF16)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -109,21 +129,30 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 class OneDnnLinear:
-    """bf16 weights reordered for oneDNN; activations in bf16 inside, the model's dtype out."""
+    """Weights in bf16 (`onednn-bf16`) or fp32 (`onednn-fp32`) reordered for oneDNN; activations
+    in that dtype inside, the model's dtype out."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int = 1) -> None:
-        why = onednn_bf16_refusal()
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        quantization: str = ONEDNN_BF16,
+        rows: int = REORDER_ROWS,
+    ) -> None:
+        why = onednn_refusal(quantization)
         if why:
             raise ValueError(
-                f"--quantization {ONEDNN_BF16}: this CPU's torch has no oneDNN bf16 linear "
-                f"({why}); use --quantization none or auto"
+                f"--quantization {quantization}: this CPU's torch has no oneDNN "
+                f"{str(ONEDNN_DTYPES[quantization]).removeprefix('torch.')} linear ({why}); "
+                "use --quantization none or auto"
             )
-        self.weight = reorder_onednn(weight, torch.bfloat16, rows)
+        self.dtype = ONEDNN_DTYPES[quantization]
+        self.weight = reorder_onednn(weight, self.dtype, rows)
         self.bias = bias
-        self.nbytes = weight.numel() * 2 + _nbytes(bias)
+        self.nbytes = weight.numel() * self.dtype.itemsize + _nbytes(bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_onednn(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        y = linear_onednn(x.to(self.dtype), self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,6 +1,6 @@
 """The linear layers `--quantization` picks (`QUANTIZATIONS`), and the weight-only quantized
 ones on torch's CPU kernels (`int8`, `int4`); `fbgemm-int8`, `onednn-int8` and `onednn-bf16` are
-in kernels.py.
+in kernels.py, with `onednn-fp32` (fp32 weights in oneDNN's layout: dense, exact).
 
 - int8: per output channel, symmetric (`w = q * scale`, q in -127..127);
   `torch.ops.aten._weight_int8pack_mm`.
@@ -31,7 +31,7 @@ from pd.config import QUANTIZATION_CHOICES, quantization_error, split_quantizati
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.kernels import (
     DYNAMIC_INT8,
-    ONEDNN_BF16,
+    ONEDNN_DTYPES,
     DynamicInt8Linear,
     OneDnnLinear,
     per_channel_int8,
@@ -40,8 +40,8 @@ from pd.worker.model.kernels import (
 # What `--quantization` takes besides `auto` (config.py): the weight format and kernel of the
 # linear layers. none: dense in the compute dtype (F.linear); int8: weight-only int8 per channel
 # (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
-# and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16:
-# bf16 weights reordered for oneDNN.
+# and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16
+# and onednn-fp32: bf16 or fp32 weights reordered for oneDNN.
 QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
 
 
@@ -239,8 +239,8 @@ def make_linear(
         return Int8Linear(dense, b, dtype)
     if quantization in DYNAMIC_INT8:
         return DynamicInt8Linear(dense, b, DYNAMIC_INT8[quantization])
-    if quantization == ONEDNN_BF16:
-        return OneDnnLinear(dense, b)
+    if quantization in ONEDNN_DTYPES:
+        return OneDnnLinear(dense, b, quantization)
     if quantization == "none":
         return DenseLinear(dense.to(device=device, dtype=dtype).contiguous(), b)
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")

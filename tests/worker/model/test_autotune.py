@@ -105,6 +105,26 @@ def test_a_pd_role_takes_the_dtype_of_the_co_located_choice():
     assert choose(ms, dtype_w, role_w, ok)[0] == C(F32, "int8")
 
 
+def test_a_near_tie_between_dtypes_goes_to_the_one_the_cpu_prefers():
+    ms = {
+        C(F32, "int4"): {1: 10.0, 512: 300.0},
+        C(BF16, "int4"): {1: 10.2, 512: 306.0},  # 2% slower: a tie
+        C(BF16, "none"): {1: 40.0, 512: 400.0},
+    }
+    ok = lambda c: 1.0  # noqa: E731
+    w = {1: 0.5, 512: 0.5}
+    assert choose(ms, w, w, ok)[0] == C(F32, "int4")
+    assert choose(ms, w, w, ok, prefer_dtype=BF16)[0] == C(BF16, "int4")
+    assert choose(ms, w, {512: 1.0}, ok, prefer_dtype=BF16)[0] == C(BF16, "int4")
+    # beyond DTYPE_TIE the faster dtype wins whatever the preference
+    ms[C(BF16, "int4")] = {1: 11.0, 512: 330.0}
+    assert choose(ms, w, w, ok, prefer_dtype=BF16)[0] == C(F32, "int4")
+    # a preferred dtype whose candidates all fail the bound is not taken
+    bad = lambda c: 2.0 if c.dtype == BF16 else 1.0  # noqa: E731
+    ms[C(BF16, "int4")] = {1: 10.0, 512: 300.0}
+    assert choose(ms, w, w, bad, prefer_dtype=BF16)[0] == C(F32, "int4")
+
+
 def test_a_choice_round_trips_through_json_and_says_what_chose_it():
     c = Choice(
         F32, "int4", "measured",

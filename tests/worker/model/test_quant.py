@@ -127,16 +127,19 @@ def test_perplexity_of_quantized_weights_stays_near_the_unquantized_models():
         assert p <= base * 4, q
 
 
-@pytest.mark.parametrize("quantization", ["fbgemm-int8", "onednn-int8", "onednn-bf16"])
+@pytest.mark.parametrize(
+    "quantization", ["fbgemm-int8", "onednn-int8", "onednn-bf16", "onednn-fp32"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_onednn_and_fbgemm_layers_compute_x_wt_in_either_dtype(quantization, dtype):
-    from pd.worker.model.kernels import onednn_bf16_refusal
+    from pd.worker.model.kernels import onednn_refusal
     from pd.worker.model.quant import make_linear
 
-    if quantization == "onednn-bf16" and onednn_bf16_refusal():
-        with pytest.raises(ValueError, match="no oneDNN bf16 linear"):
-            make_linear(torch.randn(8, 16), None, quantization, 32, dtype, torch.device("cpu"))
-        return
+    if quantization.startswith("onednn-") and quantization != "onednn-int8":
+        if onednn_refusal(quantization):
+            with pytest.raises(ValueError, match="no oneDNN"):
+                make_linear(torch.randn(8, 16), None, quantization, 32, dtype, torch.device("cpu"))
+            return
     torch.manual_seed(0)
     w, x, bias = torch.randn(96, 128), torch.randn(5, 128), torch.randn(96)
     layer = make_linear(w, bias.to(dtype), quantization, 32, dtype, torch.device("cpu"))
@@ -145,7 +148,27 @@ def test_the_onednn_and_fbgemm_layers_compute_x_wt_in_either_dtype(quantization,
     assert y.dtype == dtype and y.shape == ref.shape
     # 8-bit weights and activations (7 bits with reduce_range), or bf16: a few percent at most
     assert (y.float() - ref).abs().max() < 0.07 * ref.abs().max()
-    assert layer.nbytes < w.numel() * 4
+    if quantization == "onednn-fp32":  # fp32 weights and products: F.linear's answer
+        assert layer.nbytes == w.numel() * 4 + bias.numel() * dtype.itemsize
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    else:
+        assert layer.nbytes < w.numel() * 4
+
+
+def test_onednn_fp32_layers_give_the_dense_models_logits():
+    """The whole model on oneDNN's fp32 layers (and head) answers as the dense fp32 one does:
+    the same products in another layout, so only summation order differs."""
+    from pd.worker.model.kernels import onednn_refusal
+    from tests.model_fixtures import forward_chunk, make_runner
+
+    if onednn_refusal("onednn-fp32"):
+        pytest.skip(f"no oneDNN fp32 linear here: {onednn_refusal('onednn-fp32')}")
+    prompt = list(range(100, 140))
+    dense = forward_chunk(make_runner(lm_head_quantization="none"), [0, 1, 2], prompt, 0)
+    onednn = forward_chunk(make_runner(quantization="onednn-fp32"), [0, 1, 2], prompt, 0)
+    torch.testing.assert_close(onednn, dense, rtol=1e-3, atol=2e-3)
+    assert torch.equal(onednn.argmax(-1), dense.argmax(-1))
 
 
 def test_reduce_range_is_dropped_only_for_fbgemm_with_vnni():
