@@ -158,6 +158,22 @@ def test_pure_decode_different_lengths() -> None:
     assert_close(out, ref, FP32_TOL, "decode")
 
 
+def test_a_large_fp32_decode_batch_runs_the_matmul_path_to_the_same_answer() -> None:
+    from pd.worker.model.attention.torch_backend import MATMUL_DECODE_ROWS
+
+    lens = [1, 4, 5, 17, 33, 2, 9, 12, 40, 3][: max(MATMUL_DECODE_ROWS, 10)]
+    assert len(lens) >= MATMUL_DECODE_ROWS
+    h = Harness(lens)
+    h.fill([n - 1 for n in lens])
+    out, ref = h.step(TorchAttentionBackend(), [(n - 1, 1) for n in lens])
+    assert_close(out, ref, FP32_TOL, "decode, matmul path")
+    # and beside prefill chunks (the decode rows picked out of q)
+    h = Harness([*lens, 11])
+    h.fill([n - 1 for n in lens] + [4])
+    out, ref = h.step(TorchAttentionBackend(), [(n - 1, 1) for n in lens] + [(4, 7)])
+    assert_close(out, ref, FP32_TOL, "mixed, matmul path")
+
+
 def test_mixed_batch() -> None:
     lens = [9, 22, 3, 14, 8]
     chunks = [(8, 1), (15, 7), (0, 3), (13, 1), (4, 4)]  # decode, chunk, prefill, decode, chunk
