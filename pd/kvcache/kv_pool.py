@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from pd.kvcache.huge_pages import advise_huge_pages
+
 
 def bytes_per_page(
     num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype
@@ -62,13 +64,16 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        # NOTE: zeros, not empty: a page read before it is written (a bug elsewhere) then gives
-        # finite numbers, and a transferred page never carries another process's stale bytes.
-        self.buffer = torch.zeros(
+        # NOTE: zeroed, not left empty: a page read before it is written (a bug elsewhere) then
+        # gives finite numbers, and a transferred page never carries another process's stale
+        # bytes. On a CPU, huge pages are asked for before the zeroing touches the memory.
+        self.buffer = torch.empty(
             (num_pages, num_layers, 2, num_kv_heads, page_size, head_dim),
             dtype=dtype,
             device=self.device,
         )  # [N, L, 2, Hkv, P, D]
+        self.huge_page_bytes = advise_huge_pages(self.buffer)
+        self.buffer.zero_()
         # For `rows_of`: the buffer as rows of head_dim items, a page spans `_page_rows` rows;
         # within a page, the row of slot 0 of each (layer, K/V, head).
         rows = [s // head_dim for s in self.buffer.stride()[:4]]
