@@ -5,8 +5,8 @@ perplexity on the shipped text for the candidates the rule asks about.
 Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of each layer, built
 by `quant.make_linear` from random weights of those shapes: a kernel's time does not depend on
 the values), every layer distinct up to `WEIGHT_BUDGET` (`layer_groups`), run in the model's
-order, a warm-up pass and then `reps` passes; a step's time is the median pass scaled to the
-layer count and TP ranks (one process drives every rank in turn), plus the LM head at the
+order, all candidates side by side in rounds (`time_candidates`); a step's time is the fastest
+round's pass scaled to the layer count and TP ranks (one process drives every rank in turn), plus the LM head at the
 step's sampled rows (one at a prefill chunk). Distinct layers matter: one layer of each shape
 called again and again stays in the core's L2, and at decode batches a kernel that reads twice
 the bytes then times the same as one that reads half (int8 against int4 here: 5.3 against 5.6
@@ -15,10 +15,12 @@ candidate's compute dtype, so the layers' conversions are in the time; the rest 
 (attention, norms) is not. A batch of `COMPUTE_ROWS` or more (a prefill chunk) is compute-bound
 and timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
 timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
-candidates would otherwise spend seconds a pass at a prefill chunk. The smallest batch drops
-nothing (`DropRule`): there a format's time is the bytes it reads, and one that reads 4x the
-bytes (bf16 against int4) can still be the fastest at a prefill chunk, the large half of a split
-(dropped at one row under a noisy neighbour, onednn-bf16 was in no split). Only the layers are
+candidates would otherwise spend seconds a pass at a prefill chunk. A batch under
+`DROP_FROM_ROWS` drops nothing (`DropRule`): there a format's time is the bytes it reads, and
+one that reads 4x the bytes (bf16 against int4) can still be the fastest at a prefill chunk,
+the large half of a split (dropped at one row under a noisy neighbour, onednn-bf16 was in no
+split; under the AVX2 cap fp32 `none`, 5.7x fbgemm-int8 at 8 rows, was dropped there and
+never timed at 512, where it is within 10% of the best that passes the perplexity bound). Only the layers are
 built; the perplexity builds the whole model (a `ModelRunner`) in that configuration.
 """
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +46,8 @@ from pd.worker.model.runner import ModelRunner, lm_head_weight
 log = logging.getLogger(__name__)
 
 DROP_FACTOR = 4.0
-LONG_PASS_S = 0.25  # a pass this long is timed once after its warm-up, not `reps` times
+DROP_FROM_ROWS = 32  # below this a step's time is mostly its weights' bytes: nothing is dropped
+LONG_PASS_S = 0.25  # a first pass this long is the candidate's only one at that batch
 # A batch this large is compute-bound: timed on the first COMPUTE_GROUPS layer groups only
 # (scaled to the model's layers), where the weights' traffic hardly counts (a prefill chunk's
 # pass over all 30 layers took ~1.6 s a candidate, a third of a search).
@@ -134,62 +137,58 @@ class RandomWeights:
         )
 
 
-def _median_round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]], reps: int) -> float:
-    """The median time of one pass through `calls`, after a warm-up pass (the first call of a
-    layer packs and allocates); a pass over `LONG_PASS_S` is timed once more only."""
+def _round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]]) -> float:
+    """Seconds of one pass through `calls`."""
     t = time.perf_counter()
     for layer, x in calls:
         layer(x)
-    if time.perf_counter() - t > LONG_PASS_S:
-        reps = 1
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for layer, x in calls:
-            layer(x)
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+    return time.perf_counter() - t
 
 
-def time_candidate(
-    c: Candidate,
-    weights: RandomWeights,
-    rows: Sequence[int],
-    prefill_rows: int,
-    group_size: int,
-    reps: int = 3,
-    go_on: Callable[[int, float], bool] = lambda rows, ms: True,
-) -> tuple[dict[int, float], int]:
-    """(ms of a step's linear layers per batch in `rows`, the bytes its weights hold); a batch
-    of `prefill_rows` samples one row at the LM head. A pass runs every layer group in the
-    model's order, so each call reads weights the last one did not leave in the caches, as a
-    step does; a step is the pass scaled to the model's layer count, plus the head. After each
-    batch `go_on(rows, ms)` says whether to time the next (False: the rest are left out)."""
-    dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
-    gen = torch.Generator().manual_seed(1)
-    layers = [
-        [(s, quant.make_linear(w, None, c.quantization, group_size, dtype, cpu)) for s, w in group]
-        for group in weights.layers
-    ]
-    head_shape, head_w = weights.head
-    head = quant.make_linear(
-        head_w, None, quant.head_quantization(c.quantization), group_size, dtype, cpu
-    )
-    count = weights.layers[0][0][0].count  # the model's layers of each shape
-    out: dict[int, float] = {}
-    for r in rows:
-        xs = {s.name: torch.randn(r, s.inp, generator=gen).to(dtype) for s, _ in layers[0]}
-        # a batch of COMPUTE_ROWS or more is timed on a few of the layers (module docstring)
-        timed = layers if r < COMPUTE_ROWS else layers[:COMPUTE_GROUPS]
+@dataclass
+class BuiltCandidate:
+    """A candidate's layers (`groups` of each shape, in the model's order) and LM head, built
+    from `RandomWeights`; `count`: the model's layers of each shape."""
+
+    candidate: Candidate
+    layers: list[list[tuple[LinearShape, quant.Linear]]]
+    head_shape: LinearShape
+    head: quant.Linear
+    count: int
+
+    @staticmethod
+    def build(c: Candidate, weights: RandomWeights, group_size: int) -> BuiltCandidate:
+        dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
+        layers = [
+            [(s, quant.make_linear(w, None, c.quantization, group_size, dtype, cpu)) for s, w in g]
+            for g in weights.layers
+        ]
+        head_shape, head_w = weights.head
+        head_q = quant.head_quantization(c.quantization)
+        head = quant.make_linear(head_w, None, head_q, group_size, dtype, cpu)
+        return BuiltCandidate(c, layers, head_shape, head, weights.layers[0][0][0].count)
+
+    @property
+    def nbytes(self) -> int:
+        """Its weights' bytes, scaled to the model's layer count."""
+        body = sum(_resident_bytes(layer) for group in self.layers for _, layer in group)
+        return int(body * self.count / len(self.layers)) + _resident_bytes(self.head)
+
+    def calls(
+        self, rows: int, prefill_rows: int, gen: torch.Generator
+    ) -> tuple[
+        list[tuple[quant.Linear, torch.Tensor]], list[tuple[quant.Linear, torch.Tensor]], float
+    ]:
+        """(a pass's layer calls, the head's call, the factor from the layers timed to the
+        model's): a batch of COMPUTE_ROWS or more runs a few layer groups (module docstring),
+        and a batch of `prefill_rows` samples one row at the head."""
+        dtype = DTYPES[self.candidate.dtype]
+        xs = {s.name: torch.randn(rows, s.inp, generator=gen).to(dtype) for s, _ in self.layers[0]}
+        timed = self.layers if rows < COMPUTE_ROWS else self.layers[:COMPUTE_GROUPS]
         body = [(layer, xs[s.name]) for group in timed for s, layer in group]
-        n = 1 if r == prefill_rows else r
-        h = torch.randn(n, head_shape.inp, generator=gen).to(dtype)
-        ms = _median_round_s(body, reps) * count / len(timed) + _median_round_s([(head, h)], reps)
-        out[r] = 1e3 * ms
-        if not go_on(r, out[r]):
-            break
-    nbytes = sum(_resident_bytes(layer) for group in layers for _, layer in group)
-    return out, int(nbytes * count / len(layers)) + _resident_bytes(head)
+        n = 1 if rows == prefill_rows else rows
+        h = torch.randn(n, self.head_shape.inp, generator=gen).to(dtype)
+        return body, [(self.head, h)], self.count / len(timed)
 
 
 def time_candidates(
@@ -199,19 +198,44 @@ def time_candidates(
     rows: Sequence[int],
     prefill_rows: int,
     group_size: int,
+    reps: int = 3,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
-    """(ms per candidate per batch, bytes of each candidate's weights): each candidate in turn,
-    the batches smallest first, while `DropRule` lets it go on (a dropped one is not timed at the
-    larger batches: it scores infinity)."""
+    """(ms of a step's linear layers per candidate per batch in `rows`, the bytes each one's
+    weights hold). A pass runs every layer group in the model's order, so each call reads
+    weights the last one did not leave in the caches, as a step does; a step is the pass scaled
+    to the model's layer count, plus the head (one row of it at a batch of `prefill_rows`).
+
+    Every candidate is built up front and each batch, smallest first, is timed in `reps` rounds
+    of one pass of every candidate still in, the order rotated from round to round (a pass over
+    `LONG_PASS_S` in the first round ends that candidate's rounds there). So a slow spell of
+    the machine (a neighbour's burst, seconds long) falls on them all instead of on whichever
+    was being timed: timed one after another, a kernel's figure moved by 40% from one search to
+    the next on a noisy two-core machine, and a search under the AVX2 cap chose bfloat16
+    because float32/int4 had timed 17.4 ms at one row (10.5 in other searches). A candidate's
+    time is its fastest round: noise only adds time, and the first round, where a kernel packs,
+    allocates and builds its primitives for the batch, is its warm-up. After each batch
+    `DropRule` leaves out the candidates far behind: not timed at the larger batches, they
+    score infinity."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     weights = RandomWeights.make(shapes, layer_groups(shapes))
+    built = [BuiltCandidate.build(c, weights, group_size) for c in cands]
+    gen = torch.Generator().manual_seed(1)
     rule = DropRule(rows)
-    out, nbytes = {}, {}
-    for c in cands:  # each built once, timed batch by batch while it is not far behind
-        out[c], nbytes[c] = time_candidate(
-            c, weights, rows, prefill_rows, group_size, go_on=rule.go_on
-        )
-    return out, nbytes
+    out: dict[Candidate, dict[int, float]] = {c: {} for c in cands}
+    timed = built
+    for r in rows:
+        calls = [(b.candidate, *b.calls(r, prefill_rows, gen)) for b in timed]
+        samples: dict[Candidate, list[float]] = {c: [] for c, *_ in calls}
+        for k in range(reps):
+            for c, body, head, scale in calls[k % len(calls) :] + calls[: k % len(calls)]:
+                if k == 0 or samples[c][0] <= LONG_PASS_S:
+                    samples[c].append(_round_s(body) * scale + _round_s(head))
+        for c, s in samples.items():
+            out[c][r] = 1e3 * min(s)
+        # the fastest first, so that the drop rule knows the pace before it judges the others
+        kept = {c for c in sorted(samples, key=lambda c: out[c][r]) if rule.go_on(r, out[c][r])}
+        timed = [b for b in timed if b.candidate in kept]
+    return out, {b.candidate: b.nbytes for b in built}
 
 
 FLUSH_BYTES = 64e6  # read before each timed call of a head: it leaves the caches, as in a step
@@ -271,8 +295,8 @@ class ChunkedLinear:
 
 class DropRule:
     """Whether a candidate just timed at a batch is timed at the next (larger) one: when it is
-    within `DROP_FACTOR` of the fastest timed so far at that batch, or the batch is the
-    smallest (where time is bytes read: see the module's note)."""
+    within `DROP_FACTOR` of the fastest timed so far at that batch, or the batch is under
+    `DROP_FROM_ROWS` rows, or the smallest (where time is bytes read: the module's note)."""
 
     def __init__(self, rows: Sequence[int]) -> None:
         self.smallest = min(rows)
@@ -280,7 +304,8 @@ class DropRule:
 
     def go_on(self, rows: int, ms: float) -> bool:
         self.best[rows] = min(self.best.get(rows, ms), ms)
-        return rows == self.smallest or ms <= DROP_FACTOR * self.best[rows]
+        spared = rows == self.smallest or rows < DROP_FROM_ROWS
+        return spared or ms <= DROP_FACTOR * self.best[rows]
 
 
 class PerplexityJudge:
@@ -328,11 +353,11 @@ class PerplexityJudge:
         return p
 
     def ratio(self, c: Candidate) -> float:
-        r = self.perplexity(c) / self.base()
-        self._head_ratios[
-            (c.dtype, c.quantization, quant.head_quantization(c.quantization), None)
-        ] = r
-        return r
+        """`c`'s perplexity (with its own head) over the reference's, measured once."""
+        key = (c.dtype, c.quantization, quant.head_quantization(c.quantization), None)
+        if key not in self._head_ratios:
+            self._head_ratios[key] = self.perplexity(c) / self.base()
+        return self._head_ratios[key]
 
     def base(self) -> float:
         if self._base is None:

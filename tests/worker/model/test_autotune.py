@@ -230,13 +230,12 @@ def test_a_split_wins_only_by_a_margin_and_only_when_both_its_formats_pass():
 
 
 def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_bytes():
-    from pd.worker.model.autotune import Candidate
     from pd.worker.model.config import ModelConfig
     from pd.worker.model.kernel_search import (
         RandomWeights,
         layer_groups,
         linear_shapes,
-        time_candidate,
+        time_candidates,
     )
 
     cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
@@ -250,24 +249,45 @@ def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_byt
         "qkv", "o", "gate_up", "down"
     ]  # fmt: skip
     assert not torch.equal(weights.layers[0][0][1], weights.layers[1][0][1])  # distinct
-    ms, nbytes = time_candidate(Candidate(F32, "none"), weights, [1, 32], 32, 32, reps=1)
-    assert set(ms) == {1, 32} and all(v > 0 for v in ms.values())
+    cands = [C(F32, "none"), C(F32, "int8"), C(F32, "int8@1+none")]
+    ms, nbytes = time_candidates(cands, cfg, 1, [1, 32], 32, 32, reps=2)
+    assert all(set(ms[c]) == {1, 32} and all(v > 0 for v in ms[c].values()) for c in cands)
     params = 6 * per_layer // 4 + cfg.vocab_size * cfg.hidden_size
-    assert nbytes == params * 4  # 6 layers (3 per timed group) and the head, fp32
-    _, split = time_candidate(Candidate(F32, "int8@1+none"), weights, [1], 32, 32, reps=1)
-    _, int8 = time_candidate(Candidate(F32, "int8"), weights, [1], 32, 32, reps=1)
-    assert split == nbytes + int8  # a split holds both formats
+    assert nbytes[C(F32, "none")] == params * 4  # 6 layers and the head, fp32
+    # a split holds both formats
+    assert nbytes[C(F32, "int8@1+none")] == nbytes[C(F32, "none")] + nbytes[C(F32, "int8")]
 
 
-def test_the_drop_rule_spares_the_smallest_batch():
+def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monkeypatch):
+    from pd.worker.model import kernel_search
+    from pd.worker.model.config import ModelConfig
+
+    cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
+    slow = C(F32, "int8")
+    real = kernel_search.BuiltCandidate.calls
+
+    def calls(self, rows, prefill_rows, gen):  # int8's layers 20x slower past one row
+        body, head, scale = real(self, rows, prefill_rows, gen)
+        return body, head, scale * (20 if self.candidate == slow and rows > 1 else 1)
+
+    monkeypatch.setattr(kernel_search.BuiltCandidate, "calls", calls)
+    rows = [1, 8, 32, 64]
+    ms, _ = kernel_search.time_candidates([C(F32, "none"), slow], cfg, 1, rows, 64, 32)
+    assert set(ms[C(F32, "none")]) == set(rows)
+    assert set(ms[slow]) == {1, 8, 32}  # found far behind at 32 rows, left out after
+
+
+def test_the_drop_rule_spares_the_batches_where_time_is_bytes_read():
     from pd.worker.model.kernel_search import DROP_FACTOR, DropRule
 
-    rule = DropRule([1, 8, 512])
-    assert rule.go_on(1, 8.0) and rule.go_on(8, 20.0)  # the first candidate sets the pace
+    rule = DropRule([1, 8, 32, 512])
+    assert rule.go_on(1, 8.0) and rule.go_on(8, 11.0)  # the first candidate sets the pace
     # bf16 dense reads 4x int4's bytes: 5x slower at one row, but timed on (fastest at 512)
-    assert rule.go_on(1, 42.0) and rule.go_on(8, 39.0)
-    assert not rule.go_on(8, 20.0 * DROP_FACTOR * 1.01)  # far behind past the smallest: dropped
+    assert rule.go_on(1, 42.0) and rule.go_on(8, 63.0)  # 5.7x at 8 rows: spared too
+    assert rule.go_on(32, 27.0) and not rule.go_on(32, 27.0 * DROP_FACTOR * 1.01)
     assert rule.go_on(512, 60.0) and rule.go_on(512, 240.0) and not rule.go_on(512, 241.0)
+    # a search whose smallest batch is a prefill chunk spares that one
+    assert DropRule([512]).go_on(512, 1.0) and DropRule([512]).go_on(512, 1e9)
 
 
 def test_the_lm_head_is_scored_by_the_step_it_makes_and_must_beat_the_layers_own():
