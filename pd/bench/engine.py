@@ -493,12 +493,20 @@ def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
 
 
 def targets(
-    runs: list[dict], prefill: dict[str, float], llama: dict, ppl: dict, duel: dict | None = None
+    runs: list[dict],
+    prefill: dict[str, float],
+    llama: dict,
+    ppl: dict,
+    duel: dict | None = None,
+    duels: dict[int, dict] | None = None,
 ) -> dict:
     """The issue's ratios from this run: the default against llama.cpp, and against the best
     explicit configuration within the quality bound at 1 and 32 streams. With a head-to-head
     (`head_to_head`), the 1-stream ratio is its medians'; `..._separately` keeps the ratio of
-    each server's own measurement."""
+    each server's own measurement. Likewise against the best explicit configuration: where
+    `duels` (`default_against_best`) measured the default in turns with that one, the ratio of
+    those medians, the separate one beside it."""
+    duels = duels or {}
     from pd.worker.model.autotune import PPL_BOUND
 
     rate = {(r["config"], r["streams"]): r["tok_s"] for r in runs}
@@ -511,10 +519,12 @@ def targets(
         }
         if ("auto", n) in rate and explicit:
             best = max(explicit, key=explicit.__getitem__)
-            out[f"default_over_best_{n}"] = {
-                "best": best,
-                "ratio": round(rate["auto", n] / explicit[best], 3),
-            }
+            separately = round(rate["auto", n] / explicit[best], 3)
+            out[f"default_over_best_{n}"] = (
+                {"best": best, "ratio": duels[n]["ratio"], "separately": separately}
+                if duels.get(n, {}).get("best") == best
+                else {"best": best, "ratio": separately}
+            )
     one = llama.get("tok_s_1_stream")
     if one:
         for n in (1, 32):
@@ -574,6 +584,63 @@ def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
     }
 
 
+DUEL_ROUNDS = 3
+
+
+def fastest_explicit(runs: list[dict], levels: list[int]) -> dict[int, str]:
+    """Streams -> the explicit configuration with the most tok/s at that many streams (the
+    default measured there too)."""
+    out = {}
+    for n in levels:
+        rates = {r["config"]: r["tok_s"] for r in runs if r["streams"] == n}
+        explicit = {c: t for c, t in rates.items() if c != "auto"}
+        if "auto" in rates and explicit:
+            out[n] = max(explicit, key=explicit.__getitem__)
+    return out
+
+
+def default_against_best(
+    args, configs: dict[str, Config], best: dict[int, str], rounds: int = DUEL_ROUNDS
+) -> dict[int, dict]:
+    """The default and the fastest explicit configuration at each level (`best`), both servers
+    up at once and measured in turns `rounds` times, as `head_to_head`: measured each in its
+    own minutes, the same kernels compared by the machine's drift (under the AVX2 cap auto ran
+    0.79-0.87x float32/onednn-fp32 at 32 streams in three runs, while its 32-row step holds
+    onednn-fp32's layers and timed the same in process, 91.4 against 92.0 ms). Streams -> the
+    rival, both sides' tok/s and the ratio of the medians."""
+    out: dict[int, dict] = {}
+    for rival in dict.fromkeys(best.values()):
+        levels = [n for n, c in best.items() if c == rival]
+        procs = []
+        try:
+            procs.append(start_worker(args, Config("auto", "auto")))
+            procs.append(start_worker(args, configs[rival]))
+            (_, ours), (_, theirs) = procs
+            wait_for_background_compile(ours)
+            for url in (ours, theirs):  # warm-ups
+                for n in levels:
+                    asyncio.run(measure(url, n, 8))
+            got: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in levels}
+            for _ in range(rounds):
+                for n in levels:
+                    got[n][0].append(asyncio.run(measure(ours, n, args.max_tokens))["decode_tok_s"])
+                    got[n][1].append(
+                        asyncio.run(measure(theirs, n, args.max_tokens))["decode_tok_s"]
+                    )
+        finally:
+            for proc, _ in procs:
+                proc.terminate()
+                proc.wait(timeout=60)
+        for n, (a, b) in got.items():
+            out[n] = {
+                "best": rival,
+                "default_tok_s": [round(x, 1) for x in a],
+                "best_tok_s": [round(x, 1) for x in b],
+                "ratio": round(statistics.median(a) / statistics.median(b), 3),
+            }
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     from pd.worker.checkpoint import default_model_path
     from pd.worker.checkpoint.loader import load_checkpoint
@@ -610,6 +677,13 @@ def run(args: argparse.Namespace) -> int:
         else {}
     )
     llama = max(llama_runs, key=lambda r: r.get("tok_s_1_stream") or 0) if llama_runs else {}
+    served_runs = [
+        {"config": name, "streams": r["concurrency"], "tok_s": r["decode_tok_s"]}
+        for name, got in served.items()
+        for r in got["decode"]
+    ]
+    rivals = fastest_explicit(served_runs, levels) if args.url is None else {}
+    duels = default_against_best(args, {c.name: c for c in configs}, rivals) if rivals else {}
     gbps = read_gbps(threads)
     runs, prefill, kernels, prompt_tokens = [], {}, {}, 0
     for name, got in served.items():
@@ -677,7 +751,8 @@ def run(args: argparse.Namespace) -> int:
         summary["llama_cpp"] = llama
         summary["llama_cpp_runs"] = [r.get("tok_s_1_stream") for r in llama_runs or [before]]
         summary["head_to_head"] = duel
-    summary["targets"] = targets(runs, prefill, llama, ppl, duel) if ppl or llama else {}
+    summary["default_against_best"] = {str(n): d for n, d in duels.items()}
+    summary["targets"] = targets(runs, prefill, llama, ppl, duel, duels) if ppl or llama else {}
     if args.constrained:
         summary["grammar"] = grammar_costs()
     if args.json:
@@ -729,6 +804,11 @@ def print_summary(summary: dict) -> None:
             f"head to head, one stream in turns x{duel['rounds']}: pd default "
             f"{duel['pd_tok_s']} (median {duel['pd_median']}), llama.cpp "
             f"{duel['llama_cpp_tok_s']} (median {duel['llama_cpp_median']}): {duel['ratio']}x"
+        )
+    for n, d in summary.get("default_against_best", {}).items():
+        print(
+            f"default against {d['best']} at {n} streams, in turns x{len(d['best_tok_s'])}: "
+            f"{d['default_tok_s']} against {d['best_tok_s']}: {d['ratio']}x"
         )
     for name, v in summary["targets"].items():
         print(f"target {name}: {v}")

@@ -289,6 +289,32 @@ def test_pd_bench_engine_targets_compare_the_default_with_the_best_passing_confi
     assert t["default_1_over_llama_cpp_1"] == 1.05
     assert t["default_1_over_llama_cpp_1_separately"] == 0.75
     assert t["default_32_over_llama_cpp_1"] == 7.5  # from the separate figures
+    # measured in turns with the best explicit configuration: those medians decide
+    duels = {
+        32: {"best": "bfloat16/onednn-bf16", "ratio": 1.01},
+        1: {"best": "float32/fbgemm-int8"},
+    }
+    t = targets(runs, {"auto": 2000.0}, llama, ppl, duel, duels)
+    assert t["default_over_best_32"] == {
+        "best": "bfloat16/onednn-bf16", "ratio": 1.01, "separately": 0.968
+    }  # fmt: skip
+    # a duel with another configuration (fastest, but over the bound) does not count
+    assert t["default_over_best_1"] == {"best": "bfloat16/int4", "ratio": round(60 / 66, 3)}
+
+
+def test_pd_bench_engine_duels_the_default_with_the_fastest_explicit_config():
+    from pd.bench.engine import fastest_explicit
+
+    runs = [
+        {"config": "auto", "streams": 1, "tok_s": 60.0},
+        {"config": "auto", "streams": 32, "tok_s": 600.0},
+        {"config": "bfloat16/int4", "streams": 1, "tok_s": 66.0},
+        {"config": "bfloat16/int4", "streams": 32, "tok_s": 300.0},
+        {"config": "bfloat16/onednn-bf16", "streams": 32, "tok_s": 620.0},
+        {"config": "bfloat16/none", "streams": 8, "tok_s": 100.0},  # auto not run at 8
+    ]
+    assert fastest_explicit(runs, [1, 8, 32]) == {1: "bfloat16/int4", 32: "bfloat16/onednn-bf16"}
+    assert fastest_explicit(runs[:2], [1, 32]) == {}  # nothing explicit: no duel
 
 
 def test_pd_bench_engine_says_why_llama_cpp_did_not_run(monkeypatch):
