@@ -6,21 +6,21 @@ Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of eac
 by `quant.make_linear` from random weights of those shapes: a kernel's time does not depend on
 the values), every layer distinct up to `WEIGHT_BUDGET` (`layer_groups`), run in the model's
 order, all candidates side by side in rounds (`time_candidates`); a step's time is the fastest
-round's pass scaled to the layer count and TP ranks (one process drives every rank in turn), plus the LM head at the
-step's sampled rows (one at a prefill chunk). Distinct layers matter: one layer of each shape
-called again and again stays in the core's L2, and at decode batches a kernel that reads twice
-the bytes then times the same as one that reads half (int8 against int4 here: 5.3 against 5.6
-ms a step hot, 12.2 against 7.2 in the model). Activations are in the
+round's pass scaled to the layer count and TP ranks (one process drives every rank in turn),
+plus the LM head at the step's sampled rows (one at a prefill chunk). Distinct layers matter:
+one layer of each shape called again and again stays in the core's L2, and at decode batches a
+kernel that reads twice the bytes then times the same as one that reads half (int8 against int4
+here: 5.3 against 5.6 ms a step hot, 12.2 against 7.2 in the model). Activations are in the
 candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
 (attention, norms) is not. A batch of `COMPUTE_ROWS` or more (a prefill chunk) is compute-bound
-and timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
-timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
+and timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is
+not timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
 candidates would otherwise spend seconds a pass at a prefill chunk. A batch under
 `DROP_FROM_ROWS` drops nothing (`DropRule`): there a format's time is the bytes it reads, and
-one that reads 4x the bytes (bf16 against int4) can still be the fastest at a prefill chunk,
-the large half of a split (dropped at one row under a noisy neighbour, onednn-bf16 was in no
-split; under the AVX2 cap fp32 `none`, 5.7x fbgemm-int8 at 8 rows, was dropped there and
-never timed at 512, where it is within 10% of the best that passes the perplexity bound). Only the layers are
+one that reads 4x the bytes (bf16 against int4) can still be the fastest at a prefill chunk, the
+large half of a split (dropped at one row under a noisy neighbour, onednn-bf16 was in no split;
+under the AVX2 cap fp32 `none`, 5.7x fbgemm-int8 at 8 rows, was dropped there and never timed at
+512, where it is within 10% of the best that passes the perplexity bound). Only the layers are
 built; the perplexity builds the whole model (a `ModelRunner`) in that configuration.
 """
 
