@@ -522,7 +522,7 @@ def targets(
             separately = round(rate["auto", n] / explicit[best], 3)
             out[f"default_over_best_{n}"] = (
                 {"best": best, "ratio": duels[n]["ratio"], "separately": separately}
-                if duels.get(n, {}).get("best") == best
+                if duels.get(n, {}).get("best") == best and "ratio" in duels[n]
                 else {"best": best, "ratio": separately}
             )
     one = llama.get("tok_s_1_stream")
@@ -612,6 +612,7 @@ def default_against_best(
     for rival in dict.fromkeys(best.values()):
         levels = [n for n, c in best.items() if c == rival]
         procs = []
+        got: dict[int, tuple[list[float], list[float]]] = {}
         try:
             procs.append(start_worker(args, Config("auto", "auto")))
             procs.append(start_worker(args, configs[rival]))
@@ -620,13 +621,16 @@ def default_against_best(
             for url in (ours, theirs):  # warm-ups
                 for n in levels:
                     asyncio.run(measure(url, n, 8))
-            got: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in levels}
+            got = {n: ([], []) for n in levels}
             for _ in range(rounds):
                 for n in levels:
                     got[n][0].append(asyncio.run(measure(ours, n, args.max_tokens))["decode_tok_s"])
                     got[n][1].append(
                         asyncio.run(measure(theirs, n, args.max_tokens))["decode_tok_s"]
                     )
+        except RuntimeError as e:  # a worker that did not start: the separate figures stand
+            out.update({n: {"best": rival, "skipped": str(e)} for n in levels})
+            continue
         finally:
             for proc, _ in procs:
                 proc.terminate()
@@ -806,6 +810,9 @@ def print_summary(summary: dict) -> None:
             f"{duel['llama_cpp_tok_s']} (median {duel['llama_cpp_median']}): {duel['ratio']}x"
         )
     for n, d in summary.get("default_against_best", {}).items():
+        if "skipped" in d:
+            print(f"default against {d['best']} at {n} streams: not run ({d['skipped']})")
+            continue
         print(
             f"default against {d['best']} at {n} streams, in turns x{len(d['best_tok_s'])}: "
             f"{d['default_tok_s']} against {d['best_tok_s']}: {d['ratio']}x"

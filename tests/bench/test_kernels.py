@@ -303,6 +303,10 @@ def test_pd_bench_engine_targets_compare_the_default_with_the_best_passing_confi
     }  # fmt: skip
     # a duel with another configuration (fastest, but over the bound) does not count
     assert t["default_over_best_1"] == {"best": "bfloat16/int4", "ratio": round(60 / 66, 3)}
+    # nor one that could not run
+    skipped = {32: {"best": "bfloat16/onednn-bf16", "skipped": "the worker exited"}}
+    t = targets(runs, {"auto": 2000.0}, llama, ppl, duel, skipped)
+    assert t["default_over_best_32"] == {"best": "bfloat16/onednn-bf16", "ratio": 0.968}
 
 
 def test_pd_bench_engine_duels_the_default_with_the_fastest_explicit_config():
