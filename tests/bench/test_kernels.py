@@ -337,3 +337,26 @@ def test_pd_bench_engine_says_why_llama_cpp_did_not_run(monkeypatch):
     assert out == {"skipped": why}
     assert engine.head_to_head(argparse.Namespace(max_tokens=8), 1) == {"skipped": why}
     assert llama_cpp.decode_body(frozenset({2, 0})) == {"logit_bias": {"0": -100.0, "2": -100.0}}
+
+
+def test_pd_bench_engine_prints_the_duels_and_the_ones_that_did_not_run(capsys):
+    from pd.bench.engine import print_summary
+
+    run = {"config": "auto", "streams": 32, "tok_s": 300.0, "step_ms": 106.7, "linear_ms": 60.0}
+    run |= {"step_mb": 600.0, "bound_tok_s": 1600.0, "share_of_bound": 0.19}
+    summary = {
+        "cpu_line": "a CPU", "read_gbps": 30.0, "threads": 2, "runs": [run],
+        "kernels": {"auto": {"dtype": "float32", "quantization": "int4@8+onednn-fp32", "how": "x"}},
+        "prefill_tok_s": {}, "perplexity_ratio": {}, "refused": {}, "targets": {},
+        "default_against_best": {
+            "32": {"best": "float32/onednn-fp32", "default_tok_s": [306.7, 288.4],
+                   "best_tok_s": [272.8, 272.4], "ratio": 1.057},
+            "1": {"best": "float32/int4", "skipped": "the worker exited"},
+        },
+    }  # fmt: skip
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert (
+        "default against float32/onednn-fp32 at 32 streams, in turns x2" in out and "1.057x" in out
+    )
+    assert "default against float32/int4 at 1 streams: not run (the worker exited)" in out
