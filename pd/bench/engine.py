@@ -386,6 +386,18 @@ def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the worker exited before it was ready: " + " | ".join(tail))
 
 
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each, then each waited for; killed after a minute."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 # Longest wait for a started worker's one-row step to compile (minutes on a cold inductor cache).
 COMPILE_WAIT_S = 1800.0
 PENDING = ("compiling", "waiting for an idle moment")  # one_row.py's states before the last
@@ -430,8 +442,7 @@ def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) 
         return {"kernels": kernels, "decode": out, "prefill": prefill}
     finally:
         if proc:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_workers([proc])
 
 
 def _llama_cpp_model() -> tuple[str, dict]:
@@ -570,8 +581,7 @@ def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
                 r = asyncio.run(measure(server.url, 1, args.max_tokens, no_eos=no_eos))
                 theirs.append(r["decode_tok_s"])
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_workers([proc])
     pd_median, llama_median = statistics.median(ours), statistics.median(theirs)
     return {
         "rounds": rounds,
@@ -632,9 +642,7 @@ def default_against_best(
             out.update({n: {"best": rival, "skipped": str(e)} for n in levels})
             continue
         finally:
-            for proc, _ in procs:
-                proc.terminate()
-                proc.wait(timeout=60)
+            stop_workers([proc for proc, _ in procs])
         for n, (a, b) in got.items():
             out[n] = {
                 "best": rival,
@@ -686,7 +694,8 @@ def run(args: argparse.Namespace) -> int:
         for name, got in served.items()
         for r in got["decode"]
     ]
-    rivals = fastest_explicit(served_runs, levels) if args.url is None else {}
+    # the within-10% target needs the perplexities (--quality) to name the best configuration
+    rivals = fastest_explicit(served_runs, levels) if args.url is None and args.quality else {}
     duels = default_against_best(args, {c.name: c for c in configs}, rivals) if rivals else {}
     gbps = read_gbps(threads)
     runs, prefill, kernels, prompt_tokens = [], {}, {}, 0

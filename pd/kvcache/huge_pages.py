@@ -10,47 +10,41 @@ AMD EPYC Zen 4 under the AVX2 cap, 2 threads, torch profiler over 5 steps): the 
 for every large allocation (torch's `THP_MEM_ALLOC_ENABLE=1`: the weights too) gave nothing
 more there (linear layers 316-372 ms against 298-327 over 5 steps).
 
-Where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled` = never) or the call is not
-Linux's, `advise_huge_pages` does nothing: the pool works the same on 4 KB pages.
+Where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled` = never), off Linux or off the
+CPU, the pool is an ordinary tensor: it works the same on 4 KB pages.
+
+The pool's memory is its own anonymous mapping (`cpu_pool`), advised before anything touches
+it: from torch's allocator, glibc could hand back heap memory already faulted in on 4 KB pages
+(seen in a test process that had freed large tensors before), which the advice does not change.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
+import mmap
 import sys
 
 import torch
 
-MADV_HUGEPAGE = 14  # linux/mman.h
 HUGE_PAGE = 2 << 20
 
 
-@functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
+def cpu_pool(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(a zeroed CPU tensor of `shape`, the bytes of it advised for huge pages): on Linux a
+    fresh anonymous mapping advised `MADV_HUGEPAGE` before it is zeroed (the zeroing writes, so
+    the kernel faults it in on huge pages where it can); elsewhere `torch.zeros`."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype), 0
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def advise_huge_pages(t: torch.Tensor) -> int:
-    """Ask for huge pages under `t`'s storage (a CPU tensor not yet written: pages already
-    touched stay small until the kernel merges them). Returns the bytes advised (the 2 MB-aligned
-    span inside the storage; 0 when nothing was)."""
-    madvise = _madvise()
-    if madvise is None or t.device.type != "cpu":
-        return 0
-    start = t.untyped_storage().data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if last <= first or madvise(first, last - first, MADV_HUGEPAGE) != 0:
-        return 0
-    return last - first
+        memory.madvise(mmap.MADV_HUGEPAGE)
+        advised = nbytes
+    except (AttributeError, OSError):  # no such advice here, or THP not built in
+        advised = 0
+    # the tensor keeps `memory` alive (torch.frombuffer holds a reference to its buffer)
+    pool = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+    pool.zero_()
+    return pool, advised

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pd.kvcache.huge_pages import advise_huge_pages
+from pd.kvcache.huge_pages import cpu_pool
 
 
 def bytes_per_page(
@@ -66,14 +66,14 @@ class KVPool:
         self.device = torch.device(device)
         # NOTE: zeroed, not left empty: a page read before it is written (a bug elsewhere) then
         # gives finite numbers, and a transferred page never carries another process's stale
-        # bytes. On a CPU, huge pages are asked for before the zeroing touches the memory.
-        self.buffer = torch.empty(
-            (num_pages, num_layers, 2, num_kv_heads, page_size, head_dim),
-            dtype=dtype,
-            device=self.device,
-        )  # [N, L, 2, Hkv, P, D]
-        self.huge_page_bytes = advise_huge_pages(self.buffer)
-        self.buffer.zero_()
+        # bytes. On a CPU, its own mapping on huge pages (huge_pages.py).
+        # [N, L, 2, Hkv, P, D]
+        shape = (num_pages, num_layers, 2, num_kv_heads, page_size, head_dim)
+        if self.device.type == "cpu":
+            self.buffer, self.huge_page_bytes = cpu_pool(shape, dtype)
+        else:
+            self.buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.huge_page_bytes = 0
         # For `rows_of`: the buffer as rows of head_dim items, a page spans `_page_rows` rows;
         # within a page, the row of slot 0 of each (layer, K/V, head).
         rows = [s // head_dim for s in self.buffer.stride()[:4]]

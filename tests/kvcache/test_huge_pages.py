@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pd.kvcache.huge_pages import HUGE_PAGE, advise_huge_pages
+from pd.kvcache.huge_pages import HUGE_PAGE, cpu_pool
 from pd.kvcache.kv_pool import KVPool
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -38,15 +38,21 @@ def _anon_huge_kb(address: int) -> int:
     reason="transparent huge pages are off here (or this is not Linux)",
 )
 def test_the_pool_sits_on_huge_pages_and_starts_zeroed():
+    for _ in range(3):  # large tensors freed first: the pool must not reuse their 4 KB pages
+        torch.ones(64 << 20).sum()
     pool = KVPool(256, 30, 3, 16, 64, torch.float32, "cpu")  # 180 MB
     nbytes = pool.buffer.numel() * pool.buffer.element_size()
-    assert nbytes - 2 * HUGE_PAGE <= pool.huge_page_bytes <= nbytes
+    assert pool.huge_page_bytes == nbytes
     assert not pool.buffer.any()
-    inside = pool.buffer.data_ptr() + 2 * HUGE_PAGE  # past the unaligned head
+    inside = pool.buffer.data_ptr() + 2 * HUGE_PAGE  # past an unaligned head
     assert _anon_huge_kb(inside) > 0
+    pool.buffer[-1] = 1.0  # writable to its last byte, and the mapping lives with the tensor
+    assert pool.buffer.sum() == pool.buffer[-1].numel()
 
 
-def test_advice_is_skipped_where_it_cannot_apply():
-    assert advise_huge_pages(torch.zeros(16)) == 0  # smaller than one huge page
-    if torch.cuda.is_available():
-        assert advise_huge_pages(torch.zeros(HUGE_PAGE, device="cuda")) == 0
+def test_a_pool_off_linux_or_too_small_is_a_plain_zeroed_tensor(monkeypatch):
+    small, advised = cpu_pool((4, 4), torch.float32)
+    assert advised == 0 and not small.any()
+    monkeypatch.setattr(sys, "platform", "darwin")
+    other, advised = cpu_pool((1024, 1024), torch.bfloat16)
+    assert advised == 0 and other.shape == (1024, 1024) and not other.any()

@@ -46,13 +46,18 @@ def search_disabled() -> bool:
     return os.environ.get(SKIP_ENV, "1").strip().lower() in ("0", "off", "no", "false")
 
 
+def available_bytes() -> float:
+    """The memory available now (0 where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 0.0
+
+
 def split_budget_bytes() -> float:
     """What two formats of the weights may hold together (autotune.with_splits): a quarter of
     the memory available now, the rest left to the KV pool and the machine's other workers."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4
-    except (ValueError, OSError):
-        return 0.0
+    return available_bytes() / 4
 
 
 def fixed_choice(
@@ -131,7 +136,11 @@ def resolve_kernels(
         len(cands),
         ", ".join(map(str, rows)),
     )
-    single, nbytes = time_candidates(cands, config, tp, rows, chunk_size, group_size)
+    # the candidates timed side by side hold half the memory available at most (freed when
+    # the timing ends)
+    single, nbytes = time_candidates(
+        cands, config, tp, rows, chunk_size, group_size, memory_bytes=available_bytes() / 2
+    )
     # --compile runs single formats only (runner.py): no splits then
     ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)

@@ -27,6 +27,7 @@ built; the perplexity builds the whole model (a `ModelRunner`) in that configura
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -47,12 +48,13 @@ log = logging.getLogger(__name__)
 
 DROP_FACTOR = 4.0
 DROP_FROM_ROWS = 32  # below this a step's time is mostly its weights' bytes: nothing is dropped
-LONG_PASS_S = 0.25  # a first pass this long is the candidate's only one at that batch
+LONG_PASS_S = 0.25  # a first pass this long (unscaled) leaves one more round at that batch
 # A batch this large is compute-bound: timed on the first COMPUTE_GROUPS layer groups only
 # (scaled to the model's layers), where the weights' traffic hardly counts (a prefill chunk's
-# pass over all 30 layers took ~1.6 s a candidate, a third of a search).
+# pass over all 30 layers took ~1.6 s a candidate, a third of a search; with three rounds of
+# every candidate, 6 groups made a capped search 64 s on a slow moment: 3 now).
 COMPUTE_ROWS = 128
-COMPUTE_GROUPS = 6
+COMPUTE_GROUPS = 3
 # fp32 bytes of random weights a search builds its layers from: every layer of a small model
 # (SmolLM2-135M: 30 layers, 425 MB), fewer of a large one (whose layers alone outgrow the caches)
 WEIGHT_BUDGET = 512e6
@@ -119,6 +121,11 @@ class RandomWeights:
     groups: int
     layers: list[list[tuple[LinearShape, torch.Tensor]]]  # [group][shape]
     head: tuple[LinearShape, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        """fp32 bytes of the layers and the head: about a candidate's at most."""
+        return sum(w.nbytes for group in self.layers for _, w in group) + self.head[1].nbytes
 
     @staticmethod
     def make(shapes: Sequence[LinearShape], groups: int) -> RandomWeights:
@@ -199,43 +206,67 @@ def time_candidates(
     prefill_rows: int,
     group_size: int,
     reps: int = 3,
+    memory_bytes: float = math.inf,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
     """(ms of a step's linear layers per candidate per batch in `rows`, the bytes each one's
     weights hold). A pass runs every layer group in the model's order, so each call reads
     weights the last one did not leave in the caches, as a step does; a step is the pass scaled
     to the model's layer count, plus the head (one row of it at a batch of `prefill_rows`).
 
-    Every candidate is built up front and each batch, smallest first, is timed in `reps` rounds
-    of one pass of every candidate still in, the order rotated from round to round (a pass over
-    `LONG_PASS_S` in the first round ends that candidate's rounds there). So a slow spell of
+    The candidates are built up front, as many at once as `memory_bytes` holds at their fp32
+    size (all of them, for a small model), and each batch, smallest first, is timed in `reps`
+    rounds of one pass of every candidate still in, the order rotated from round to round (a
+    first pass over `LONG_PASS_S` leaves that candidate one more round only). So a slow spell of
     the machine (a neighbour's burst, seconds long) falls on them all instead of on whichever
     was being timed: timed one after another, a kernel's figure moved by 40% from one search to
     the next on a noisy two-core machine, and a search under the AVX2 cap chose bfloat16
     because float32/int4 had timed 17.4 ms at one row (10.5 in other searches). A candidate's
     time is its fastest round: noise only adds time, and the first round, where a kernel packs,
     allocates and builds its primitives for the batch, is its warm-up. After each batch
-    `DropRule` leaves out the candidates far behind: not timed at the larger batches, they
-    score infinity."""
+    `DropRule` leaves out the candidates far behind (freed): not timed at the larger batches,
+    they score infinity."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     weights = RandomWeights.make(shapes, layer_groups(shapes))
-    built = [BuiltCandidate.build(c, weights, group_size) for c in cands]
-    gen = torch.Generator().manual_seed(1)
+    at_once = max(
+        1, len(cands) if math.isinf(memory_bytes) else int(memory_bytes // weights.nbytes)
+    )
     rule = DropRule(rows)
     out: dict[Candidate, dict[int, float]] = {c: {} for c in cands}
-    timed = built
+    nbytes: dict[Candidate, int] = {}
+    for i in range(0, len(cands), at_once):
+        built = [BuiltCandidate.build(c, weights, group_size) for c in cands[i : i + at_once]]
+        nbytes |= {b.candidate: b.nbytes for b in built}
+        _time_side_by_side(built, rows, prefill_rows, reps, rule, out)
+    return out, nbytes
+
+
+def _time_side_by_side(
+    built: list[BuiltCandidate],
+    rows: Sequence[int],
+    prefill_rows: int,
+    reps: int,
+    rule: DropRule,
+    out: dict[Candidate, dict[int, float]],
+) -> None:
+    """`time_candidates`' rounds for the candidates `built`, into `out`."""
+    gen = torch.Generator().manual_seed(1)
     for r in rows:
-        calls = [(b.candidate, *b.calls(r, prefill_rows, gen)) for b in timed]
+        calls = [(b.candidate, *b.calls(r, prefill_rows, gen)) for b in built]
         samples: dict[Candidate, list[float]] = {c: [] for c, *_ in calls}
+        long: set[Candidate] = set()  # a first pass over LONG_PASS_S: two rounds only
         for k in range(reps):
             for c, body, head, scale in calls[k % len(calls) :] + calls[: k % len(calls)]:
-                if k == 0 or samples[c][0] <= LONG_PASS_S:
-                    samples[c].append(_round_s(body) * scale + _round_s(head))
+                if k >= 2 and c in long:
+                    continue
+                body_s, head_s = _round_s(body), _round_s(head)
+                if k == 0 and body_s + head_s > LONG_PASS_S:
+                    long.add(c)
+                samples[c].append(body_s * scale + head_s)
         for c, s in samples.items():
             out[c][r] = 1e3 * min(s)
         # the fastest first, so that the drop rule knows the pace before it judges the others
         kept = {c for c in sorted(samples, key=lambda c: out[c][r]) if rule.go_on(r, out[c][r])}
-        timed = [b for b in timed if b.candidate in kept]
-    return out, {b.candidate: b.nbytes for b in built}
+        built = [b for b in built if b.candidate in kept]
 
 
 FLUSH_BYTES = 64e6  # read before each timed call of a head: it leaves the caches, as in a step

@@ -158,15 +158,21 @@ def test_pure_decode_different_lengths() -> None:
     assert_close(out, ref, FP32_TOL, "decode")
 
 
-def test_a_large_fp32_decode_batch_runs_the_matmul_path_to_the_same_answer() -> None:
+def test_a_large_fp32_decode_batch_runs_the_matmul_path_to_the_same_answer(monkeypatch) -> None:
+    from pd.worker.model.attention import torch_backend
     from pd.worker.model.attention.torch_backend import MATMUL_DECODE_ROWS
 
+    softmaxes = []
+    real = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda *a, **k: softmaxes.append(1) or real(*a, **k))
+    assert torch_backend.torch is torch  # the backend's softmax is the one counted
     lens = [1, 4, 5, 17, 33, 2, 9, 12, 40, 3][: max(MATMUL_DECODE_ROWS, 10)]
     assert len(lens) >= MATMUL_DECODE_ROWS
     h = Harness(lens)
     h.fill([n - 1 for n in lens])
     out, ref = h.step(TorchAttentionBackend(), [(n - 1, 1) for n in lens])
     assert_close(out, ref, FP32_TOL, "decode, matmul path")
+    assert softmaxes, "the matmul path did not run"
     # and beside prefill chunks (the decode rows picked out of q)
     h = Harness([*lens, 11])
     h.fill([n - 1 for n in lens] + [4])

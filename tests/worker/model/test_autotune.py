@@ -256,6 +256,10 @@ def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_byt
     assert nbytes[C(F32, "none")] == params * 4  # 6 layers and the head, fp32
     # a split holds both formats
     assert nbytes[C(F32, "int8@1+none")] == nbytes[C(F32, "none")] + nbytes[C(F32, "int8")]
+    # memory for one candidate at a time: timed in turn, the same figures' keys and bytes
+    alone, nbytes_alone = time_candidates(cands, cfg, 1, [1, 32], 32, 32, 2, memory_bytes=1)
+    assert {c: set(t) for c, t in alone.items()} == {c: set(t) for c, t in ms.items()}
+    assert nbytes_alone == nbytes
 
 
 def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monkeypatch):

@@ -314,7 +314,7 @@ def _decode_math(
     kv_dec = kv[:, :, : bd * max_pages].reshape(2, hkv, bd, max_pages * page_size, d)
     # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
     q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
-    if q.dtype == torch.float32 and bd >= MATMUL_DECODE_ROWS:
+    if q.dtype == torch.float32 and bd >= MATMUL_DECODE_ROWS and q.device.type == "cpu":
         scores = torch.matmul(q_g, kv_dec[0].transpose(-1, -2))  # [Hkv, Bd, G, Lmax]
         probs = torch.softmax(scores.mul_(sm_scale).add_(mask), dim=-1)  # mask [1, Bd, 1, Lmax]
         o = torch.matmul(probs, kv_dec[1])  # [Hkv, Bd, G, D]
