@@ -43,6 +43,7 @@ from pd.worker.model.device import DTYPES
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
 from pd.worker.model.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 from pd.worker.model.runner import ModelRunner, lm_head_weight
+from pd.worker.model.smooth_quant import SMOOTHED
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,11 @@ class RandomWeights:
         )
 
 
+def _flat(s: LinearShape) -> torch.Tensor | None:
+    """A flat calibration for the layers smooth-int8 smooths (their time does not depend on it)."""
+    return torch.ones(s.inp) if s.name in SMOOTHED else None
+
+
 def _round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]]) -> float:
     """Seconds of one pass through `calls`."""
     t = time.perf_counter()
@@ -167,9 +173,10 @@ class BuiltCandidate:
     def build(c: Candidate, weights: RandomWeights, group_size: int) -> BuiltCandidate:
         dtype, cpu = DTYPES[c.dtype], torch.device("cpu")
         layers = [
-            [(s, quant.make_linear(w, None, c.quantization, group_size, dtype, cpu)) for s, w in g]
+            [(s, quant.make_linear(w, None, c.quantization, group_size, dtype, cpu, _flat(s)))
+             for s, w in g]
             for g in weights.layers
-        ]
+        ]  # fmt: skip
         head_shape, head_w = weights.head
         head_q = quant.head_quantization(c.quantization)
         head = quant.make_linear(head_w, None, head_q, group_size, dtype, cpu)

@@ -36,12 +36,14 @@ from pd.worker.model.kernels import (
     OneDnnLinear,
     per_channel_int8,
 )
+from pd.worker.model.smooth_quant import SMOOTH_INT8, make_smooth_linear
 
 # What `--quantization` takes besides `auto` (config.py): the weight format and kernel of the
 # linear layers. none: dense in the compute dtype (F.linear); int8: weight-only int8 per channel
 # (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
 # and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16
-# and onednn-fp32: bf16 or fp32 weights reordered for oneDNN.
+# and onednn-fp32: bf16 or fp32 weights reordered for oneDNN; smooth-int8: SmoothQuant int8 on
+# FBGEMM for q/k/v and gate/up, oneDNN in the compute dtype for the rest (smooth_quant.py).
 QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
 
 
@@ -213,8 +215,11 @@ def make_linear(
     group_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    act_max: torch.Tensor | None = None,
 ) -> Linear:
-    """The layer for one rank's slice of a weight, as `--quantization` asks."""
+    """The layer for one rank's slice of a weight, as `--quantization` asks; `act_max`: the
+    largest |activation| per input channel on the calibration text, for a layer that reads a
+    norm's output (smooth_quant.py: smooth-int8 smooths those, and only those)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(
             f"--quantization {quantization} runs on torch's CPU kernels; on {device.type} use "
@@ -224,8 +229,8 @@ def make_linear(
     if split is not None:
         small, rows, large = split
         return SplitLinear(
-            make_linear(weight, bias, small, group_size, dtype, device),
-            make_linear(weight, bias, large, group_size, dtype, device),
+            make_linear(weight, bias, small, group_size, dtype, device, act_max),
+            make_linear(weight, bias, large, group_size, dtype, device, act_max),
             rows,
         )
     b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
@@ -241,6 +246,8 @@ def make_linear(
         return DynamicInt8Linear(dense, b, DYNAMIC_INT8[quantization])
     if quantization in ONEDNN_DTYPES:
         return OneDnnLinear(dense, b, quantization)
+    if quantization == SMOOTH_INT8:
+        return make_smooth_linear(dense, b, dtype, act_max)
     if quantization == "none":
         return DenseLinear(dense.to(device=device, dtype=dtype).contiguous(), b)
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")

@@ -38,6 +38,7 @@ from pd.worker.model.quant import (
     make_linear,
 )
 from pd.worker.model.sampler import SampleOutput, Sampler
+from pd.worker.model.smooth_quant import ActivationMaxima, holds_smooth
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class ModelRunner:
         checkpoint_digest: str = "",
         one_row_compile: str | None = None,  # why a background compile (one_row.py), or None
         lm_head_quantization: str = "auto",  # auto: the layers' rule (quant.head_quantization)
+        act_maxima: ActivationMaxima | None = None,  # smooth-int8's calibration (smooth_quant.py)
     ) -> None:
         check_tp(config, tp)
         check_quantization(quantization)
@@ -117,6 +119,11 @@ class ModelRunner:
         check_quantization(lm_head_quantization)
         if holds_int4(quantization) or holds_int4(lm_head_quantization):
             check_group_size(config, tp, group_size)
+        if holds_smooth(quantization) and act_maxima is None:
+            raise ValueError(
+                f"--quantization {quantization} needs the calibration's activation maxima "
+                "(smooth_quant.activation_maxima)"
+            )
         if compile and quantization not in ("none", "int8", "int4"):
             raise ValueError(
                 f"--compile runs --quantization none, int8 or int4, not {quantization}: "
@@ -148,7 +155,10 @@ class ModelRunner:
         ranks = []
         for r, dev in enumerate(devices):
             layers = [
-                shard_layer(weights, config, i, r, tp, dtype, dev, quantization, group_size)
+                shard_layer(
+                    weights, config, i, r, tp, dtype, dev, quantization, group_size,
+                    None if act_maxima is None else (act_maxima.attn[i], act_maxima.mlp[i]),
+                )  # fmt: skip
                 for i in range(config.num_layers)
             ]
             ranks.append(
