@@ -190,15 +190,19 @@ def step_bytes_and_linear_ms(
     from pd.worker.checkpoint.loader import load_checkpoint
     from pd.worker.model.quant import holds_int4
     from pd.worker.model.runner import ModelRunner
+    from pd.worker.model.smooth_quant import activation_maxima, holds_smooth
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(
         default_model_path(), torch.float32, progress=False, keep_q4_1=holds_int4(quantization)
     )
+    maxima = None
+    if holds_smooth(quantization):
+        maxima = activation_maxima(ckpt.config, ckpt.weights, ckpt.tokenizer.encode)
     runner = ModelRunner(
         ckpt.config, ckpt.weights, tp=1, dtype=dtype, device="cpu", num_pages=4,
         page_size=16, max_model_len=context + 16, quantization=quantization,
-        lm_head_quantization=lm_head,
+        lm_head_quantization=lm_head, act_maxima=maxima,
     )  # fmt: skip
     model = runner.model
     layers = model.ranks[0].layers
@@ -493,8 +497,8 @@ def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
     torch.set_num_threads(threads)
     path = default_model_path()
     ckpt = load_checkpoint(path, torch.float32, progress=False, keep_q4_1=True)
-    ids = load_tokenizer(path).encode(shipped_text())
-    judge = PerplexityJudge(ckpt.config, ckpt.weights, ids, 1, 32)
+    encode = load_tokenizer(path).encode
+    judge = PerplexityJudge(ckpt.config, ckpt.weights, encode(shipped_text()), 1, 32, encode)
     return {
         c.name: judge.ratio(Candidate(c.dtype, c.quantization))
         if c.head == "auto"

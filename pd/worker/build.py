@@ -5,6 +5,7 @@ its PD side with its transfer manager. The HTTP app only starts and stops what i
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -38,6 +39,7 @@ from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.kernel_choice import Choice, resolve_kernels
 from pd.worker.model.quant import holds_int4
+from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.text import Tokenizer
 
@@ -272,6 +274,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         checkpoint_digest=ckpt.digest,
         one_row_compile=one_row_why,
         lm_head_quantization=choice.head,
+        act_maxima=_calibration(choice.quantization, ckpt, torch_thread),
     )
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
     runner.start_background_compile(torch_thread.executor)
@@ -293,6 +296,18 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         kernels=_kernels_health(choice, runner.lm_head_quantization),
         one_row_compile=bg.as_dict if bg is not None else None,
     )
+
+
+def _calibration(
+    quantization: str, ckpt: LoadedCheckpoint, torch_thread: TorchThread
+) -> ActivationMaxima | None:
+    """smooth-int8's activation maxima (smooth_quant.py), for a quantization that holds it."""
+    if not holds_smooth(quantization):
+        return None
+    t = time.perf_counter()
+    maxima = torch_thread.run(activation_maxima, ckpt.config, ckpt.weights, ckpt.tokenizer.encode)
+    log.info("smooth-int8 calibration: %.1f s", time.perf_counter() - t)
+    return maxima
 
 
 def _kernels_health(choice: Choice, head_runs: str) -> dict:

@@ -26,15 +26,17 @@ from pd.worker.model.autotune import (
 )
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.cpu_info import read_cpu_info
-from pd.worker.model.device import cpu_has_fast_bf16
+from pd.worker.model.device import DTYPES, cpu_has_fast_bf16
 from pd.worker.model.kernel_search import (
     PerplexityJudge,
     formats_here,
     time_candidates,
     time_heads,
 )
+from pd.worker.model.kernels import DYNAMIC_INT8
 from pd.worker.model.perplexity import shipped_text
 from pd.worker.model.quant import Weight, head_quantization
+from pd.worker.model.smooth_quant import SMOOTH_INT8
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,16 @@ def split_budget_bytes() -> float:
     """What two formats of the weights may hold together (autotune.with_splits): a quarter of
     the memory available now, the rest left to the KV pool and the machine's other workers."""
     return available_bytes() / 4
+
+
+def layer_formats(formats: list[str]) -> list[str]:
+    """The formats auto times for the linear layers: all of `formats` but the plain dynamic
+    int8 ones where smooth-int8 runs (the same kernel without its rescalings: 1.6-3.1x fp32's
+    perplexity on both machine kinds measured, never within the bound, and ~15 s of a search
+    to time and judge); they stay formats of the LM head, judged a row or a few at a time."""
+    if SMOOTH_INT8 not in formats:
+        return formats
+    return [q for q in formats if q not in DYNAMIC_INT8]
 
 
 def fixed_choice(
@@ -101,7 +113,7 @@ def resolve_kernels(
     formats = formats_here(config, tp, group_size)
     if compile:  # the runner compiles these only (runner.py)
         formats = [q for q in formats if q in ("none", "int8", "int4")]
-    cands = candidates(dtype, quantization, formats)
+    cands = candidates(dtype, quantization, layer_formats(formats))
     if len(cands) == 1:
         return Choice(cands[0].dtype, cands[0].quantization, "the only candidate", head=head)
     cpu = read_cpu_info()
@@ -143,7 +155,7 @@ def resolve_kernels(
     )
     # --compile runs single formats only (runner.py): no splits then
     ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
-    judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size)
+    judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size, encode)
     prefer = "bfloat16" if cpu.native_bf16 else "float32"
     chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio, prefer_dtype=prefer)
     if head == "auto" and quantization == "auto":
@@ -191,7 +203,7 @@ def _measured_head(
     (the rule, which passed with them) unless another scores better within the bound. Returns
     (each shown head's ms alone, scores, perplexity ratios measured, the head: "auto" for the
     rule)."""
-    rule = Candidate(layers.dtype, head_quantization(layers.quantization))
+    rule = Candidate(layers.dtype, head_quantization(layers.quantization, DTYPES[layers.dtype]))
     single, nbytes = time_heads(layers.dtype, formats, config, rows, chunk_size, group_size)
     seen = {chunk_size: 1}  # the head gets one row of a prefill chunk (time_heads times that)
     ms = with_splits(single, nbytes, split_budget_bytes(), seen)

@@ -30,7 +30,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +43,13 @@ from pd.worker.model.device import DTYPES
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
 from pd.worker.model.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 from pd.worker.model.runner import ModelRunner, lm_head_weight
-from pd.worker.model.smooth_quant import SMOOTHED
+from pd.worker.model.smooth_quant import (
+    KINDS,
+    SMOOTH_INT8,
+    ActivationMaxima,
+    activation_maxima,
+    holds_smooth,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +105,10 @@ def formats_here(config: ModelConfig, tp: int, group_size: int) -> list[str]:
         for q, engine in DYNAMIC_INT8.items()
         if engine in torch.backends.quantized.supported_engines
     ]
-    return out + [q for q in ONEDNN_DTYPES if not onednn_refusal(q)]
+    out += [q for q in ONEDNN_DTYPES if not onednn_refusal(q)]
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        out.append(SMOOTH_INT8)
+    return out
 
 
 def _resident_bytes(layer: quant.Linear) -> int:
@@ -146,8 +155,8 @@ class RandomWeights:
 
 
 def _flat(s: LinearShape) -> torch.Tensor | None:
-    """A flat calibration for the layers smooth-int8 smooths (their time does not depend on it)."""
-    return torch.ones(s.inp) if s.name in SMOOTHED else None
+    """A flat calibration for smooth-int8's layers (their time does not depend on its values)."""
+    return torch.ones(s.inp) if s.name in KINDS else None
 
 
 def _round_s(calls: Sequence[tuple[quant.Linear, torch.Tensor]]) -> float:
@@ -178,7 +187,7 @@ class BuiltCandidate:
             for g in weights.layers
         ]  # fmt: skip
         head_shape, head_w = weights.head
-        head_q = quant.head_quantization(c.quantization)
+        head_q = quant.head_quantization(c.quantization, dtype)
         head = quant.make_linear(head_w, None, head_q, group_size, dtype, cpu)
         return BuiltCandidate(c, layers, head_shape, head, weights.layers[0][0][0].count)
 
@@ -357,6 +366,7 @@ class PerplexityJudge:
         ids: list[int],
         tp: int,
         group_size: int,
+        encode: Callable[[str], Sequence[int]] | None = None,  # for smooth-int8's calibration
     ) -> None:
         self.config, self.weights, self.ids, self.tp, self.group_size = (
             config,
@@ -365,10 +375,24 @@ class PerplexityJudge:
             tp,
             group_size,
         )
+        self.encode = encode
+        self._maxima: ActivationMaxima | None = None
         self._base: float | None = None
         self._hiddens: dict[Candidate, torch.Tensor] = {}
         # (dtype, layers' format, head's format, rows a head call takes or None) -> ratio
         self._head_ratios: dict[tuple[str, str, str, int | None], float] = {}
+
+    def _act_maxima(self, quantization: str) -> ActivationMaxima | None:
+        """smooth-int8's calibration, made once, for a format that holds it (None otherwise)."""
+        if not holds_smooth(quantization):
+            return None
+        if self._maxima is None:
+            if self.encode is None:
+                raise ValueError(f"judging {SMOOTH_INT8} needs the tokenizer (encode)")
+            t = time.perf_counter()
+            self._maxima = activation_maxima(self.config, self.weights, self.encode)
+            log.info("%s calibration: %.1f s", SMOOTH_INT8, time.perf_counter() - t)
+        return self._maxima
 
     def _runner(self, c: Candidate) -> ModelRunner:
         return ModelRunner(
@@ -382,6 +406,7 @@ class PerplexityJudge:
             max_model_len=len(self.ids) + 16,
             quantization=c.quantization,
             group_size=self.group_size,
+            act_maxima=self._act_maxima(c.quantization),
         )
 
     def perplexity(self, c: Candidate) -> float:
@@ -392,7 +417,8 @@ class PerplexityJudge:
 
     def ratio(self, c: Candidate) -> float:
         """`c`'s perplexity (with its own head) over the reference's, measured once."""
-        key = (c.dtype, c.quantization, quant.head_quantization(c.quantization), None)
+        head_q = quant.head_quantization(c.quantization, DTYPES[c.dtype])
+        key = (c.dtype, c.quantization, head_q, None)
         if key not in self._head_ratios:
             self._head_ratios[key] = self.perplexity(c) / self.base()
         return self._head_ratios[key]

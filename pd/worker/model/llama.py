@@ -319,11 +319,11 @@ def shard_layer(
     device: torch.device,
     quantization: str = "none",
     group_size: int = 32,
-    act_max: tuple[torch.Tensor, torch.Tensor] | None = None,
+    act_max: Mapping[str, torch.Tensor] | None = None,
 ) -> LayerShard:
     """Cut rank `rank`'s slice of layer `i` out of Hugging Face weights (float, or quantized in
     groups as a GGUF file's Q4_1 are), as `quantization` asks; `act_max`: the calibration's
-    largest activations at q/k/v's and gate/up's inputs (smooth_quant.py), or None."""
+    largest |input| per channel of each linear layer, whole (smooth_quant.py), or None."""
     p = f"model.layers.{i}."
     d = config.head_dim
     hq, hkv, inter = (
@@ -364,13 +364,15 @@ def shard_layer(
         [out_rows("mlp.gate_proj.weight", inter), out_rows("mlp.up_proj.weight", inter)]
     )
 
-    def linear(w: Weight, b: torch.Tensor | None = None, a: torch.Tensor | None = None) -> Linear:
+    def linear(kind: str, w: Weight, b: torch.Tensor | None = None, width: int = 0) -> Linear:
+        a = None if act_max is None else act_max[kind]
+        if a is not None and width:  # row-parallel: this rank's inputs
+            a = a[rank * width : (rank + 1) * width]
         return quant.make_linear(w, b, quantization, group_size, dtype, device, a)
 
-    attn_max, mlp_max = act_max or (None, None)
     return LayerShard(
-        qkv=linear(qkv, bias, attn_max),
-        o=linear(in_cols("self_attn.o_proj.weight", hq * d)),
-        gate_up=linear(gate_up, None, mlp_max),
-        down=linear(in_cols("mlp.down_proj.weight", inter)),
+        qkv=linear("qkv", qkv, bias),
+        o=linear("o", in_cols("self_attn.o_proj.weight", hq * d), None, hq * d),
+        gate_up=linear("gate_up", gate_up),
+        down=linear("down", in_cols("mlp.down_proj.weight", inter), None, inter),
     )

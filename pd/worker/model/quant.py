@@ -32,18 +32,20 @@ from pd.worker.model.config import ModelConfig
 from pd.worker.model.kernels import (
     DYNAMIC_INT8,
     ONEDNN_DTYPES,
+    ONEDNN_FP32,
     DynamicInt8Linear,
     OneDnnLinear,
+    onednn_refusal,
     per_channel_int8,
 )
-from pd.worker.model.smooth_quant import SMOOTH_INT8, make_smooth_linear
+from pd.worker.model.smooth_quant import SMOOTH_INT8, SmoothInt8Linear
 
 # What `--quantization` takes besides `auto` (config.py): the weight format and kernel of the
 # linear layers. none: dense in the compute dtype (F.linear); int8: weight-only int8 per channel
 # (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
 # and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16
-# and onednn-fp32: bf16 or fp32 weights reordered for oneDNN; smooth-int8: SmoothQuant int8 on
-# FBGEMM for q/k/v and gate/up, oneDNN in the compute dtype for the rest (smooth_quant.py).
+# and onednn-fp32: bf16 or fp32 weights reordered for oneDNN; smooth-int8: fbgemm-int8 with the
+# activations scaled per row and smoothed per channel (smooth_quant.py).
 QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
 
 
@@ -218,8 +220,8 @@ def make_linear(
     act_max: torch.Tensor | None = None,
 ) -> Linear:
     """The layer for one rank's slice of a weight, as `--quantization` asks; `act_max`: the
-    largest |activation| per input channel on the calibration text, for a layer that reads a
-    norm's output (smooth_quant.py: smooth-int8 smooths those, and only those)."""
+    largest |input| per channel of this slice on the calibration text, for smooth-int8
+    (smooth_quant.py; it smooths a layer that has one)."""
     if quantization != "none" and device.type != "cpu":
         raise ValueError(
             f"--quantization {quantization} runs on torch's CPU kernels; on {device.type} use "
@@ -247,20 +249,25 @@ def make_linear(
     if quantization in ONEDNN_DTYPES:
         return OneDnnLinear(dense, b, quantization)
     if quantization == SMOOTH_INT8:
-        return make_smooth_linear(dense, b, dtype, act_max)
+        return SmoothInt8Linear(dense, b, act_max)
     if quantization == "none":
         return DenseLinear(dense.to(device=device, dtype=dtype).contiguous(), b)
     raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}")
 
 
-def head_quantization(quantization: str) -> str:
-    """The LM head's format for the layers' `quantization`: the same kernel, except int4 layers
-    get an int8 head (the largest matrix a step reads, kept at 8 bits); a split's halves each
-    so (the head stays a split unless both halves come out the same)."""
+def head_quantization(quantization: str, dtype: torch.dtype) -> str:
+    """The LM head's format for the layers' `quantization` in `dtype`: the same kernel, except
+    int4 layers get an int8 head (the largest matrix a step reads, kept at 8 bits), and
+    smooth-int8 ones (no calibration for the head: scaled per row alone it was 1.045x fp32's
+    perplexity under the AVX2 cap) an exact one, in oneDNN's layout where it runs; a split's
+    halves each so (the head stays a split unless both halves come out the same)."""
     split = split_quantization(quantization)
     if split is not None:
-        small, rows, large = head_quantization(split[0]), split[1], head_quantization(split[2])
-        return small if small == large else f"{small}@{rows}+{large}"
+        small, large = head_quantization(split[0], dtype), head_quantization(split[2], dtype)
+        return small if small == large else f"{small}@{split[1]}+{large}"
+    if quantization == SMOOTH_INT8:
+        exact = [q for q, t in ONEDNN_DTYPES.items() if t == dtype] + [ONEDNN_FP32]
+        return next((q for q in exact if not onednn_refusal(q)), "none")
     return "int8" if quantization == "int4" else quantization
 
 

@@ -115,7 +115,7 @@ class ModelRunner:
         check_tp(config, tp)
         check_quantization(quantization)
         if lm_head_quantization == "auto":
-            lm_head_quantization = head_quantization(quantization)
+            lm_head_quantization = head_quantization(quantization, dtype)
         check_quantization(lm_head_quantization)
         if holds_int4(quantization) or holds_int4(lm_head_quantization):
             check_group_size(config, tp, group_size)
@@ -154,13 +154,11 @@ class ModelRunner:
         pool_pages = scratch.stop
         ranks = []
         for r, dev in enumerate(devices):
-            layers = [
-                shard_layer(
-                    weights, config, i, r, tp, dtype, dev, quantization, group_size,
-                    None if act_maxima is None else (act_maxima.attn[i], act_maxima.mlp[i]),
-                )  # fmt: skip
-                for i in range(config.num_layers)
-            ]
+            layers = []
+            for i in range(config.num_layers):
+                act_max = None if act_maxima is None else act_maxima.at(i)
+                args = (dtype, dev, quantization, group_size, act_max)
+                layers.append(shard_layer(weights, config, i, r, tp, *args))
             ranks.append(
                 RankState(
                     device=dev,

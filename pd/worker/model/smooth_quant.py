@@ -1,20 +1,29 @@
-"""`--quantization smooth-int8`: SmoothQuant's int8 on FBGEMM for the layers that read a norm's
-output (q/k/v and gate/up), oneDNN in the compute dtype for the others (o, down) and the LM head.
+"""`--quantization smooth-int8`: int8 weights and activations on FBGEMM's dynamic int8 kernel,
+the activations scaled per row and smoothed per channel (SmoothQuant), for every linear layer;
+the LM head the same without the smoothing.
 
-FBGEMM's dynamic int8 (`fbgemm-int8`) quantizes a call's activations per tensor, to 7 bits
-without AVX512-VNNI: a few input channels far larger than the rest (the norms' outputs have
-them) take the whole range, and the model's perplexity on the shipped text went to 1.041x fp32's
-with q/k/v alone, 1.124x with gate/up alone (bound 1.02x). SmoothQuant (Xiao et al., 2023) moves
-that spread into the weights: input channel j is divided by `s_j = a_j^alpha / w_j^(1-alpha)`
-(a_j the channel's largest activation on a calibration text, w_j the weight's largest in that
-column) and the weight's column multiplied by it, so the product is the same and both halves
-quantize well. With alpha 0.5, maxima taken on `data/calibration.txt` (not the text the bound is
-judged on), q/k/v and gate/up together came to 1.003x on the AVX512 kind (8 bits) and within the
-bound under the AVX2 cap (7 bits; docs/EXPERIMENTS.md section 14). o and down fail per tensor
-even smoothed (1.049x with all four): they stay exact, in oneDNN's layout.
+FBGEMM's dynamic int8 (`fbgemm-int8`) quantizes a call's activations with one scale for the
+whole tensor, to 7 bits without AVX512-VNNI (kernels.py): the model's perplexity on the shipped
+text went to 2.72x fp32's under the AVX2 cap, 1.63x with AVX512-VNNI (bound 1.02x). Two
+rescalings that leave the product unchanged fix that:
 
-The division is one multiply of the call's activations by 1/s (folding it into the norm's
-weight would save it, but would tie every other format of the same layer to the scaled weights).
+- per channel (SmoothQuant, Xiao et al., 2023): a few input channels far larger than the rest
+  take the whole range. Channel j is divided by `s_j = sqrt(a_j / w_j)` (a_j its largest
+  |activation| on a calibration text, w_j the largest |weight| in its column) and the weight's
+  column multiplied by it, so both halves share the spread (alpha 0.5 of the paper: 0.7 and
+  0.85 came out worse here);
+- per row: each row of the call's activations is divided by its own largest value before the
+  kernel quantizes the tensor and its output row multiplied back, so every row (a token) uses
+  the whole 7 or 8 bits, as a per-token quantization would.
+
+Under the AVX2 cap (7 bits), the four kinds of layer (q/k/v, o, gate/up, down) together:
+1.0035x fp32's perplexity; smoothed alone (whole tensor) q/k/v and gate/up 1.032x, all four
+1.049x; per row alone o and down 1.021x (docs/EXPERIMENTS.md section 14). The calibration text
+(`data/calibration.txt`: a chat, code, minutes, prose) is not the one the bound is judged on.
+
+Both rescalings are a multiply of the call's activations (folding 1/s into the norm's weight
+would save one, but ties every other format of the layer to the scaled weights; o and down have
+no norm before them) and one of its output.
 """
 
 from __future__ import annotations
@@ -27,12 +36,11 @@ import torch
 
 from pd.config import quantization_formats
 from pd.worker.model.config import ModelConfig
-from pd.worker.model.kernels import DynamicInt8Linear, OneDnnLinear
+from pd.worker.model.kernels import DynamicInt8Linear
 
 SMOOTH_INT8 = "smooth-int8"
-ALPHA = 0.5  # the share of the spread moved into the weights (0.5, 0.7, 0.85 tried: section 14)
-SMOOTHED = ("qkv", "gate_up")  # the layers that read a norm's output
-ONEDNN_OF_DTYPE = {torch.float32: "onednn-fp32", torch.bfloat16: "onednn-bf16"}
+ALPHA = 0.5  # the share of the spread moved into the weights
+KINDS = ("qkv", "o", "gate_up", "down")  # a decoder layer's linear layers (llama.LayerShard)
 
 
 def holds_smooth(quantization: str) -> bool:
@@ -46,37 +54,32 @@ def calibration_text() -> str:
 
 @dataclass(frozen=True)
 class ActivationMaxima:
-    """Each layer's largest |activation| per input channel [hidden] (fp32) on the calibration
-    text: at the input norm's output (q/k/v's input) and the post-attention norm's (gate/up's)."""
+    """Each decoder layer's largest |input| per channel of each of its linear layers (`KINDS`),
+    fp32, on the calibration text, over the whole input (one TP rank's slice: `ranks_slice`)."""
 
-    attn: list[torch.Tensor]
-    mlp: list[torch.Tensor]
+    layers: list[dict[str, torch.Tensor]]
 
-    @staticmethod
-    def flat(config: ModelConfig) -> ActivationMaxima:
-        """Ones: for a layer timed on random weights (a kernel's time does not depend on the
-        values)."""
-        ones = [torch.ones(config.hidden_size) for _ in range(config.num_layers)]
-        return ActivationMaxima(ones, list(ones))
+    def at(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.layers[layer]
 
 
 class _Recording:
-    """A norm that keeps the largest |output| per channel of every call."""
+    """A linear layer that keeps the largest |input| per channel of every call."""
 
-    def __init__(self, norm: Callable[[torch.Tensor], torch.Tensor], into: list[torch.Tensor]):
-        self.norm, self.into = norm, into
+    def __init__(self, layer: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.layer = layer
+        self.max: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)
-        m = y.detach().abs().amax(0).float()
-        self.into.append(m if not self.into else torch.maximum(self.into.pop(), m))
-        return y
+        m = x.detach().abs().amax(0).float()
+        self.max = m if self.max is None else torch.maximum(self.max, m)
+        return self.layer(x)
 
 
 @torch.inference_mode()
 def activation_maxima(
     config: ModelConfig,
-    weights: Mapping[str, torch.Tensor] | Mapping,
+    weights: Mapping,
     encode: Callable[[str], Sequence[int]],
 ) -> ActivationMaxima:
     """The maxima, from one prefill of the calibration text by the fp32 dense model on one rank
@@ -89,15 +92,19 @@ def activation_maxima(
         config, weights, tp=1, dtype=torch.float32, device="cpu",
         num_pages=pages_for(len(ids), 16) + 1, page_size=16, max_model_len=len(ids) + 16,
     )  # fmt: skip
-    model = runner.model
-    attn: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
-    mlp: list[list[torch.Tensor]] = [[] for _ in range(config.num_layers)]
-    model.norms = [
-        (_Recording(a, attn[i]), _Recording(b, mlp[i]))  # type: ignore[misc]
-        for i, (a, b) in enumerate(model.norms)
-    ]
+    recorded = []
+    for shard in runner.model.ranks[0].layers:
+        rec = {kind: _Recording(getattr(shard, kind)) for kind in KINDS}
+        for kind, r in rec.items():
+            setattr(shard, kind, r)
+        recorded.append(rec)
     final_hidden(runner, ids)
-    return ActivationMaxima([m[0] for m in attn], [m[0] for m in mlp])
+    out = []
+    for rec in recorded:
+        maxima = {kind: r.max for kind, r in rec.items()}
+        assert all(m is not None for m in maxima.values()), "a layer the prefill did not call"
+        out.append({kind: m for kind, m in maxima.items() if m is not None})
+    return ActivationMaxima(out)
 
 
 def smoothing_scales(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -109,30 +116,24 @@ def smoothing_scales(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 
 class SmoothInt8Linear:
-    """FBGEMM's dynamic int8 on `weight * s` (per input column), called on `x / s`."""
+    """FBGEMM's dynamic int8 on `weight * s` (per input column), called on `x / s` with each row
+    scaled to its largest value (the output row scaled back); no s without `act_max`."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, act_max: torch.Tensor
+        self, weight: torch.Tensor, bias: torch.Tensor | None, act_max: torch.Tensor | None
     ) -> None:
-        s = smoothing_scales(act_max, weight)
-        self.inv_s = (1.0 / s).contiguous()
-        self.layer = DynamicInt8Linear(weight.float() * s[None, :], bias, "fbgemm")
-        self.nbytes = self.layer.nbytes + self.inv_s.numel() * 4
+        weight = weight.float()
+        self.inv_s: torch.Tensor | None = None
+        if act_max is not None:
+            s = smoothing_scales(act_max, weight)
+            self.inv_s = (1.0 / s).contiguous()
+            weight = weight * s[None, :]
+        self.layer = DynamicInt8Linear(weight, None, "fbgemm")
+        self.bias = bias
+        self.nbytes = self.layer.nbytes + (0 if act_max is None else weight.shape[1] * 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x.float() * self.inv_s).to(x.dtype)
-
-
-def make_smooth_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    dtype: torch.dtype,
-    act_max: torch.Tensor | None,
-) -> SmoothInt8Linear | OneDnnLinear:
-    """smooth-int8's layer: SmoothQuant int8 where `act_max` is given (a layer that reads a
-    norm's output), oneDNN in `dtype` elsewhere."""
-    if act_max is not None:
-        return SmoothInt8Linear(weight, bias, act_max)
-    if dtype not in ONEDNN_OF_DTYPE:
-        raise ValueError(f"--quantization {SMOOTH_INT8} runs in float32 or bfloat16, not {dtype}")
-    return OneDnnLinear(weight, bias, ONEDNN_OF_DTYPE[dtype])
+        xf = x.float() if self.inv_s is None else x.float() * self.inv_s
+        peak = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)  # [rows, 1]
+        y = self.layer(xf / peak).mul_(peak).to(x.dtype)
+        return y if self.bias is None else y + self.bias

@@ -212,8 +212,8 @@ def test_a_split_is_parsed_once_and_malformed_ones_are_refused():
     assert quantization_error("int4@8+onednn-bf16") == ""
     assert holds_int4("int4@8+none") and holds_int4("none@1+int4") and not holds_int4("int8")
     # the head of int4 layers is int8 (the largest matrix): in a split too
-    assert head_quantization("int4@8+onednn-bf16") == "int8@8+onednn-bf16"
-    assert head_quantization("int4@8+int8") == "int8"
+    assert head_quantization("int4@8+onednn-bf16", torch.float32) == "int8@8+onednn-bf16"
+    assert head_quantization("int4@8+int8", torch.float32) == "int8"
     for bad, why in (
         ("int4@0+none", "ROWS >= 1"),
         ("int4@x+none", "SMALL@ROWS"),
