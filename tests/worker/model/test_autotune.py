@@ -262,6 +262,24 @@ def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_byt
     assert nbytes_alone == nbytes
 
 
+def test_smooth_int8_replaces_the_plain_dynamic_int8_layers_but_not_heads():
+    from pd.worker.model.config import ModelConfig
+    from pd.worker.model.kernel_choice import layer_formats
+    from pd.worker.model.kernel_search import time_candidates
+
+    plain = ["none", "int4", "fbgemm-int8", "onednn-int8", "onednn-fp32"]
+    assert layer_formats(plain) == plain
+    assert layer_formats([*plain, "smooth-int8"]) == ["none", "int4", "onednn-fp32", "smooth-int8"]
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return
+    # timed on random weights with a flat calibration, every kind of layer smoothed
+    cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
+    cands = [C(F32, "smooth-int8"), C(F32, "int4@1+smooth-int8")]
+    ms, nbytes = time_candidates(cands, cfg, 1, [1, 32], 32, 32, reps=2)
+    assert all(set(ms[c]) == {1, 32} and all(v > 0 for v in ms[c].values()) for c in cands)
+    assert nbytes[cands[0]] < nbytes[cands[1]]
+
+
 def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monkeypatch):
     from pd.worker.model import kernel_search
     from pd.worker.model.config import ModelConfig
