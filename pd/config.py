@@ -172,8 +172,8 @@ class WorkerConfig:
         "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
         "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
         "quantized per call: quantized.linear_dynamic), onednn-bf16 / onednn-fp32 (bf16 or fp32 "
-        "weights reordered for oneDNN), smooth-int8 (SmoothQuant int8 on FBGEMM for q/k/v and gate/up, "
-        "calibrated at load, oneDNN in the dtype for the rest); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
+        "weights reordered for oneDNN), smooth-int8 (fbgemm-int8 with the activations scaled per row and "
+        "smoothed per channel, calibrated at load); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
         "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16)",
     )
     lm_head_quantization: str = _flag(

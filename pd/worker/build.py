@@ -238,6 +238,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         digest=ckpt.digest,
         compile=cfg.compile,
         lm_head_quantization=cfg.lm_head_quantization,
+        background_compile=cfg.background_compile,
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)
@@ -274,7 +275,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         checkpoint_digest=ckpt.digest,
         one_row_compile=one_row_why,
         lm_head_quantization=choice.head,
-        act_maxima=_calibration(choice.quantization, ckpt, torch_thread),
+        act_maxima=_calibration(choice.quantization, device, ckpt, torch_thread),
     )
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
     runner.start_background_compile(torch_thread.executor)
@@ -299,11 +300,11 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
 
 
 def _calibration(
-    quantization: str, ckpt: LoadedCheckpoint, torch_thread: TorchThread
+    quantization: str, device: str, ckpt: LoadedCheckpoint, torch_thread: TorchThread
 ) -> ActivationMaxima | None:
     """smooth-int8's activation maxima (smooth_quant.py), for a quantization that holds it."""
-    if not holds_smooth(quantization):
-        return None
+    if not holds_smooth(quantization) or device != "cpu":
+        return None  # off the CPU, the runner refuses the format, and says why
     t = time.perf_counter()
     maxima = torch_thread.run(activation_maxima, ckpt.config, ckpt.weights, ckpt.tokenizer.encode)
     log.info("smooth-int8 calibration: %.1f s", time.perf_counter() - t)

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 # The search's version: a change to what it measures or how it decides bumps it (2: splits;
 # 3: the smallest batch drops nothing; 4: the LM head measured on its own; 5: onednn-fp32;
 # 6: candidates timed side by side in rounds, nothing dropped under 32 rows; 7: smooth-int8,
-# the plain dynamic int8 layers out where it runs).
+# the plain dynamic int8 layers out where it runs, a compiled one-row step counted).
 VERSION = 7
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pd.config import format_at
-from pd.worker.model import kernel_cache
+from pd.worker.model import kernel_cache, one_row
 from pd.worker.model.autotune import (
     Candidate,
     Choice,
@@ -72,6 +72,35 @@ def layer_formats(formats: list[str]) -> list[str]:
     return [q for q in formats if q not in DYNAMIC_INT8]
 
 
+# A one-row step compiled in the background (one_row.py) against the same step eager, in the
+# server: float32 `int4@1+smooth-int8` under the AVX2 cap 12.57 against 16.91 ms (1.35x);
+# bfloat16 `int4@1+onednn-bf16` uncapped 19.9 against 22.3 in the compile's own timing (1.12x).
+ONE_ROW_COMPILE_GAIN = 1.3  # between the two, nearer the AVX2 kind where eager costs the most
+
+
+def with_one_row_compile(
+    ms: Mapping[Candidate, Mapping[int, float]], background_compile: str, role: str
+) -> dict[Candidate, dict[int, float]]:
+    """`ms` with the one-row time of each candidate whose one-row step the worker would compile
+    in the background divided by ONE_ROW_COMPILE_GAIN: the search times the linear layers
+    eagerly, and the compiled graph also runs the rest of the step (norms, rotary, attention)
+    as one. Without it, under the AVX2 cap `int4@1+smooth-int8` scored within 1.4% of
+    smooth-int8 alone and lost (a split must win by 5%), and one stream ran at 15.7-17.6 ms a
+    step against the compiled split's 12.6."""
+    compiles = background_compile != "off" and role != "prefill"
+    return {
+        c: {
+            rows: t / ONE_ROW_COMPILE_GAIN
+            if rows == 1
+            and compiles
+            and one_row.one_row_format(c.quantization) in one_row.COMPILABLE
+            else t
+            for rows, t in times.items()
+        }
+        for c, times in ms.items()
+    }
+
+
 def fixed_choice(
     dtype: str, quantization: str, device: str, how: str, head: str = "auto"
 ) -> Choice:
@@ -98,6 +127,7 @@ def resolve_kernels(
     digest: str,
     compile: bool = False,
     lm_head_quantization: str = "auto",
+    background_compile: str = "off",  # --background-compile: whether a one-row step compiles
 ) -> Choice:
     """The worker's (dtype, quantization, LM head), with the figures behind it. Runs torch ops:
     call it on the worker's torch thread, with `threads` its thread count. The head is measured
@@ -133,6 +163,7 @@ def resolve_kernels(
         quantization=quantization,
         compile=compile,
         lm_head_quantization=head,
+        background_compile=background_compile,
     )
     hit = kernel_cache.load(key)
     if hit is not None:
@@ -155,6 +186,8 @@ def resolve_kernels(
     )
     # --compile runs single formats only (runner.py): no splits then
     ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
+    if not compile:
+        ms = with_one_row_compile(ms, background_compile, role)
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size, encode)
     prefer = "bfloat16" if cpu.native_bf16 else "float32"
     chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio, prefer_dtype=prefer)

@@ -449,7 +449,7 @@ class PerplexityJudge:
         worst = 0.0
         for fmt, rows in parts:
             lq = format_at(layers.quantization, rows or len(self.ids))
-            if fmt not in DYNAMIC_INT8:
+            if fmt not in DYNAMIC_INT8 and fmt != SMOOTH_INT8:
                 rows = None  # weights only: the same answer whatever the rows a call
             key = (layers.dtype, lq, fmt, rows)
             if key not in self._head_ratios:

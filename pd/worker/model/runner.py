@@ -119,7 +119,7 @@ class ModelRunner:
         check_quantization(lm_head_quantization)
         if holds_int4(quantization) or holds_int4(lm_head_quantization):
             check_group_size(config, tp, group_size)
-        if holds_smooth(quantization) and act_maxima is None:
+        if holds_smooth(quantization) and act_maxima is None and device == "cpu":
             raise ValueError(
                 f"--quantization {quantization} needs the calibration's activation maxima "
                 "(smooth_quant.activation_maxima)"

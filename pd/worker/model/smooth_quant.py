@@ -1,6 +1,8 @@
 """`--quantization smooth-int8`: int8 weights and activations on FBGEMM's dynamic int8 kernel,
-the activations scaled per row and smoothed per channel (SmoothQuant), for every linear layer;
-the LM head the same without the smoothing.
+the activations scaled per row and smoothed per channel (SmoothQuant), for every decoder linear
+layer; the LM head exact by its rule (`quant.head_quantization`), or as the search or
+`--lm-head-quantization` says (a smooth-int8 head is scaled per row, not smoothed: it has no
+calibration).
 
 FBGEMM's dynamic int8 (`fbgemm-int8`) quantizes a call's activations with one scale for the
 whole tensor, to 7 bits without AVX512-VNNI (kernels.py): the model's perplexity on the shipped
@@ -101,10 +103,11 @@ def activation_maxima(
         recorded.append(rec)
     final_hidden(runner, ids)
     out = []
-    for rec in recorded:
-        maxima = {kind: r.max for kind, r in rec.items()}
-        assert all(m is not None for m in maxima.values()), "a layer the prefill did not call"
-        out.append({kind: m for kind, m in maxima.items() if m is not None})
+    for i, rec in enumerate(recorded):
+        maxima = {kind: r.max for kind, r in rec.items() if r.max is not None}
+        if len(maxima) != len(KINDS):
+            raise RuntimeError(f"the calibration's prefill did not call layer {i}'s linear layers")
+        out.append(maxima)
     return ActivationMaxima(out)
 
 
@@ -132,6 +135,7 @@ class SmoothInt8Linear:
         self.layer = DynamicInt8Linear(weight, None, "fbgemm")
         self.bias = bias
         self.nbytes = self.layer.nbytes + (0 if act_max is None else weight.shape[1] * 4)
+        self.nbytes += 0 if bias is None else bias.numel() * bias.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

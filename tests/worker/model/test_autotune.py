@@ -271,13 +271,35 @@ def test_smooth_int8_replaces_the_plain_dynamic_int8_layers_but_not_heads():
     assert layer_formats(plain) == plain
     assert layer_formats([*plain, "smooth-int8"]) == ["none", "int4", "onednn-fp32", "smooth-int8"]
     if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return
+        pytest.skip("torch on this machine has no FBGEMM quantized engine")
     # timed on random weights with a flat calibration, every kind of layer smoothed
     cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
     cands = [C(F32, "smooth-int8"), C(F32, "int4@1+smooth-int8")]
     ms, nbytes = time_candidates(cands, cfg, 1, [1, 32], 32, 32, reps=2)
     assert all(set(ms[c]) == {1, 32} and all(v > 0 for v in ms[c].values()) for c in cands)
     assert nbytes[cands[0]] < nbytes[cands[1]]
+
+
+def test_a_one_row_step_the_worker_compiles_is_scored_faster():
+    from pd.worker.model.kernel_choice import ONE_ROW_COMPILE_GAIN, with_one_row_compile
+
+    ms = {
+        C(F32, "smooth-int8"): {1: 15.0, 32: 50.0},
+        C(F32, "int4@1+smooth-int8"): {1: 11.0, 32: 50.0},
+        C(F32, "int4"): {1: 11.0, 32: 100.0},
+    }
+    out = with_one_row_compile(ms, "auto", "both")
+    assert out[C(F32, "smooth-int8")] == ms[C(F32, "smooth-int8")]  # FBGEMM's: not compiled
+    for c in (C(F32, "int4@1+smooth-int8"), C(F32, "int4")):
+        assert out[c] == {1: 11.0 / ONE_ROW_COMPILE_GAIN, 32: ms[c][32]}
+    # no compile: switched off, or a prefill worker (it never runs a one-row step)
+    assert with_one_row_compile(ms, "off", "both") == ms
+    assert with_one_row_compile(ms, "auto", "prefill") == ms
+    # the split then wins by the margin a split needs (autotune.SPLIT_GAIN) where it did not
+    w = {1: 1.0, 32: 1.0}
+    before, after = scores(ms, w), scores(out, w)
+    split, alone = C(F32, "int4@1+smooth-int8"), C(F32, "smooth-int8")
+    assert after[alone] / after[split] > before[alone] / before[split]
 
 
 def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monkeypatch):

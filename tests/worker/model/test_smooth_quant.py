@@ -109,6 +109,37 @@ def test_the_calibration_records_each_norms_largest_output():
     torch.testing.assert_close(maxima.at(0)["qkv"], norm(h).abs().amax(0), rtol=1e-4, atol=1e-5)
 
 
+@needs_fbgemm
+def test_each_tp_rank_smooths_its_own_slice_of_the_row_parallel_inputs():
+    """o and down take a slice of their inputs per rank (`quant.cols`): their maxima are
+    sliced the same way, so each rank's scales are the single rank's over its columns."""
+    from pd.worker.model.llama import shard_layer
+    from tests.model_fixtures import default_checkpoint
+
+    ckpt = default_checkpoint()
+    cfg = ckpt.config
+    gen = torch.Generator().manual_seed(0)
+    widths = {
+        "qkv": cfg.hidden_size,
+        "o": cfg.num_heads * cfg.head_dim,
+        "gate_up": cfg.hidden_size,
+        "down": cfg.intermediate_size,
+    }
+    act_max = {k: torch.rand(n, generator=gen) + 0.1 for k, n in widths.items()}
+
+    def shard(rank: int, tp: int):
+        args = (torch.float32, CPU, "smooth-int8", 32, act_max)
+        return shard_layer(ckpt.weights, cfg, 3, rank, tp, *args)
+
+    whole = shard(0, 1)
+    for rank in range(3):
+        part = shard(rank, 3)
+        for kind in ("o", "down"):
+            inv_s = getattr(whole, kind).inv_s
+            w = inv_s.numel() // 3
+            torch.testing.assert_close(getattr(part, kind).inv_s, inv_s[rank * w : (rank + 1) * w])
+
+
 def test_a_runner_refuses_smooth_int8_without_a_calibration():
     from tests.model_fixtures import make_runner
 
