@@ -87,16 +87,15 @@ def with_one_row_compile(
     as one. Without it, under the AVX2 cap `int4@1+smooth-int8` scored within 1.4% of
     smooth-int8 alone and lost (a split must win by 5%), and one stream ran at 15.7-17.6 ms a
     step against the compiled split's 12.6."""
-    compiles = background_compile != "off" and role != "prefill"
+
+    def compiled(quantization: str) -> bool:  # one_row.wanted's rule, for a measured choice
+        how = dict(device="cpu", role=role, how="measured", quantization=quantization)
+        return background_compile != "off" and one_row.wanted("auto", **how) is not None
+
     return {
-        c: {
-            rows: t / ONE_ROW_COMPILE_GAIN
-            if rows == 1
-            and compiles
-            and one_row.one_row_format(c.quantization) in one_row.COMPILABLE
-            else t
-            for rows, t in times.items()
-        }
+        c: {r: t / ONE_ROW_COMPILE_GAIN if r == 1 else t for r, t in times.items()}
+        if compiled(c.quantization)
+        else dict(times)
         for c, times in ms.items()
     }
 
