@@ -100,6 +100,7 @@ def test_plan_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_plan_at_a_rate_and_its_sweep_plot(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the bench extra)")
     png = tmp_path / "plan.png"
     out = plan_json(capsys, "--gpus", "2", "--num-requests", "30", "--input-len", "500",
                     "--output-len", "8", "--slo-ttft-ms", "300", "--at-rate", "1",

@@ -80,6 +80,7 @@ def test_summary_takes_medians_over_rounds_and_ratios_against_the_first_setup():
 @pytest.mark.slow
 @pytest.mark.skipif(not nixl_available(), reason="the PD setups pull KV over NIXL")
 def test_a_small_run_reports_each_setup(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the bench extra)")
     proc = subprocess.run(
         [sys.executable, "-m", "pd.bench.cli", "routing", "--conversations", "2", "--turns", "2",
          "--prefix-len", "300", "--input-len", "20", "--output-len", "8", "--concurrency", "2",
