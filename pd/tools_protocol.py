@@ -89,7 +89,8 @@ class ToolRequest:
 
 def _schema(schema: dict[str, Any]) -> Constraint:
     try:
-        return Constraint("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
+        # Keys keep the declared order: arguments are generated in that order.
+        return Constraint("json_schema", orjson.dumps(schema).decode())
     except TypeError as e:  # e.g. integers past 64 bits
         message = f"'tools' holds a schema that is not serializable: {e}"
         raise bad_request(message, "tools") from None

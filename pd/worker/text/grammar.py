@@ -12,6 +12,8 @@ Per request, a `GrammarMatcher` fills the next token's allowed set as a bitmask 
 token id, llguidance's layout: int32 words, bit i of word w is token 32 w + i) and consumes each
 sampled token. JSON is compact by default (no free whitespace between tokens: `max_tokens` is
 not spent on spaces); a schema's `"x-guidance": {"whitespace_flexible": true}` allows it.
+Schemas and regexes mean what they mean to vLLM users (`strict_schema`: closed objects, ECMA-262
+classes) before llguidance reads them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import llguidance
 import numpy as np
 
 from pd.protocol import Constraint
+from pd.worker.text.strict_schema import ecma_regex, strict
 from pd.worker.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,9 +51,10 @@ def grammar_text(c: Constraint) -> str:
                 {"type": "object"}, defaults=JSON_DEFAULTS
             )
         if c.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(c.spec, defaults=JSON_DEFAULTS)
+            schema = strict(json.loads(c.spec))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         if c.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(c.spec)
+            return llguidance.LLMatcher.grammar_from_regex(ecma_regex(c.spec))
         if c.kind == "choice":
             choices = json.loads(c.spec)
             return llguidance.LLMatcher.grammar_from_lark(

@@ -161,3 +161,26 @@ async def test_compiled_grammars_are_cached_and_compiles_have_a_deadline(tok, mo
         await compiler.matcher(Constraint("regex", r"[a-f]{9}"))
     await asyncio.sleep(0.4)  # the slow compile ends on its thread; nothing waits for it
     compiler.close()
+
+
+def test_ecma_digits_and_closed_objects_in_declared_order(tok, compiler):
+    """`\\d` is [0-9] (llguidance's own is any Unicode digit, "🯸"), an object admits only its
+    declared properties, and they come in the declared order, at any temperature."""
+    c = Constraint("regex", r"\d{3}-\d{4}")
+    row = np.full(compiler.words, -1, np.int32)
+    TokenRules(compiler.words, grammar=compiler.matcher_now(c)).fill_mask(row, [])
+    first = [tok.decode([int(t)]) for t in allowed_ids(row, tok.vocab_size)]
+    assert first and all(re.fullmatch(r"[0-9]{1,3}", s) for s in first if s), first
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string", "maxLength": 4},
+                       "mid": {"type": "boolean"}},
+        "required": ["zeta", "alpha"],
+    }  # fmt: skip
+    c = Constraint("json_schema", json.dumps(schema))
+    for seed in range(8):
+        rules = TokenRules(compiler.words, grammar=compiler.matcher_now(c))
+        value = json.loads(tok.decode(walk(rules, tok, random.Random(seed))))
+        jsonschema.validate(value, {**schema, "additionalProperties": False})
+        keys = list(value)
+        assert keys == [k for k in schema["properties"] if k in value], keys
