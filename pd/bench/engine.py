@@ -284,7 +284,7 @@ def prefill_prompts(tokens: int, count: int) -> list[str]:
     """`count` prompts of about `tokens` tokens: the shipped perplexity text repeated, each
     after its own first line (so no prompt shares a prefix with another)."""
     from pd.worker.checkpoint import default_model_path, load_tokenizer
-    from pd.worker.model.perplexity import shipped_text
+    from pd.worker.model.tuning.perplexity import shipped_text
 
     tok = load_tokenizer(default_model_path())
     text = shipped_text()
@@ -337,7 +337,7 @@ def parse_configs(text: str, formats: list[str]) -> list[Config]:
     """`--configs`: `auto`, `DTYPE/QUANTIZATION[/LM_HEAD]` entries, or `all` (auto and every
     dtype with every weight format this machine runs, `formats`)."""
     from pd.config import quantization_error
-    from pd.worker.model.autotune import DTYPES
+    from pd.worker.model.tuning.autotune import DTYPES
 
     if text == "all":
         return [Config("auto", "auto")] + [Config(d, q) for d in DTYPES for q in formats]
@@ -490,9 +490,9 @@ def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
     bound `auto` keeps to: autotune.PPL_BOUND)."""
     from pd.worker.checkpoint import default_model_path, load_tokenizer
     from pd.worker.checkpoint.loader import load_checkpoint
-    from pd.worker.model.autotune import Candidate
-    from pd.worker.model.kernel_search import PerplexityJudge
-    from pd.worker.model.perplexity import shipped_text
+    from pd.worker.model.tuning.autotune import Candidate
+    from pd.worker.model.tuning.kernel_search import PerplexityJudge
+    from pd.worker.model.tuning.perplexity import shipped_text
 
     torch.set_num_threads(threads)
     path = default_model_path()
@@ -522,7 +522,7 @@ def targets(
     `duels` (`default_against_best`) measured the default in turns with that one, the ratio of
     those medians, the separate one beside it."""
     duels = duels or {}
-    from pd.worker.model.autotune import PPL_BOUND
+    from pd.worker.model.tuning.autotune import PPL_BOUND
 
     rate = {(r["config"], r["streams"]): r["tok_s"] for r in runs}
     out: dict = {}
@@ -661,7 +661,7 @@ def run(args: argparse.Namespace) -> int:
     from pd.worker.checkpoint import default_model_path
     from pd.worker.checkpoint.loader import load_checkpoint
     from pd.worker.model.cpu_info import read_cpu_info
-    from pd.worker.model.kernel_search import formats_here
+    from pd.worker.model.tuning.kernel_search import formats_here
 
     cpu = read_cpu_info()
     threads = args.threads or os.cpu_count() or 1

@@ -37,7 +37,7 @@ from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
-from pd.worker.model.kernel_choice import Choice, resolve_kernels
+from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
 from pd.worker.model.torch_thread import TorchThread

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pd.worker.model import kernel_cache
+from pd.worker.model.tuning import kernel_cache
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import TorchAttentionBackend
 from pd.worker.model.compiled_decode import compile_one_row, layers_inputs

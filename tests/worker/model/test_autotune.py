@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from pd.worker.model import kernel_cache
-from pd.worker.model.autotune import (
+from pd.worker.model.tuning import kernel_cache
+from pd.worker.model.tuning.autotune import (
     Candidate,
     Choice,
     candidates,
@@ -162,7 +162,7 @@ def test_the_cache_dir_follows_pd_cache_dir(monkeypatch, tmp_path):
 
 
 def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
-    from pd.worker.model.kernel_choice import resolve_kernels
+    from pd.worker.model.tuning.kernel_choice import resolve_kernels
     from tests.model_fixtures import default_checkpoint
 
     ckpt = default_checkpoint()
@@ -181,7 +181,7 @@ def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
 
 
 def test_splits_take_each_formats_time_on_its_side_of_the_rows():
-    from pd.worker.model.autotune import with_splits
+    from pd.worker.model.tuning.autotune import with_splits
 
     ms = {
         C(BF16, "int4"): {1: 5.0, 8: 15.0, 512: 600.0},
@@ -205,7 +205,7 @@ def test_splits_take_each_formats_time_on_its_side_of_the_rows():
 
 
 def test_a_split_wins_only_by_a_margin_and_only_when_both_its_formats_pass():
-    from pd.worker.model.autotune import SPLIT_GAIN, with_splits
+    from pd.worker.model.tuning.autotune import SPLIT_GAIN, with_splits
 
     ms = {
         C(BF16, "int4"): {1: 5.0, 32: 50.0},
@@ -231,7 +231,7 @@ def test_a_split_wins_only_by_a_margin_and_only_when_both_its_formats_pass():
 
 def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_bytes():
     from pd.worker.model.config import ModelConfig
-    from pd.worker.model.kernel_search import (
+    from pd.worker.model.tuning.kernel_search import (
         RandomWeights,
         layer_groups,
         linear_shapes,
@@ -264,8 +264,8 @@ def test_a_search_times_distinct_layers_in_the_models_order_and_counts_their_byt
 
 def test_smooth_int8_replaces_the_plain_dynamic_int8_layers_but_not_heads():
     from pd.worker.model.config import ModelConfig
-    from pd.worker.model.kernel_choice import layer_formats
-    from pd.worker.model.kernel_search import time_candidates
+    from pd.worker.model.tuning.kernel_choice import layer_formats
+    from pd.worker.model.tuning.kernel_search import time_candidates
 
     plain = ["none", "int4", "fbgemm-int8", "onednn-int8", "onednn-fp32"]
     assert layer_formats(plain) == plain
@@ -281,7 +281,7 @@ def test_smooth_int8_replaces_the_plain_dynamic_int8_layers_but_not_heads():
 
 
 def test_a_one_row_step_the_worker_compiles_is_scored_faster():
-    from pd.worker.model.kernel_choice import ONE_ROW_COMPILE_GAIN, with_one_row_compile
+    from pd.worker.model.tuning.kernel_choice import ONE_ROW_COMPILE_GAIN, with_one_row_compile
 
     ms = {
         C(F32, "smooth-int8"): {1: 15.0, 32: 50.0},
@@ -303,7 +303,7 @@ def test_a_one_row_step_the_worker_compiles_is_scored_faster():
 
 
 def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monkeypatch):
-    from pd.worker.model import kernel_search
+    from pd.worker.model.tuning import kernel_search
     from pd.worker.model.config import ModelConfig
 
     cfg = ModelConfig("t", "llama", 256, 64, 128, 6, 4, 2, 16, 1e4, 1e-5, 128, True)
@@ -322,7 +322,7 @@ def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monke
 
 
 def test_the_drop_rule_spares_the_batches_where_time_is_bytes_read():
-    from pd.worker.model.kernel_search import DROP_FACTOR, DropRule
+    from pd.worker.model.tuning.kernel_search import DROP_FACTOR, DropRule
 
     rule = DropRule([1, 8, 32, 512])
     assert rule.go_on(1, 8.0) and rule.go_on(8, 11.0)  # the first candidate sets the pace
@@ -335,7 +335,7 @@ def test_the_drop_rule_spares_the_batches_where_time_is_bytes_read():
 
 
 def test_the_lm_head_is_scored_by_the_step_it_makes_and_must_beat_the_layers_own():
-    from pd.worker.model.autotune import choose_head, with_splits
+    from pd.worker.model.tuning.autotune import choose_head, with_splits
 
     rule = C(BF16, "int8")
     heads = {
@@ -387,7 +387,7 @@ def test_a_choice_with_its_head_round_trips_and_says_it():
 
 
 def test_a_dynamic_int8_head_is_judged_as_it_runs():
-    from pd.worker.model.kernel_search import ChunkedLinear
+    from pd.worker.model.tuning.kernel_search import ChunkedLinear
     from pd.worker.model.kernels import DynamicInt8Linear
 
     torch.manual_seed(0)
@@ -405,8 +405,8 @@ def test_a_dynamic_int8_head_is_judged_as_it_runs():
 
 
 def test_the_judge_weighs_a_split_heads_small_half_at_its_rows_on_the_real_model():
-    from pd.worker.model.kernel_search import PerplexityJudge
-    from pd.worker.model.perplexity import shipped_text
+    from pd.worker.model.tuning.kernel_search import PerplexityJudge
+    from pd.worker.model.tuning.perplexity import shipped_text
     from tests.model_fixtures import default_checkpoint
 
     ckpt = default_checkpoint()

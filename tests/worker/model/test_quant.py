@@ -8,7 +8,7 @@ import torch
 
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.kernels import onednn_bf16_refusal
-from pd.worker.model.perplexity import perplexity, shipped_text
+from pd.worker.model.tuning.perplexity import perplexity, shipped_text
 from pd.worker.model.quant import (
     Int4Linear,
     Int8Linear,

@@ -153,9 +153,9 @@ def test_smooth_int8_keeps_the_models_perplexity_that_plain_int8_loses():
     2.72x under the AVX2 cap (7 bits); smooth-int8 1.017x and 1.0035x (docs/EXPERIMENTS.md
     14). The bound (1.02x) is the search's to judge on each machine; here, that the rescalings
     work at all, the judge calibrating once."""
-    from pd.worker.model.autotune import Candidate
-    from pd.worker.model.kernel_search import PerplexityJudge, formats_here
-    from pd.worker.model.perplexity import shipped_text
+    from pd.worker.model.tuning.autotune import Candidate
+    from pd.worker.model.tuning.kernel_search import PerplexityJudge, formats_here
+    from pd.worker.model.tuning.perplexity import shipped_text
     from tests.model_fixtures import default_checkpoint
 
     if onednn_refusal("onednn-fp32"):

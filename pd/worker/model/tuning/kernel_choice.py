@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pd.config import format_at
-from pd.worker.model import kernel_cache, one_row
-from pd.worker.model.autotune import (
+from pd.worker.model import one_row
+from pd.worker.model.tuning import kernel_cache
+from pd.worker.model.tuning.autotune import (
     Candidate,
     Choice,
     candidates,
@@ -27,14 +28,14 @@ from pd.worker.model.autotune import (
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.cpu_info import read_cpu_info
 from pd.worker.model.device import DTYPES, cpu_has_fast_bf16
-from pd.worker.model.kernel_search import (
+from pd.worker.model.tuning.kernel_search import (
     PerplexityJudge,
     formats_here,
     time_candidates,
     time_heads,
 )
 from pd.worker.model.kernels import DYNAMIC_INT8
-from pd.worker.model.perplexity import shipped_text
+from pd.worker.model.tuning.perplexity import shipped_text
 from pd.worker.model.quant import Weight, head_quantization
 from pd.worker.model.smooth_quant import SMOOTH_INT8
 
