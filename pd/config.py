@@ -210,13 +210,13 @@ class WorkerConfig:
         boolean=True,
     )
     background_compile: str = _flag(
-        "auto",
-        "CPU: compile the one-row decode step (one stream's) on a thread while the worker "
-        "serves eagerly, finish it on the torch thread at an idle moment (~10 s), and switch to "
-        "it when it times faster (minutes once per machine on a cold inductor cache under "
-        "$PD_CACHE_DIR, ~30 s after); auto (the default): when the worker decodes on the "
-        "kernels its machine chose (--dtype auto --quantization auto), on, or off",
-        choices=("auto", "on", "off"),
+        "off",
+        "CPU: on compiles the one-row decode step (one stream's) on a thread while the worker "
+        "serves eagerly, finishes it on the torch thread at an idle moment (~10 s), and switches "
+        "to it when it times faster (minutes once per machine on a cold inductor cache under "
+        "$PD_CACHE_DIR, ~30 s after). It changes answers: the compiled step rounds otherwise "
+        "than the eager one, so one stream decodes otherwise than several. Off by default",
+        choices=("on", "off"),
     )
     cuda_graph_max_batch: int = _flag(
         0,

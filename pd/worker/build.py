@@ -37,10 +37,10 @@ from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
-from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
 from pd.worker.model.torch_thread import TorchThread
+from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.text import Tokenizer
 
 if TYPE_CHECKING:
@@ -226,7 +226,6 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         dtype=cfg.dtype,
         quantization=cfg.quantization,
         device=device,
-        role=cfg.role,
         chunk_size=cfg.chunk_size,
         max_running=cfg.max_running_requests,
         threads=threads,
@@ -238,18 +237,13 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         digest=ckpt.digest,
         compile=cfg.compile,
         lm_head_quantization=cfg.lm_head_quantization,
-        background_compile=cfg.background_compile,
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)
     one_row_why = None
     if not cfg.compile:  # --compile compiles every decode step at start-up
         one_row_why = one_row.wanted(
-            cfg.background_compile,
-            device=device,
-            role=cfg.role,
-            how=choice.how,
-            quantization=choice.quantization,
+            cfg.background_compile, device=device, quantization=choice.quantization
         )
     max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     num_pages = size_kv_pages(

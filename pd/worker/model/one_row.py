@@ -1,5 +1,6 @@
-"""The one-row decode step, compiled in the background (`--background-compile`, on by default for
-a CPU worker that decodes with the kernels its machine chose).
+"""The one-row decode step, compiled in the background (`--background-compile on`; off by
+default, since the compiled step rounds otherwise than the eager one and a stream alone would then
+decode otherwise than among others).
 
 A single stream's decode step is mostly the cost of ~500 small eager ops between the linear
 layers (docs/EXPERIMENTS.md §8); `torch.compile` fuses them. Compiling takes minutes on a cold
@@ -33,12 +34,12 @@ from typing import Any
 
 import torch
 
-from pd.worker.model.tuning import kernel_cache
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import TorchAttentionBackend
 from pd.worker.model.compiled_decode import compile_one_row, layers_inputs
 from pd.worker.model.cpu_info import CpuInfo, read_cpu_info
 from pd.worker.model.llama import LlamaModel
+from pd.worker.model.tuning import kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +57,18 @@ def one_row_format(quantization: str) -> str:
     return quantization.split("@", 1)[0]
 
 
-def wanted(setting: str, *, device: str, role: str, how: str, quantization: str) -> str | None:
-    """Why the worker compiles its one-row step in the background, or None when it does not.
-    `auto`: a CPU worker that decodes (role decode or both), on the kernels the machine chose
-    (`how` is the kernel choice's: measured or from the cache), in a format it compiles."""
+def wanted(setting: str, *, device: str, quantization: str) -> str | None:
+    """Why the worker compiles its one-row step in the background (`--background-compile on`),
+    or None when it does not (off, the default: inductor's fused step rounds otherwise than the
+    eager one, so one stream's answer would change once it switches)."""
     if setting == "off":
         return None
-    fmt = one_row_format(quantization)
-    if setting == "on":
-        if device != "cpu" or fmt not in COMPILABLE:
-            raise ValueError(
-                f"--background-compile on runs on CPU with one-row weights in {', '.join(COMPILABLE)}"
-                f" (this worker: {device}, {quantization})"
-            )
-        return "--background-compile on"
-    if device != "cpu" or role == "prefill" or how not in ("measured", "cache"):
-        return None
-    if fmt not in COMPILABLE:
-        return None
-    return "auto: a CPU worker that decodes on the kernels its machine chose"
+    if device != "cpu" or one_row_format(quantization) not in COMPILABLE:
+        raise ValueError(
+            f"--background-compile on runs on CPU with one-row weights in {', '.join(COMPILABLE)}"
+            f" (this worker: {device}, {quantization})"
+        )
+    return "--background-compile on"
 
 
 def use_pd_inductor_cache() -> str:

@@ -87,8 +87,8 @@ def activation_maxima(
 ) -> ActivationMaxima:
     """The maxima, from one prefill of the calibration text by the fp32 dense model on one rank
     (built for it and dropped after; ~1 s for the default model on two cores)."""
-    from pd.worker.model.tuning.perplexity import final_hidden, pages_for
     from pd.worker.model.runner import ModelRunner
+    from pd.worker.model.tuning.perplexity import final_hidden, pages_for
 
     ids = list(encode(calibration_text()))
     runner = ModelRunner(

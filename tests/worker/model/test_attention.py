@@ -158,26 +158,19 @@ def test_pure_decode_different_lengths() -> None:
     assert_close(out, ref, FP32_TOL, "decode")
 
 
-def test_a_large_fp32_decode_batch_runs_the_matmul_path_to_the_same_answer(monkeypatch) -> None:
-    from pd.worker.model.attention import torch_backend
-    from pd.worker.model.attention.torch_backend import MATMUL_DECODE_ROWS
-
-    softmaxes = []
-    real = torch.softmax
-    monkeypatch.setattr(torch, "softmax", lambda *a, **k: softmaxes.append(1) or real(*a, **k))
-    assert torch_backend.torch is torch  # the backend's softmax is the one counted
-    lens = [1, 4, 5, 17, 33, 2, 9, 12, 40, 3][: max(MATMUL_DECODE_ROWS, 10)]
-    assert len(lens) >= MATMUL_DECODE_ROWS
-    h = Harness(lens)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_sequence_gets_the_same_bits_alone_and_among_any_number(dtype) -> None:
+    """One path for every batch (`_decode_math`): a stream's attention does not change when
+    others join it, longer ones (its row padded) or shorter."""
+    lens = [23, 5, 70, 1, 40, 9, 12, 64, 3, 33] * 4  # the model's GQA group of 3, D 64
+    h = Harness(lens, hq=9, hkv=3, head_dim=64, page_size=16, dtype=dtype)
     h.fill([n - 1 for n in lens])
-    out, ref = h.step(TorchAttentionBackend(), [(n - 1, 1) for n in lens])
-    assert_close(out, ref, FP32_TOL, "decode, matmul path")
-    assert softmaxes, "the matmul path did not run"
-    # and beside prefill chunks (the decode rows picked out of q)
-    h = Harness([*lens, 11])
-    h.fill([n - 1 for n in lens] + [4])
-    out, ref = h.step(TorchAttentionBackend(), [(n - 1, 1) for n in lens] + [(4, 7)])
-    assert_close(out, ref, FP32_TOL, "mixed, matmul path")
+    decode = [(n - 1, 1) for n in lens]
+    alone, ref = h.step(TorchAttentionBackend(), decode[:1])
+    assert_close(alone, ref, FP32_TOL if dtype == torch.float32 else BF16_TOL, "alone")
+    for n in (2, 7, 8, 9, 16, 17, 33, 40):
+        out, _ = h.step(TorchAttentionBackend(), decode[:n])
+        assert torch.equal(out[:1], alone), f"the first sequence differs among {n}"
 
 
 def test_mixed_batch() -> None:

@@ -9,27 +9,17 @@ import pytest
 from pd.worker.model.one_row import BackgroundCompile, one_row_format, wanted
 
 
-def test_auto_compiles_a_cpu_decoder_on_the_kernels_its_machine_chose():
-    machine = dict(device="cpu", quantization="int4@8+none")
-    for role in ("decode", "both"):
-        for how in ("measured", "cache"):
-            assert wanted("auto", role=role, how=how, **machine)
-    assert wanted("auto", role="prefill", how="measured", **machine) is None  # never decodes
-    assert wanted("auto", role="both", how="pinned", **machine) is None  # tests pin both
-    assert wanted("auto", role="both", how="measured", device="cuda", quantization="none") is None
-    # a format torch.compile has not been run on
-    assert (
-        wanted("auto", role="both", how="cache", device="cpu", quantization="fbgemm-int8") is None
-    )
-    assert wanted("off", role="both", how="measured", **machine) is None
-    assert wanted("on", role="both", how="pinned", device="cpu", quantization="none")
+def test_the_background_compile_runs_only_when_asked_for():
+    assert wanted("off", device="cpu", quantization="int4") is None  # the default
+    assert wanted("on", device="cpu", quantization="none")
+    assert wanted("on", device="cpu", quantization="int4@8+none")
 
 
 def test_on_refuses_what_it_cannot_compile():
     with pytest.raises(ValueError, match="one-row weights"):
-        wanted("on", role="both", how="pinned", device="cpu", quantization="onednn-int8")
+        wanted("on", device="cpu", quantization="onednn-int8")
     with pytest.raises(ValueError, match="CPU"):
-        wanted("on", role="both", how="pinned", device="cuda", quantization="none")
+        wanted("on", device="cuda", quantization="none")
 
 
 def test_the_one_row_format_is_a_splits_small_one():

@@ -3,9 +3,9 @@
 `plan` turns the batch's metadata into one page gather index and the masks; every layer's
 `forward` reuses them. Per layer, one `index_select` copies the batch's pages out of the strided
 HND cache into a scratch buffer laid out [2, Hkv, pages, page_size, D], so each sequence's K/V
-is a dense view. Sequences that append one token (decode) then run as one padded batch (`_decode_math`:
-SDPA, or in fp32 from `MATMUL_DECODE_ROWS` sequences on, two matmuls around a softmax);
-sequences that append a chunk (prefill) run one SDPA call each. SDPA accumulates bf16/fp16 in
+is a dense view. Sequences that append one token (decode) then run as one padded batch through
+SDPA (`_decode_math`), one path for any number of sequences: each sequence's row comes out the
+same bits alone or among others, padded or not (tested); sequences that append a chunk (prefill) run one SDPA call each. SDPA accumulates bf16/fp16 in
 fp32 itself.
 
 NOTE: the scratch buffer is kept and reused across layers and steps (it only grows): a fresh
@@ -24,15 +24,6 @@ from pd.kvcache.paged_metadata import PagedMetadata
 from pd.worker.model.attention.base import AttentionBackend, check_plan_args
 
 DecodeInputs = tuple[torch.Tensor, torch.Tensor]  # a pure decode step's (page table, mask)
-
-# fp32 decode attention of this many sequences or more runs as matmul, softmax, matmul: SDPA's
-# CPU flash kernel walks each (KV head, sequence) with 3 query rows (the GQA group) one block at
-# a time. Per layer (3 KV heads x 3, D 64; Zen 4, 2 threads, AVX2 cap): 32 sequences of 96
-# slots 201-331 us against SDPA's 478; 8 sequences 88-93 against 132; one 40 against 19. In the
-# model at 32 streams of context 80 (float32, int4@8+onednn-fp32): 91-106 ms a step against
-# 100-117. bf16 keeps SDPA: its matmuls were 5x slower under the AVX2 cap, and its scores would
-# round to bf16 before the softmax.
-MATMUL_DECODE_ROWS = 8
 
 
 def paged_decode_attention(
@@ -314,12 +305,10 @@ def _decode_math(
     kv_dec = kv[:, :, : bd * max_pages].reshape(2, hkv, bd, max_pages * page_size, d)
     # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
     q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
-    if q.dtype == torch.float32 and bd >= MATMUL_DECODE_ROWS and q.device.type == "cpu":
-        scores = torch.matmul(q_g, kv_dec[0].transpose(-1, -2))  # [Hkv, Bd, G, Lmax]
-        probs = torch.softmax(scores.mul_(sm_scale).add_(mask), dim=-1)  # mask [1, Bd, 1, Lmax]
-        o = torch.matmul(probs, kv_dec[1])  # [Hkv, Bd, G, D]
-    else:
-        o = F.scaled_dot_product_attention(
-            q_g, kv_dec[0], kv_dec[1], attn_mask=mask, scale=sm_scale
-        )  # [Hkv, Bd, G, D]
+    # One path for every batch: a matmul-softmax-matmul path for fp32 from 8 sequences on
+    # (faster there: 201-331 against 478 us a layer at 32 sequences, Zen 4 under the AVX2 cap)
+    # rounded otherwise than SDPA, so a stream's tokens changed when an eighth joined it.
+    o = F.scaled_dot_product_attention(
+        q_g, kv_dec[0], kv_dec[1], attn_mask=mask, scale=sm_scale
+    )  # [Hkv, Bd, G, D]
     return o.permute(1, 0, 2, 3).reshape(bd, hq, d)

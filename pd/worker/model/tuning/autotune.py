@@ -1,29 +1,24 @@
 """`--dtype auto` / `--quantization auto` on a CPU: the decision rule, apart from the timing
-(kernel_search.py) and the cache (kernel_cache.py), so it is tested without a model.
+(kernel_search.py), the judges (perplexity.py, row_invariance.py) and the cache
+(kernel_cache.py), so it is tested without a model.
 
 A candidate is a compute dtype and a weight format (`Candidate`). Each is timed on the model's
-linear layers at the batch sizes of the worker's role (`role_batches`): a prefill worker at its
-chunk (`--chunk-size` rows), a decode worker at 1, 8 and 32 rows (no more than
-`--max-running-requests`), a co-located one at both, half and half. A candidate's score is the
-weighted geometric mean, over those batches, of its time over the fastest candidate's at that
-batch: 1.0 is fastest everywhere, 1.3 is 30% slower on (weighted) average, whatever the scale
-of each batch's times. The choice is the best-scored candidate whose model perplexity on the
-shipped text stays within `PPL_BOUND` of the fp32 dense model's; perplexities are computed
-lazily, best first, so only candidates that could win are measured (`choose`).
+linear layers at the batch sizes of a co-located worker (`search_batches`): its prefill chunk
+(`--chunk-size` rows) for half the weight, 1, 8 and 32 rows (no more than
+`--max-running-requests`) for the other half. The batches are the same for every role, so a
+prefill and a decode worker on one machine decide alike: the compute dtype is also the KV
+cache's, and one deployment runs one model (the search never asks which role it serves). A
+candidate's score is the weighted geometric mean, over those batches, of its time over the
+fastest candidate's at that batch: 1.0 is fastest everywhere, 1.3 is 30% slower on (weighted)
+average, whatever the scale of each batch's times. The choice is the best-scored candidate that
+passes the judges: it computes a row the same way in a batch of any size as alone
+(row_invariance.py), and the model's perplexity on the shipped text stays within `PPL_BOUND` of
+the fp32 dense model's. Judges are asked lazily, best first, so only candidates that could win
+are judged (`choose`).
 
-Splits (`with_splits`): the same weights held in two formats of one dtype, a batch of up to
-ROWS rows on the first's kernel and a larger one on the second's (`--quantization
-SMALL@ROWS+LARGE`), scored from the two formats' own times (no more timing), at each measured
-batch size but the largest as ROWS. One passes the bound when both of its formats do (each
-format's perplexity measured alone: the perplexity run's long batches would exercise only the
-larger one's kernel). Both formats stay resident, so a split is tried only when their weights
-fit the memory budget the caller gives, and chosen only when it beats the best single format
-by `SPLIT_GAIN`.
-
-The compute dtype is also the KV cache's (the pairing contract), so a prefill and a decode
-worker must pick the same one: for those roles the dtype is the one of the best candidate at
-the co-located worker's batches (both roles on one machine kind agree), and only the weight
-format follows the role (`decision_batches`).
+Only single formats are candidates: a split (`--quantization SMALL@ROWS+LARGE`, the weights in
+two formats, small batches on the first's kernel) computes one row one way and many another, so
+a request's answer would change with the load; it stays an explicit flag.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ PPL_BOUND = 1.02  # issue 24: within 1.02x of the fp32 model's perplexity
 DECODE_ROWS = (1, 8, 32)
 DTYPES = ("float32", "bfloat16")
 REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
-SPLIT_GAIN = 1.05  # a split (two formats resident) must score this much better than one format
 HEAD_GAIN = 1.01  # an LM head other than the layers' own must score this much better
 # The dtype the CPU prefers (bf16 where its products are native, else fp32) wins when its best
 # candidate scores within this of the other dtype's: only the linear layers are timed, and the
@@ -81,52 +75,12 @@ def candidates(dtype_pin: str, quantization_pin: str, formats: Sequence[str]) ->
     return [Candidate(d, q) for d in dtypes for q in quants]
 
 
-def role_batches(role: str, chunk_size: int, max_running: int) -> dict[int, float]:
-    """Rows of a step -> the weight of that batch size in the role's score (summing to 1)."""
+def search_batches(chunk_size: int, max_running: int) -> dict[int, float]:
+    """Rows of a step -> the weight of that batch size in a candidate's score (summing to 1):
+    a co-located worker's, for every role (module docstring)."""
     decode = sorted({min(r, max_running) for r in DECODE_ROWS})
-    if role == "prefill":
-        return {chunk_size: 1.0}
-    if role == "decode":
-        return {r: 1 / len(decode) for r in decode}
     out = {r: 0.5 / len(decode) for r in decode}
     out[chunk_size] = out.get(chunk_size, 0.0) + 0.5
-    return out
-
-
-def decision_batches(
-    role: str, chunk_size: int, max_running: int
-) -> tuple[dict[int, float], dict[int, float]]:
-    """(the batches the dtype is chosen at, the batches the weight format is chosen at): the
-    co-located worker's for the dtype (module docstring), the role's own for the format."""
-    return role_batches("both", chunk_size, max_running), role_batches(
-        role, chunk_size, max_running
-    )
-
-
-def with_splits(
-    ms: Mapping[Candidate, Mapping[int, float]],
-    resident_bytes: Mapping[Candidate, float],
-    budget_bytes: float,
-    seen: Mapping[int, int] | None = None,
-) -> dict[Candidate, dict[int, float]]:
-    """`ms` and every split of two single formats of one dtype (module docstring) whose weights
-    together fit `budget_bytes`: SMALL's time up to ROWS rows, LARGE's above, ROWS each timed
-    batch size but the largest. Formats not timed at every batch (dropped) make no split.
-    `seen`: the rows the layer gets at a batch, where not the batch's (the LM head gets one row
-    of a prefill chunk, so a split head runs SMALL there)."""
-    seen = seen or {}
-    out = {c: dict(t) for c, t in ms.items()}
-    rows = sorted({r for t in ms.values() for r in t})
-    full = [c for c, t in ms.items() if not c.is_split and all(r in t for r in rows)]
-    for a in full:
-        for b in full:
-            if a.dtype != b.dtype or a == b:
-                continue
-            if resident_bytes.get(a, math.inf) + resident_bytes.get(b, math.inf) > budget_bytes:
-                continue
-            for limit in rows[:-1]:
-                split = Candidate(a.dtype, f"{a.quantization}@{limit}+{b.quantization}")
-                out[split] = {r: ms[a][r] if seen.get(r, r) <= limit else ms[b][r] for r in rows}
     return out
 
 
@@ -164,6 +118,10 @@ class Choice:
     head_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     head_scores: dict[str, float] = field(default_factory=dict)
     head_perplexity_ratio: dict[str, float] = field(default_factory=dict)
+    # Where each judged candidate (head) computes a row otherwise in a batch than alone
+    # (row_invariance.py: "down at 33 rows"), or None where it never does.
+    row_differs: dict[str, str | None] = field(default_factory=dict)
+    head_row_differs: dict[str, str | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -175,11 +133,13 @@ class Choice:
             # None: not timed at every batch (dropped as far too slow)
             "score": _rounded_scores(self.scores),
             "perplexity_ratio": {c: round(p, 4) for c, p in self.perplexity_ratio.items()},
+            "row_differs": dict(self.row_differs),
             "lm_head": {
                 "quantization": self.head,
                 "ms": _rounded_ms(self.head_ms),
                 "score": _rounded_scores(self.head_scores),
                 "perplexity_ratio": {c: round(p, 4) for c, p in self.head_perplexity_ratio.items()},
+                "row_differs": dict(self.head_row_differs),
             },
         }
 
@@ -198,6 +158,8 @@ class Choice:
             head_ms=_read_ms(head["ms"]),
             head_scores=_read_scores(head["score"]),
             head_perplexity_ratio=dict(head["perplexity_ratio"]),
+            row_differs=dict(d["row_differs"]),
+            head_row_differs=dict(head["row_differs"]),
         )
 
     def summary(self) -> str:
@@ -206,12 +168,14 @@ class Choice:
         parts = []
         for name, s in ranked:
             ppl = self.perplexity_ratio.get(name)
+            differs = self.row_differs.get(name)
             rows = ", ".join(f"{r}: {v:.1f}" for r, v in sorted(self.ms.get(name, {}).items()))
             parts.append(
                 f"{name} "
                 + (f"x{s:.2f}" if math.isfinite(s) else "dropped")
                 + f" ({rows} ms"
                 + ("" if ppl is None else f"; perplexity x{ppl:.3f}")
+                + ("" if differs is None else f"; a row differs in a batch: {differs}")
                 + ")"
             )
         ppl_h = self.head_perplexity_ratio
@@ -251,66 +215,57 @@ def _best(
     pool: Sequence[Candidate],
     score: Mapping[Candidate, float],
     passes: Callable[[Candidate], bool],
-    split_gain: float = SPLIT_GAIN,
 ) -> Candidate | None:
-    """The best-scored passing single format, unless a passing split beats it by `split_gain`."""
-
-    def first_passing(among: Sequence[Candidate]) -> Candidate | None:
-        for c in sorted(among, key=lambda c: (score[c], c)):
-            if math.isfinite(score[c]) and passes(c):
-                return c
-        return None
-
-    single = first_passing([c for c in pool if not c.is_split])
-    split = first_passing([c for c in pool if c.is_split])
-    if split is not None and (single is None or score[split] * split_gain < score[single]):
-        return split
-    return single
+    """The best-scored candidate of `pool` that `passes` (asked best first)."""
+    for c in sorted(pool, key=lambda c: (score[c], c)):
+        if math.isfinite(score[c]) and passes(c):
+            return c
+    return None
 
 
 def choose(
     ms: Mapping[Candidate, Mapping[int, float]],
-    dtype_weights: Mapping[int, float],
-    role_weights: Mapping[int, float],
+    weights: Mapping[int, float],
     ratio_of: Callable[[Candidate], float],
+    row_invariant: Callable[[Candidate], bool],
     bound: float = PPL_BOUND,
     prefer_dtype: str | None = None,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
-    """(the choice, the role's scores, the perplexity ratios measured). The dtype is the best
-    passing candidate's at `dtype_weights` (the same batches as `role_weights` for a co-located
-    worker), or `prefer_dtype` when its best passing candidate there is within `DTYPE_TIE`;
-    then the best passing format in that dtype at `role_weights`. `ratio_of` gives a
-    candidate's perplexity over the reference's; it is asked only of candidates tried, best
-    first, and at most once each. Refuses (ValueError) when no candidate passes."""
+    """(the choice, the scores, the perplexity ratios measured): the best-scored candidate
+    that computes a row the same at any batch (`row_invariant`) and whose perplexity over the
+    reference's (`ratio_of`) is within `bound`, or the best of `prefer_dtype` when it scores
+    within `DTYPE_TIE` of it. Each judge is asked only of candidates tried, best first, the
+    cheap one (`row_invariant`) first, and at most once each. Where no candidate computes rows
+    the same at every batch, the best within the bound (the caller says so). Refuses
+    (ValueError) when no candidate passes the bound."""
     ratios: dict[Candidate, float] = {}
 
-    def passes(c: Candidate) -> bool:
-        if c.is_split:
-            return all(passes(p) for p in c.parts)
+    def within_bound(c: Candidate) -> bool:
+        if c.is_split:  # pinned (`--quantization SMALL@ROWS+LARGE`): both formats pass
+            return all(within_bound(p) for p in c.parts)
         if (c.dtype, c.quantization) == REFERENCE:
             return True
         if c not in ratios:
             ratios[c] = ratio_of(c)
         return ratios[c] <= bound
 
-    role_scores = scores(ms, role_weights)
-    dtype_scores = scores(ms, dtype_weights)
-    pool = list(ms)
-    first = _best(pool, dtype_scores, passes)
-    if first is not None:
-        dtype = first.dtype
-        if prefer_dtype is not None and prefer_dtype != dtype:
-            alt = _best([c for c in pool if c.dtype == prefer_dtype], dtype_scores, passes)
-            if alt is not None and dtype_scores[alt] <= dtype_scores[first] * DTYPE_TIE:
-                dtype = prefer_dtype
-        pool = [c for c in pool if c.dtype == dtype]
-    chosen = _best(pool, role_scores, passes)
+    def passes(c: Candidate) -> bool:
+        return row_invariant(c) and within_bound(c)
+
+    score = scores(ms, weights)
+    pool = [c for c in ms if not c.is_split] or list(ms)  # a split only where pinned
+    chosen = _best(pool, score, passes) or _best(pool, score, within_bound)
     if chosen is None:
         raise ValueError(
             "no kernel configuration keeps the perplexity within "
             f"{bound}x of fp32's: pin --dtype float32 --quantization none"
         )
-    return chosen, role_scores, ratios
+    if prefer_dtype is not None and prefer_dtype != chosen.dtype:
+        same = passes if passes(chosen) else within_bound
+        alt = _best([c for c in pool if c.dtype == prefer_dtype], score, same)
+        if alt is not None and score[alt] <= score[chosen] * DTYPE_TIE:
+            chosen = alt
+    return chosen, score, ratios
 
 
 def choose_head(
@@ -319,22 +274,25 @@ def choose_head(
     weights: Mapping[int, float],
     ratio_of: Callable[[Candidate], float],
     rule: Candidate,
+    row_invariant: Callable[[Candidate], bool],
     bound: float = PPL_BOUND,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
-    """The LM head for layers already chosen (with `rule`'s head, which passed with them):
-    (the head, the scores at `weights`, the perplexity ratios measured). `ms` holds each head
-    format alone (and splits, `with_splits`) at the role's batches, `step_ms` the chosen
-    layers' step with the rule's head: a head is scored by the step it makes (the step less
-    the rule's head plus its own), so a head's share of a prefill chunk counts for what it is.
-    `ratio_of` gives the perplexity of the chosen layers with that head (a split's small half
-    judged at its batch sizes: kernel_search.PerplexityJudge.head_ratio). The best passing
-    head (a split holds two heads, a few tens of MB: no margin over one), when it beats the
-    rule by HEAD_GAIN; else `rule`. At a co-located worker's batches half the weight is the
-    prefill chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a
-    ~9 ms step) scores ~3% better."""
+    """The LM head for layers already chosen (with `rule`'s head, which passed the bound with
+    them): (the head, the scores at `weights`, the perplexity ratios measured). `ms` holds each
+    head format alone at the search's batches, `step_ms` the chosen layers' step with the
+    rule's head: a head is scored by the step it makes (the step less the rule's head plus its
+    own), so a head's share of a prefill chunk counts for what it is. `ratio_of` gives the
+    perplexity of the chosen layers with that head. The best head that computes a row the same
+    at every batch (`row_invariant`) and passes the bound; the rule unless another beats it by
+    HEAD_GAIN (or the rule itself computes rows otherwise in a batch); the rule where no head
+    computes rows the same. At a co-located worker's batches half the weight is the prefill
+    chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a ~9 ms
+    step) scores ~3% better."""
     ratios: dict[Candidate, float] = {}
 
     def passes(c: Candidate) -> bool:
+        if c.is_split or not row_invariant(c):
+            return False
         if c == rule:
             return True
         if c not in ratios:
@@ -344,7 +302,7 @@ def choose_head(
     body = {r: max(step_ms[r] - ms[rule][r], 0.0) for r in weights}
     steps = {c: {r: body[r] + t[r] for r in weights if r in t} for c, t in ms.items()}
     head_scores = scores(steps, weights)
-    best = _best(list(ms), head_scores, passes, split_gain=1.0)
-    if best is None or head_scores[best] * HEAD_GAIN >= head_scores[rule]:
+    best = _best(list(ms), head_scores, passes)
+    if best is None or (passes(rule) and head_scores[best] * HEAD_GAIN >= head_scores[rule]):
         best = rule
     return best, head_scores, ratios

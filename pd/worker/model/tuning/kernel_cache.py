@@ -3,14 +3,19 @@ JSON file per key under `$PD_CACHE_DIR/kernels/` (default `~/.cache/pd/kernels/`
 everything the measurement depends on (`cache_key`): the CPU (model name and every flag), the
 checkpoint's digest, the role and its batch sizes, the threads, the TP size, torch's version and
 what was pinned, so a choice never follows a worker to another machine, model or role. A file
-that cannot be read or parsed is a miss (the search runs again and rewrites it)."""
+that cannot be read or parsed is a miss (the search runs again and rewrites it). Workers that
+start together on one machine search once (`locked`): the first to take a key's lock measures,
+the others wait for it and read what it stored."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +24,10 @@ log = logging.getLogger(__name__)
 # The search's version: a change to what it measures or how it decides bumps it (2: splits;
 # 3: the smallest batch drops nothing; 4: the LM head measured on its own; 5: onednn-fp32;
 # 6: candidates timed side by side in rounds, nothing dropped under 32 rows; 7: smooth-int8,
-# the plain dynamic int8 layers out where it runs, a compiled one-row step counted).
-VERSION = 7
+# the plain dynamic int8 layers out where it runs, a compiled one-row step counted; 8: single
+# formats that compute a row the same in every batch, the same batches for every role, no
+# one-row compile credit).
+VERSION = 8
 
 
 def cache_root() -> Path:
@@ -72,3 +79,27 @@ def store(key: dict[str, Any], choice: dict[str, Any], root: Path | None = None)
         log.warning("kernel choice not cached (%s): it is measured again at the next start", e)
         return None
     return path
+
+
+@contextlib.contextmanager
+def locked(key: dict[str, Any], root: Path | None = None) -> Iterator[None]:
+    """Hold `key`'s lock (a `flock` on a file beside its choice, released by the OS if the
+    holder dies): a second worker measuring the same key waits here for the first's result.
+    Without a writable directory, no lock (each worker measures)."""
+    path = _path(key, root or cache_dir()).with_suffix(".lock")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        log.warning("kernel search not locked (%s): workers beside measure on their own", e)
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another worker on this machine is choosing kernels: waiting for its choice")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

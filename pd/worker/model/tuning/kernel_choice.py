@@ -1,8 +1,11 @@
 """What `--dtype auto` and `--quantization auto` resolve to for one worker: pinned values kept,
-the cache (kernel_cache.py) read, else the search measured (kernel_search.py) and decided
-(autotune.py) and cached. Off a CPU, or with `PD_KERNEL_SEARCH=0`, nothing is measured: auto
-is the fixed rule (bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, else float32; weights
-`none`)."""
+the cache (kernel_cache.py) read, else the search measured (kernel_search.py), judged
+(row_invariance.py, perplexity.py) and decided (autotune.py) and cached. Workers that share a
+machine share one search: the key leaves out the role, and the first to miss measures under a
+lock while the others wait and read its result. An explicit `--dtype` with `--quantization
+auto` takes the checkpoint's weights dense (`none`): quantized weights only where asked for.
+Off a CPU, or with `PD_KERNEL_SEARCH=0`, nothing is measured: auto is the fixed rule (bfloat16
+on CUDA and on CPUs with AVX512-BF16/AMX, else float32; weights `none`)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from pd.config import format_at
-from pd.worker.model import one_row
+from pd.worker.model.config import ModelConfig
+from pd.worker.model.cpu_info import read_cpu_info
+from pd.worker.model.device import DTYPES, cpu_has_fast_bf16
+from pd.worker.model.kernels import DYNAMIC_INT8
+from pd.worker.model.quant import Weight, head_quantization
+from pd.worker.model.smooth_quant import SMOOTH_INT8
 from pd.worker.model.tuning import kernel_cache
 from pd.worker.model.tuning.autotune import (
     Candidate,
@@ -22,26 +29,20 @@ from pd.worker.model.tuning.autotune import (
     candidates,
     choose,
     choose_head,
-    decision_batches,
-    with_splits,
+    search_batches,
 )
-from pd.worker.model.config import ModelConfig
-from pd.worker.model.cpu_info import read_cpu_info
-from pd.worker.model.device import DTYPES, cpu_has_fast_bf16
 from pd.worker.model.tuning.kernel_search import (
     PerplexityJudge,
     formats_here,
     time_candidates,
     time_heads,
 )
-from pd.worker.model.kernels import DYNAMIC_INT8
 from pd.worker.model.tuning.perplexity import shipped_text
-from pd.worker.model.quant import Weight, head_quantization
-from pd.worker.model.smooth_quant import SMOOTH_INT8
+from pd.worker.model.tuning.row_invariance import batch_rows, head_differs, layers_differ
 
 log = logging.getLogger(__name__)
 
-SPLITS_SHOWN = 3  # splits in /health and the log beside every single format
+SHOWN_HEADS = 6  # LM heads in /health and the log, the best first
 SKIP_ENV = "PD_KERNEL_SEARCH"  # "0" (or off/no/false): auto takes the fixed rule, unmeasured
 
 
@@ -57,12 +58,6 @@ def available_bytes() -> float:
         return 0.0
 
 
-def split_budget_bytes() -> float:
-    """What two formats of the weights may hold together (autotune.with_splits): a quarter of
-    the memory available now, the rest left to the KV pool and the machine's other workers."""
-    return available_bytes() / 4
-
-
 def layer_formats(formats: list[str]) -> list[str]:
     """The formats auto times for the linear layers: all of `formats` but the plain dynamic
     int8 ones where smooth-int8 runs (the same kernel without its rescalings: 1.6-3.1x fp32's
@@ -71,34 +66,6 @@ def layer_formats(formats: list[str]) -> list[str]:
     if SMOOTH_INT8 not in formats:
         return formats
     return [q for q in formats if q not in DYNAMIC_INT8]
-
-
-# A one-row step compiled in the background (one_row.py) against the same step eager, in the
-# server: float32 `int4@1+smooth-int8` under the AVX2 cap 12.57 against 16.91 ms (1.35x);
-# bfloat16 `int4@1+onednn-bf16` uncapped 19.9 against 22.3 in the compile's own timing (1.12x).
-ONE_ROW_COMPILE_GAIN = 1.3  # between the two, nearer the AVX2 kind where eager costs the most
-
-
-def with_one_row_compile(
-    ms: Mapping[Candidate, Mapping[int, float]], background_compile: str, role: str
-) -> dict[Candidate, dict[int, float]]:
-    """`ms` with the one-row time of each candidate whose one-row step the worker would compile
-    in the background divided by ONE_ROW_COMPILE_GAIN: the search times the linear layers
-    eagerly, and the compiled graph also runs the rest of the step (norms, rotary, attention)
-    as one. Without it, under the AVX2 cap `int4@1+smooth-int8` scored within 1.4% of
-    smooth-int8 alone and lost (a split must win by 5%), and one stream ran at 15.7-17.6 ms a
-    step against the compiled split's 12.6."""
-
-    def compiled(quantization: str) -> bool:  # one_row.wanted's rule, for a measured choice
-        how = dict(device="cpu", role=role, how="measured", quantization=quantization)
-        return background_compile != "off" and one_row.wanted("auto", **how) is not None
-
-    return {
-        c: {r: t / ONE_ROW_COMPILE_GAIN if r == 1 else t for r, t in times.items()}
-        if compiled(c.quantization)
-        else dict(times)
-        for c, times in ms.items()
-    }
 
 
 def fixed_choice(
@@ -115,7 +82,6 @@ def resolve_kernels(
     dtype: str,
     quantization: str,
     device: str,
-    role: str,
     chunk_size: int,
     max_running: int,
     threads: int,
@@ -127,7 +93,6 @@ def resolve_kernels(
     digest: str,
     compile: bool = False,
     lm_head_quantization: str = "auto",
-    background_compile: str = "off",  # --background-compile: whether a one-row step compiles
 ) -> Choice:
     """The worker's (dtype, quantization, LM head), with the figures behind it. Runs torch ops:
     call it on the worker's torch thread, with `threads` its thread count. The head is measured
@@ -136,6 +101,8 @@ def resolve_kernels(
     head = lm_head_quantization
     if dtype != "auto" and quantization != "auto":
         return Choice(dtype, quantization, "pinned", head=head)
+    if dtype != "auto":  # quantized weights only where asked for
+        return Choice(dtype, "none", f"--dtype {dtype}: the checkpoint's weights dense", head=head)
     if device != "cpu":
         return fixed_choice(dtype, quantization, device, f"not measured on {device}", head)
     if search_disabled():
@@ -153,7 +120,6 @@ def resolve_kernels(
         isa_limits=dict(cpu.limits),
         torch=torch.__version__,
         checkpoint=digest,
-        role=role,
         chunk_size=chunk_size,
         max_running=max_running,
         threads=threads,
@@ -163,17 +129,38 @@ def resolve_kernels(
         quantization=quantization,
         compile=compile,
         lm_head_quantization=head,
-        background_compile=background_compile,
     )
-    hit = kernel_cache.load(key)
-    if hit is not None:
-        try:
-            return Choice.from_dict(hit, "cache")
-        except (KeyError, TypeError, ValueError):
-            log.warning("a kernel choice in the cache is unreadable: measured again")
+    with kernel_cache.locked(key):  # a worker beside that is measuring: wait, then read
+        hit = kernel_cache.load(key)
+        if hit is not None:
+            try:
+                return Choice.from_dict(hit, "cache")
+            except (KeyError, TypeError, ValueError):
+                log.warning("a kernel choice in the cache is unreadable: measured again")
+        choice = _search(
+            cands, formats, config, tp, group_size, chunk_size, max_running, weights, encode,
+            measure_head=head == "auto" and quantization == "auto",
+        )  # fmt: skip
+        kernel_cache.store(key, choice.as_dict())
+    return choice
+
+
+def _search(
+    cands: list[Candidate],
+    formats: list[str],
+    config: ModelConfig,
+    tp: int,
+    group_size: int,
+    chunk_size: int,
+    max_running: int,
+    weights: Mapping[str, Weight],
+    encode: Callable[[str], list[int]],
+    measure_head: bool,
+) -> Choice:
+    """Time `cands`, judge them best first and choose (autotune.choose), then the LM head."""
     start = time.perf_counter()
-    dtype_w, role_w = decision_batches(role, chunk_size, max_running)
-    rows = sorted(set(dtype_w) | set(role_w))
+    batches = search_batches(chunk_size, max_running)
+    rows = sorted(batches)
     log.info(
         "timing %d kernel configurations at %s rows (--dtype/--quantization auto)",
         len(cands),
@@ -181,81 +168,81 @@ def resolve_kernels(
     )
     # the candidates timed side by side hold half the memory available at most (freed when
     # the timing ends)
-    single, nbytes = time_candidates(
+    ms, _ = time_candidates(
         cands, config, tp, rows, chunk_size, group_size, memory_bytes=available_bytes() / 2
     )
-    # --compile runs single formats only (runner.py): no splits then
-    ms = with_splits(single, nbytes, 0.0 if compile else split_budget_bytes())
-    if not compile:
-        ms = with_one_row_compile(ms, background_compile, role)
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size, encode)
-    prefer = "bfloat16" if cpu.native_bf16 else "float32"
-    chosen, scores, ratios = choose(ms, dtype_w, role_w, judge.ratio, prefer_dtype=prefer)
-    if head == "auto" and quantization == "auto":
-        head_ms, head_scores, head_ratios, chosen_head = _measured_head(
-            chosen, ms[chosen], formats, config, rows, chunk_size, group_size, role_w, judge
+    largest = max(chunk_size, max_running)
+    layer_rows = batch_rows(largest, (chunk_size, max_running))
+    differs: dict[Candidate, str | None] = {}
+
+    def row_invariant(c: Candidate) -> bool:
+        if c not in differs:
+            differs[c] = layers_differ(c.dtype, c.quantization, config, tp, group_size, layer_rows)
+        return differs[c] is None
+
+    prefer = "bfloat16" if read_cpu_info().native_bf16 else "float32"
+    chosen, scores, ratios = choose(ms, batches, judge.ratio, row_invariant, prefer_dtype=prefer)
+    if differs.get(chosen) is not None:
+        log.warning(
+            "no kernel configuration within the perplexity bound computes a row the same in "
+            "every batch on this machine: %s (%s), whose answers may change with the load",
+            chosen.name,
+            differs[chosen],
         )
-    else:
-        head_ms, head_scores, head_ratios, chosen_head = {}, {}, {}, head
-    # what /health and the log show: every single format, and the best few splits
-    splits = sorted((c for c in ms if c.is_split), key=lambda c: (scores[c], c))
-    shown = [c for c in ms if not c.is_split] + [
-        c for c in splits if c in splits[:SPLITS_SHOWN] or c == chosen
-    ]
     choice = Choice(
         chosen.dtype,
         chosen.quantization,
         "measured",
-        ms={c.name: dict(ms[c]) for c in shown},
-        scores={c.name: scores[c] for c in shown},
+        ms={c.name: dict(t) for c, t in ms.items()},
+        scores={c.name: s for c, s in scores.items()},
         perplexity_ratio={c.name: r for c, r in ratios.items()},
-        search_s=time.perf_counter() - start,
-        head=chosen_head,
-        head_ms={c.quantization: dict(t) for c, t in head_ms.items() if c in head_scores},
-        head_scores={c.quantization: s for c, s in head_scores.items()},
-        head_perplexity_ratio={c.quantization: r for c, r in head_ratios.items()},
+        row_differs={c.name: d for c, d in differs.items()},
     )
-    kernel_cache.store(key, choice.as_dict())
+    if measure_head:
+        _measured_head(choice, chosen, ms[chosen], formats, config, chunk_size, max_running, judge)
+    choice.search_s = time.perf_counter() - start
     return choice
 
 
 def _measured_head(
+    choice: Choice,
     layers: Candidate,
     step_ms: Mapping[int, float],
     formats: list[str],
     config: ModelConfig,
-    rows: list[int],
     chunk_size: int,
-    group_size: int,
-    role_w: Mapping[int, float],
+    max_running: int,
     judge: PerplexityJudge,
-) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, float], dict[Candidate, float], str]:
-    """The LM head for the chosen layers (`autotune.choose_head`): every format and split of two
-    in the layers' dtype, the head alone timed at the role's batches, scored by the step it
-    makes with the layers (`step_ms`, their step with the rule's head); the layers' own head
-    (the rule, which passed with them) unless another scores better within the bound. Returns
-    (each shown head's ms alone, scores, perplexity ratios measured, the head: "auto" for the
-    rule)."""
+) -> None:
+    """The LM head for the chosen layers (`autotune.choose_head`), into `choice`: every format
+    in the layers' dtype, the head alone timed at the search's batches, scored by the step it
+    makes with the layers (`step_ms`, their step with the rule's head), judged at the decode
+    batches (up to `max_running` rows: one a sequence)."""
     rule = Candidate(layers.dtype, head_quantization(layers.quantization, DTYPES[layers.dtype]))
-    single, nbytes = time_heads(layers.dtype, formats, config, rows, chunk_size, group_size)
-    seen = {chunk_size: 1}  # the head gets one row of a prefill chunk (time_heads times that)
-    ms = with_splits(single, nbytes, split_budget_bytes(), seen)
-    if rule not in ms:  # a split beyond the memory budget: its parts' times
-        ms[rule] = {
-            r: single[Candidate(rule.dtype, format_at(rule.quantization, seen.get(r, r)))][r]
-            for r in rows
-        }
-    head, head_scores, ratios = choose_head(
-        ms, step_ms, role_w, lambda h: judge.head_ratio(layers, h), rule
+    batches = search_batches(chunk_size, max_running)
+    group_size = judge.group_size
+    ms, _ = time_heads(layers.dtype, formats, config, sorted(batches), chunk_size, group_size)
+    rows = batch_rows(max_running, (max_running,))
+    differs: dict[Candidate, str | None] = {}
+
+    def row_invariant(c: Candidate) -> bool:
+        if c not in differs:
+            differs[c] = head_differs(c.dtype, c.quantization, config, group_size, rows)
+        return differs[c] is None
+
+    head, scores, ratios = choose_head(
+        ms, step_ms, batches, lambda h: judge.head_ratio(layers, h), rule, row_invariant
     )
-    shown = sorted(head_scores, key=lambda c: (head_scores[c], c))[: SPLITS_SHOWN * 2]
+    if differs.get(head) is not None:
+        log.warning("no LM head computes a row the same in every batch here: %s", differs[head])
+    shown = sorted(scores, key=lambda c: (scores[c], c))[:SHOWN_HEADS]
     shown += [c for c in (rule, head) if c not in shown]
-    return (
-        {c: ms[c] for c in shown},
-        {c: head_scores[c] for c in shown},
-        ratios,
-        "auto" if head == rule else head.quantization,
-    )
+    choice.head = "auto" if head == rule else head.quantization
+    choice.head_ms = {c.quantization: dict(ms[c]) for c in shown}
+    choice.head_scores = {c.quantization: scores[c] for c in shown}
+    choice.head_perplexity_ratio = {c.quantization: r for c, r in ratios.items()}
+    choice.head_row_differs = {c.quantization: d for c, d in differs.items()}
 
 
 __all__ = ["Candidate", "Choice", "SKIP_ENV", "resolve_kernels"]

@@ -37,11 +37,9 @@ import torch
 
 from pd.config import format_at, split_quantization
 from pd.worker.model import quant
-from pd.worker.model.tuning.autotune import REFERENCE, Candidate
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
-from pd.worker.model.tuning.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 from pd.worker.model.runner import ModelRunner, lm_head_weight
 from pd.worker.model.smooth_quant import (
     KINDS,
@@ -50,6 +48,8 @@ from pd.worker.model.smooth_quant import (
     activation_maxima,
     holds_smooth,
 )
+from pd.worker.model.tuning.autotune import REFERENCE, Candidate
+from pd.worker.model.tuning.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 
 log = logging.getLogger(__name__)
 
