@@ -32,7 +32,7 @@ from pd.worker.disagg import (
     Role,
     TransferRole,
 )
-from pd.worker.disagg.contract import KVRunner, make_transfer_manager
+from pd.worker.disagg.contract import KVRunner, make_transfer_manager, runtime_format
 from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
@@ -77,6 +77,8 @@ class Worker:
     # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
     simulation: Callable[[], dict[str, Any]] | None = None
     quantization: str = "none"  # the linear layers' format, --quantization auto resolved
+    # How it computes (contract.runtime_format): a P and a D pair only when theirs are equal
+    runtime_format: dict[str, str] = field(default_factory=dict)
     # What --dtype/--quantization auto chose and the figures that chose it (/health `kernels`)
     kernels: dict[str, Any] = field(default_factory=dict)
     # The background compile of the one-row decode step: its state (None: not run)
@@ -204,6 +206,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         vocab_size=runner.config.vocab_size,
         simulation=simulation,
         quantization=model.quantization,
+        runtime_format=runtime_format(runner),
         kernels=model.kernels,
         one_row_compile=model.one_row_compile,
     )

@@ -15,7 +15,7 @@ from pd.sim import CostModel, parse_profile
 from pd.sim.runner import SimulatedRunner
 from pd.sim.tokens import CHOSEN_LOGPROB
 from pd.worker.checkpoint import default_model_path, load_tokenizer
-from pd.worker.disagg.contract import KVContract, kv_pool_of, runtime_format
+from pd.worker.disagg.contract import KVContract, kv_pool_of, runtime_format, runtime_report
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.request import Sequence
 
@@ -191,4 +191,5 @@ def test_workers_of_one_model_pair_on_any_device_and_tp_and_others_do_not(tokeni
     assert KVContract.of(make(tokenizer, "qwen3-32b:h100:tp2")) != p
     assert p.dtype == "bfloat16"
     runtime = runtime_format(make(tokenizer))
-    assert runtime["attention"] == "simulated" and runtime["checkpoint"].startswith("sim:")
+    assert runtime["attention"] == "simulated" and runtime["compute_dtype"] == "bfloat16"
+    assert runtime_report(make(tokenizer))["checkpoint"].startswith("sim:")

@@ -175,6 +175,8 @@ async def health(request: web.Request) -> web.Response:
         "instance": worker.instance_id,
         "attention_backend": worker.attention_backend,
         "quantization": worker.quantization,
+        # compute dtype, linear layers', LM head's, attention: the router pairs equal ones
+        "runtime_format": worker.runtime_format,
         "kernels": worker.kernels,
         "compiled_decode": worker.config.compile,
         # the one-row step's background compile (one_row.py): compiling, on, slower, failed

@@ -4,9 +4,14 @@ sides of a pair must agree on (`KVContract`) before any byte moves.
 The contract is the checkpoint as stored (its digest, LoadedCheckpoint.digest, with the model's
 shape) and the KV format (page size, layout, dtype: the bytes of a page). It is checked twice on
 D: against the fields of P's kv_transfer_params (a 400 before anything is dialed), and at the
-handshake (P's Welcome carries it: a mismatch fails the pull, naming both sides). How each side
-runs the weights (quantization, attention kernels) need not match: P and D may run one checkpoint
-with other kernels. It travels beside the contract (`runtime_format`) and is logged by D.
+handshake (P's Welcome carries it: a mismatch fails the pull, naming both sides).
+
+How each side computes (`runtime_format`: the compute dtype, the format of the linear layers and
+of the LM head, the attention path) must match too: P's first token and K/V and D's next tokens
+are one answer, and two formats are two models (int4 against int8 weights, or one kernel's
+rounding against another's). It is compared at the handshake beside the contract (as its
+`runtime.*` keys), shown in /health, and the router pairs a P with a D only when theirs are
+equal. The model's name and the checkpoint are reported with it in D's log.
 """
 
 from __future__ import annotations
@@ -71,16 +76,31 @@ class KVContract:
 
 
 def runtime_format(runner: KVRunner) -> dict[str, str]:
-    """How this worker runs its checkpoint: reported to the peer at the handshake and logged
-    there, never compared (TransferConfig.runtime)."""
+    """How this worker computes its checkpoint: P and D must be equal in every key (module
+    docstring); /health shows it."""
     r: Any = runner  # stand-ins in tests have only some of these
+    quantization = str(getattr(r, "quantization", "none"))
+    return {
+        "compute_dtype": str(runner.dtype).removeprefix("torch."),
+        "linear": quantization,
+        "lm_head": str(getattr(r, "lm_head_quantization", quantization)),
+        "attention": str(getattr(r, "attention_backend", "unknown")),
+    }
+
+
+def runtime_report(runner: KVRunner) -> dict[str, str]:
+    """The runtime format with the model's name and checkpoint: what D logs of P and itself."""
+    r: Any = runner
     return {
         "model": str(runner.config.name),
         "checkpoint": getattr(r, "checkpoint_digest", "") or "unknown",
-        "quantization": str(getattr(r, "quantization", "none")),
-        "attention": str(getattr(r, "attention_backend", "unknown")),
-        "compute_dtype": str(runner.dtype).removeprefix("torch."),
+        **runtime_format(runner),
     }
+
+
+def handshake_contract(contract: KVContract, runtime: dict[str, str]) -> dict[str, str]:
+    """What D compares with P's at the handshake: the contract and the runtime format."""
+    return {**contract.wire(), **{f"runtime.{k}": v for k, v in runtime.items()}}
 
 
 @runtime_checkable
@@ -145,6 +165,7 @@ class TransferRole:
         self.manager = manager
         self.contract = KVContract.of(runner)
         self.runtime = runtime_format(runner)
+        self.report = runtime_report(runner)
         self.pool = kv_pool_of(runner)
         # NOTE: the runner owns the memory the pool describes: it must outlive the registration.
         self._memory = runner
@@ -156,8 +177,9 @@ class TransferRole:
         return self.manager.bootstrap_port
 
     async def start(self) -> None:
-        # P sends both in its Welcome; D refuses a P whose contract is not its own.
-        self.manager.set_contract(self.contract.wire(), self.runtime)
+        # P sends both in its Welcome; D refuses a P whose contract or runtime format is not its
+        # own, and logs the report.
+        self.manager.set_contract(handshake_contract(self.contract, self.runtime), self.report)
         await self.manager.start()
         self.manager.register_pool(self.pool)
 

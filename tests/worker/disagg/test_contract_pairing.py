@@ -1,6 +1,6 @@
 """The pairing contract of a P/D pair: the stored checkpoint's digest and the KV format are
-compared (in D's check of P's params, and at the handshake); the runtime weight format
-(quantization, attention kernels) is only reported.
+compared (in D's check of P's params, and at the handshake), and the runtime format (compute
+dtype, the linear layers' and the LM head's formats, attention) at the handshake.
 
 Real KVContracts of tiny random checkpoints of one shape; a real prefill side and decode side in
 one process (real engines, transfer managers over the `fake` backend, stand-in models).
@@ -60,12 +60,15 @@ def test_a_fine_tune_of_the_same_shape_has_another_contract(tmp_path: Path) -> N
     assert (a.page_size, a.kv_layout, a.dtype) == (b.page_size, b.kv_layout, b.dtype)
 
 
-def test_the_same_checkpoint_quantized_otherwise_has_the_same_contract(tmp_path: Path) -> None:
+def test_the_same_checkpoint_quantized_otherwise_has_another_runtime_format(tmp_path: Path) -> None:
     path = gguf_file(tmp_path, "base", seed=0)
     dense, int8 = _runner(path), _runner(path, "int8")
-    assert KVContract.of(dense) == KVContract.of(int8)
-    assert runtime_format(int8)["quantization"] == "int8"
-    assert runtime_format(dense)["quantization"] == "none"
+    assert KVContract.of(dense) == KVContract.of(int8)  # the same KV bytes' shape
+    assert runtime_format(int8) == {
+        "compute_dtype": "float32", "linear": "int8", "lm_head": "int8",
+        "attention": "TorchAttentionBackend",
+    }  # fmt: skip
+    assert runtime_format(dense)["linear"] == "none" and runtime_format(dense)["lm_head"] == "none"
     # The KV dtype is part of the KV format: a bf16 runner's pages are other bytes.
     ckpt = load_checkpoint(path)
     bf16 = ModelRunner(
@@ -171,16 +174,26 @@ async def test_a_pair_of_other_checkpoints_is_refused_naming_both_sides() -> Non
         assert pair.prefill.release(params["transfer_id"], "test over")
 
 
-async def test_the_same_checkpoint_with_other_kernels_pairs_and_is_reported(caplog) -> None:
+async def test_the_same_checkpoint_with_other_kernels_is_refused_naming_both(caplog) -> None:
     async with Pair(Runner("ckpt", "int8"), Runner("ckpt", "none")) as pair:
+        params = await pair.prefilled()
+        kvp = pair.decode.validate(params)  # the KV contract is the same
+        with pytest.raises(APIError) as e:
+            await pair.decode.admit(kvp, GenerationOptions(max_tokens=3))
+        message = e.value.message
+        assert e.value.status == 502 and "ContractMismatch" in message
+        assert "runtime.linear: prefill 'int8', decode 'none'" in message, message
+        assert pair.decode.manager.state().links == 0
+        assert pair.prefill.release(params["transfer_id"], "test over")
+    async with Pair(Runner("ckpt", "int8"), Runner("ckpt", "int8")) as pair:
         with caplog.at_level(logging.INFO, logger="pd.transfer"):
             kvp = pair.decode.validate(await pair.prefilled())
             h = await pair.decode.admit(kvp, GenerationOptions(max_tokens=3))
             tokens, error = await drain(h)
         assert error is None and tokens == [7, 7, 7]
         pair.d.abort(h)
-        reports = [r.getMessage() for r in caplog.records if "quantization" in r.getMessage()]
-        assert len(reports) == 1 and "int8" in reports[0], reports
+        reports = [r.getMessage() for r in caplog.records if "paired with" in r.getMessage()]
+        assert len(reports) == 1 and "linear=int8" in reports[0], reports
 
 
 async def test_real_runners_of_two_checkpoints_of_one_shape_are_refused(tmp_path: Path) -> None:
@@ -195,7 +208,7 @@ async def test_real_runners_of_two_checkpoints_of_one_shape_are_refused(tmp_path
             await pair.decode.admit(pair.decode.validate(forged), GenerationOptions(max_tokens=3))
         assert "model=base" in e.value.message and "model=tuned" in e.value.message
         assert pair.prefill.release(params["transfer_id"], "test over")
-    async with Pair(_runner(base, "int8"), _runner(base)) as pair:
+    async with Pair(_runner(base, "int8"), _runner(base, "int8")) as pair:
         kvp = pair.decode.validate(await pair.prefilled())
         tokens, error = await drain(await pair.decode.admit(kvp, GenerationOptions(max_tokens=3)))
         assert error is None and len(tokens) == 3

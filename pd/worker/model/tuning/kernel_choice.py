@@ -24,6 +24,7 @@ from pd.worker.model.quant import Weight, head_quantization
 from pd.worker.model.smooth_quant import SMOOTH_INT8
 from pd.worker.model.tuning import kernel_cache
 from pd.worker.model.tuning.autotune import (
+    REFERENCE,
     Candidate,
     Choice,
     candidates,
@@ -181,8 +182,9 @@ def _search(
             differs[c] = layers_differ(c.dtype, c.quantization, config, tp, group_size, layer_rows)
         return differs[c] is None
 
-    prefer = "bfloat16" if read_cpu_info().native_bf16 else "float32"
-    chosen, scores, ratios = choose(ms, batches, judge.ratio, row_invariant, prefer_dtype=prefer)
+    chosen, scores, ratios = choose(
+        ms, batches, judge.ratio, row_invariant, prefer_dtype=REFERENCE[0]
+    )
     if differs.get(chosen) is not None:
         log.warning(
             "no kernel configuration within the perplexity bound computes a row the same in "
