@@ -17,6 +17,7 @@ import orjson
 from pd.protocol import WorkerLoad
 from pd.router.config import RouterConfig
 from pd.router.metrics import RouterMetrics
+from pd.router.pairing import report_format
 from pd.router.registry import Registry
 from pd.router.worker import Worker
 
@@ -46,6 +47,9 @@ async def probe(
         return f"worker reports role {role!r} but sits in the {w.role} pool"
     if isinstance(data.get("model"), str):
         w.model = data["model"]
+    fmt = data.get("runtime_format")
+    if isinstance(fmt, dict) and all(isinstance(v, str) for v in fmt.values()):
+        w.runtime_format = {str(k): v for k, v in fmt.items()}
     if isinstance(data.get("instance"), str):
         w.instance = data["instance"]
     load = data.get("load")
@@ -81,10 +85,13 @@ class HealthChecker:
 
     async def check(self, w: Worker) -> bool:
         assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
-        before = w.instance
+        before, fmt = w.instance, w.runtime_format
         reason = await probe(self.session, w, self.timeout, self.headers)
         if before is not None and w.instance != before:
             self.registry.pools[w.role].restarted(w)
+        if w.runtime_format != fmt and w.role != "both":
+            other = self.registry.decode if w.role == "prefill" else self.registry.prefill
+            report_format(w, list(other.workers.values()))
         self.record(w, reason)
         return reason is None
 

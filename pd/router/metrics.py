@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from pd.router.hist import Hist
+from pd.router.pairing import unpaired
 from pd.router.registry import Registry
 
 # "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
@@ -41,6 +42,7 @@ class RouterMetrics(Collector):
         self.ejections = dict.fromkeys(registry.pools, 0)
         self.health_failures = dict.fromkeys(registry.pools, 0)
         self.local_fallbacks = 0  # decode-local requests that failed first and went through P
+        self.unpaired_refusals = 0  # PD requests refused: no healthy worker on the format needed
         self.prefill_releases = 0  # transfers P was told to drop: no decode worker will pull them
         self.prefill_release_failures = 0  # ... whose release P refused or never got
         # Prompt tokens the prefix index expected a worker to have cached, and what it reported,
@@ -174,6 +176,21 @@ class RouterMetrics(Collector):
         )
         ratio.add_metric([], self.registry.estimate.bytes_per_token)
         yield ratio
+        apart = unpaired(self.registry.prefill.healthy, self.registry.decode.healthy)
+        unpaired_g = GaugeMetricFamily(
+            "pd_router_unpaired_workers",
+            "Pairs of a healthy prefill and decode worker that are never paired: their runtime "
+            "formats (compute dtype, linear and LM head formats, attention) differ",
+        )
+        unpaired_g.add_metric([], len(apart))
+        yield unpaired_g
+        refused = CounterMetricFamily(
+            "pd_router_unpaired_refusals",
+            "PD requests refused (503) because no healthy worker ran the format of the other "
+            "side of the pair",
+        )
+        refused.add_metric([], self.unpaired_refusals)
+        yield refused
         yield from self._workers()
 
     def _workers(self) -> Iterable[Metric]:

@@ -59,6 +59,7 @@ from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
 from pd.router.migrate import TOKEN_IDS_HEADER, Tracker, resume
+from pd.router.pairing import describe, same_format
 from pd.router.prefix_index import PromptKey, answer_bytes
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
@@ -216,6 +217,7 @@ class Proxy:
         first: Worker | None = None,
         tries: int | None = None,
         before: Callable[[], Awaitable[R | None]] | None = None,
+        fits: Callable[[Worker], bool] | None = None,
     ) -> R | Failure:
         """Every phase's tries: choose a worker of `pool` not tried yet (`first` while it is
         healthy, else the policy's pick), charge it `charge(w)` prompt tokens while
@@ -223,7 +225,8 @@ class Proxy:
         go on to the next, counted in pd_router_retries_total; at most `tries` tries
         (--max-retries + 1). `before` runs ahead of each choice and may end the phase with its
         result: in PD, each try of D follows a prefill of its own. Returns what `attempt`
-        returned, or the failure the client gets."""
+        returned, or the failure the client gets. Only workers that `fits` takes are
+        chosen (after `before`): in PD, a D whose runtime format is its P's (pairing.py)."""
         tried: list[Worker] = [w for w in ex.exclude if w.role == pool.name]
         failure: Failure | None = None
         for n in range(self.cfg.max_retries + 1 if tries is None else tries):
@@ -231,11 +234,15 @@ class Proxy:
                 done = await before()
                 if done is not None:
                     return done
+            unfit = [x for x in pool.healthy if fits is not None and not fits(x)]
             if n == 0 and first is not None and first in pool.healthy and first not in tried:
-                w: Worker | None = first
+                w: Worker | None = first if first not in unfit else None
             else:
-                w = pool.choose(ex.key, tried, ex.prompt)
+                w = None
+            w = w or pool.choose(ex.key, tried + unfit, ex.prompt)
             if w is None:
+                if unfit and not tried:
+                    return self._no_pair(pool)
                 break
             if n:
                 self.metrics.retries[pool.name] += 1
@@ -271,7 +278,11 @@ class Proxy:
         async def prefilled() -> web.StreamResponse | None:
             nonlocal held
             t = perf_counter()
-            got = await self.retry(prefill, ex, p_attempt, charge=p_charge)
+            # a P that some healthy D can pair with (pairing.py)
+            got = await self.retry(
+                prefill, ex, p_attempt, charge=p_charge,
+                fits=lambda p: any(same_format(p, d) for d in decode.healthy),
+            )  # fmt: skip
             if isinstance(got, Failure):
                 return got.response()
             p, answer = got
@@ -297,7 +308,11 @@ class Proxy:
             return await self._serve(decode, w, ex, *opened)
 
         first = plan.decode if plan.route == "pd" else None  # local's D failed: any D
-        served = await self.retry(decode, ex, d_attempt, first=first, before=prefilled)
+
+        def pairs(d: Worker) -> bool:  # a D on its P's runtime format
+            return held is None or same_format(held[0], d)
+
+        served = await self.retry(decode, ex, d_attempt, first=first, before=prefilled, fits=pairs)
         if isinstance(served, Failure):
             if held is not None:  # prefilled, and no D left to try
                 self._release_prefill(*held, "no healthy decode worker to pull it")
@@ -712,6 +727,22 @@ class Proxy:
         return Failure.local(
             502, f"{w.role} worker {w.url} failed: {type(e).__name__} {e}", f"{phase}_failed"
         )
+
+    def _no_pair(self, pool: Pool) -> Failure:
+        """Healthy workers of `pool`, none on the format of the other side of the pair."""
+        self.metrics.unpaired_refusals += 1
+        sides = "; ".join(
+            f"the {p.name} workers run "
+            + (" | ".join(sorted({describe(w.runtime_format) for w in p.healthy})) or "nothing")
+            for p in (self.registry.prefill, self.registry.decode)
+        )
+        body = error_body(
+            f"no healthy {pool.name} worker computes in the format of a worker of the other side "
+            f"of the pair ({sides}): P and D must run one model",
+            "service_unavailable",
+            "no_paired_worker",
+        )
+        return Failure(503, orjson.dumps(body), retry_after="1")
 
     def _no_worker(self, pool: Pool, tried: list[Worker]) -> Failure:
         if tried:

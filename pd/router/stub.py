@@ -33,6 +33,8 @@ class StubWorker:
         self.chunks = chunks  # completion tokens a stream carries
         self.record = record
         self.health_status = 200  # anything else: 503 {"status": "unavailable"}
+        # reported in /health when set (the router pairs P and D on equal ones: pairing.py)
+        self.runtime_format: dict[str, str] | None = None
         self.load: dict[str, Any] = {
             "role": role,
             "running": 0,
@@ -113,15 +115,16 @@ class StubWorker:
     async def _health(self, request: web.Request) -> web.Response:
         if self.health_status != 200:
             return web.json_response({"status": "unavailable", "role": self.role}, status=503)
-        return web.json_response(
-            {
-                "status": "ok",
-                "role": self.role,
-                "model": self.model,
-                "instance": self.instance,
-                "load": self.load,
-            }
-        )
+        body = {
+            "status": "ok",
+            "role": self.role,
+            "model": self.model,
+            "instance": self.instance,
+            "load": self.load,
+        }
+        if self.runtime_format is not None:
+            body["runtime_format"] = self.runtime_format
+        return web.json_response(body)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(

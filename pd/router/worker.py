@@ -24,6 +24,7 @@ class Worker:
         "inflight_tokens",
         "load",
         "model",
+        "runtime_format",
         "instance",
         "fails",
         "oks",
@@ -41,6 +42,8 @@ class Worker:
         self.inflight_tokens = 0  # their estimated uncached prompt tokens (prefill-side cost)
         self.load: WorkerLoad | None = None  # as last reported in /health
         self.model: str | None = None
+        # How it computes, from /health (pairing.py): a P and a D pair only when equal
+        self.runtime_format: dict[str, str] | None = None
         self.instance: str | None = None  # changes when the worker restarts
         self.fails = 0  # consecutive failed checks
         self.oks = 0  # consecutive good checks
@@ -71,6 +74,7 @@ class Worker:
             "healthy": self.healthy,
             "inflight": self.inflight,
             "model": self.model,
+            "runtime_format": self.runtime_format,
             "load": self.load.to_dict() if self.load else None,
             "last_error": self.last_error,
             "ejections": self.ejections,
