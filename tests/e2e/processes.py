@@ -17,17 +17,25 @@ CLUSTER_TOKEN = "test-cluster-token"
 
 
 def start_worker(
-    *args: str, timeout: float = 180.0, device: str | None = "cpu"
+    *args: str,
+    timeout: float = 180.0,
+    device: str | None = "cpu",
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Start `pd-worker --port 0 ...` on `device` (None: as `args` say); return the process and
-    its URL once ready."""
+    """Start `pd-worker --port 0 ...` on `device` (None: as `args` say), with `env` over this
+    process's environment; return the process and its URL once ready."""
     on = ("--device", device) if device else ()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pd.worker.main", "--port", "0", *on, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "PD_CLUSTER_TOKEN": CLUSTER_TOKEN},
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PD_CLUSTER_TOKEN": CLUSTER_TOKEN,
+            **(env or {}),
+        },
     )
     deadline = time.monotonic() + timeout
     lines = []
@@ -44,12 +52,14 @@ def start_worker(
     raise AssertionError("pd-worker did not become ready:\n" + "".join(lines[-30:]))
 
 
-def start_workers(*arg_lists: Sequence[str]) -> list[tuple[subprocess.Popen, str]]:
+def start_workers(
+    *arg_lists: Sequence[str], timeout: float = 180.0, env: dict[str, str] | None = None
+) -> list[tuple[subprocess.Popen, str]]:
     """Start a `pd-worker` per argument list, all at once (each start is mostly one core's
     import and load); [(process, url)] in that order. Every one started is stopped if another
     fails."""
     with ThreadPoolExecutor(len(arg_lists)) as pool:
-        started = [pool.submit(start_worker, *args) for args in arg_lists]
+        started = [pool.submit(start_worker, *args, timeout=timeout, env=env) for args in arg_lists]
     procs = [f.result() for f in started if f.exception() is None]
     if len(procs) < len(arg_lists):
         for proc, _ in procs:

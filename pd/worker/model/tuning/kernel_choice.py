@@ -158,28 +158,35 @@ def _search(
     encode: Callable[[str], list[int]],
     measure_head: bool,
 ) -> Choice:
-    """Time `cands`, judge them best first and choose (autotune.choose), then the LM head."""
+    """Judge `cands` for computing a row the same in every batch (row_invariance.py), time
+    those that do (all where none does), judge their perplexity best first and choose
+    (autotune.choose); then the LM head. A format whose rows differ is never timed: it cannot
+    win, and the drop rule would otherwise leave out a slow one that can (int4 at a prefill
+    chunk, over 4x onednn-bf16's at one thread)."""
     start = time.perf_counter()
+    largest = max(chunk_size, max_running)
+    layer_rows = batch_rows(largest, (chunk_size, max_running))
+    differs = {
+        c: layers_differ(c.dtype, c.quantization, config, tp, group_size, layer_rows) for c in cands
+    }
+    timed = [c for c in cands if differs[c] is None] or cands
     batches = search_batches(chunk_size, max_running)
     rows = sorted(batches)
     log.info(
-        "timing %d kernel configurations at %s rows (--dtype/--quantization auto)",
-        len(cands),
+        "timing %d kernel configurations at %s rows (--dtype/--quantization auto; %d others "
+        "compute a row otherwise in a batch than alone)",
+        len(timed),
         ", ".join(map(str, rows)),
+        len(cands) - len(timed),
     )
     # the candidates timed side by side hold half the memory available at most (freed when
     # the timing ends)
     ms, _ = time_candidates(
-        cands, config, tp, rows, chunk_size, group_size, memory_bytes=available_bytes() / 2
+        timed, config, tp, rows, chunk_size, group_size, memory_bytes=available_bytes() / 2
     )
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size, encode)
-    largest = max(chunk_size, max_running)
-    layer_rows = batch_rows(largest, (chunk_size, max_running))
-    differs: dict[Candidate, str | None] = {}
 
     def row_invariant(c: Candidate) -> bool:
-        if c not in differs:
-            differs[c] = layers_differ(c.dtype, c.quantization, config, tp, group_size, layer_rows)
         return differs[c] is None
 
     chosen, scores, ratios = choose(
@@ -224,27 +231,32 @@ def _measured_head(
     rule = Candidate(layers.dtype, head_quantization(layers.quantization, DTYPES[layers.dtype]))
     batches = search_batches(chunk_size, max_running)
     group_size = judge.group_size
-    ms, _ = time_heads(layers.dtype, formats, config, sorted(batches), chunk_size, group_size)
     rows = batch_rows(max_running, (max_running,))
-    differs: dict[Candidate, str | None] = {}
+    # as for the layers: only heads that compute a row the same in every batch are timed (and
+    # the rule, whose time the step was measured with)
+    heads = list(dict.fromkeys([*formats, rule.quantization]))
+    differs = {q: head_differs(layers.dtype, q, config, group_size, rows) for q in heads}
+    timed = [q for q in heads if differs[q] is None or q == rule.quantization]
+    ms, _ = time_heads(layers.dtype, timed, config, sorted(batches), chunk_size, group_size)
 
     def row_invariant(c: Candidate) -> bool:
-        if c not in differs:
-            differs[c] = head_differs(c.dtype, c.quantization, config, group_size, rows)
-        return differs[c] is None
+        return differs[c.quantization] is None
 
     head, scores, ratios = choose_head(
         ms, step_ms, batches, lambda h: judge.head_ratio(layers, h), rule, row_invariant
     )
-    if differs.get(head) is not None:
-        log.warning("no LM head computes a row the same in every batch here: %s", differs[head])
+    if differs[head.quantization] is not None:
+        log.warning(
+            "no LM head computes a row the same in every batch here: %s",
+            differs[head.quantization],
+        )
     shown = sorted(scores, key=lambda c: (scores[c], c))[:SHOWN_HEADS]
     shown += [c for c in (rule, head) if c not in shown]
     choice.head = "auto" if head == rule else head.quantization
     choice.head_ms = {c.quantization: dict(ms[c]) for c in shown}
     choice.head_scores = {c.quantization: scores[c] for c in shown}
     choice.head_perplexity_ratio = {c.quantization: r for c, r in ratios.items()}
-    choice.head_row_differs = {c.quantization: d for c, d in differs.items()}
+    choice.head_row_differs = dict(differs)
 
 
 __all__ = ["Candidate", "Choice", "SKIP_ENV", "resolve_kernels"]

@@ -1,0 +1,128 @@
+"""What a user gets with the default flags (issue 40): the kernel search measured on the real model
+(no PD_KERNEL_SEARCH=0 here), one search for the workers of one machine, one runtime format for P
+and D, README's answer, and the same greedy tokens whether a request runs alone or 8 at a time,
+co-located and through router + P + D.
+
+Three workers start at once on an empty cache directory: the first to take the search's lock
+measures (~30 s at one thread), the other two wait and read its choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.e2e.processes import start_worker, start_workers, stop, wait_pages_free
+from tests.e2e.test_pd import start_router
+
+pytestmark = pytest.mark.slow
+
+# Small enough for CI: the search times its candidates at 1, 8 and 32 rows and a 256-row chunk.
+FLAGS = ("--threads", "1", "--kv-pages", "192", "--max-model-len", "1024", "--chunk-size", "256",
+         "--max-running-requests", "32")  # fmt: skip
+TOPICS = [
+    "the ocean", "a lighthouse keeper", "bread", "the moon", "a lost key", "winter mornings",
+    "a small robot", "libraries", "rain on a roof", "an old map", "mountains", "a train journey",
+    "coffee", "a garden in spring", "the night sky", "a river",
+]  # fmt: skip
+TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    """{role: url} of a prefill, a decode and a co-located worker on the default kernels, started
+    at once on an empty cache directory."""
+    env = {"PD_KERNEL_SEARCH": "1", "PD_CACHE_DIR": str(tmp_path_factory.mktemp("pd-cache"))}
+    roles = ("prefill", "decode", "both")
+    procs = start_workers(*(("--role", r, *FLAGS) for r in roles), timeout=600, env=env)
+    try:
+        yield {role: url for role, (_, url) in zip(roles, procs)}, env
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
+async def _health(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(f"{url}/health") as resp:
+        return await resp.json()
+
+
+async def test_workers_of_one_machine_share_one_search_and_one_format(deployment):
+    urls, env = deployment
+    async with aiohttp.ClientSession() as http:
+        health = {role: await _health(http, url) for role, url in urls.items()}
+    formats = [h["runtime_format"] for h in health.values()]
+    assert formats[0] == formats[1] == formats[2], formats
+    fmt = formats[0]
+    assert set(fmt) == {"compute_dtype", "linear", "lm_head", "attention"}
+    how = sorted(h["kernels"]["how"] for h in health.values())
+    assert how == ["cache", "cache", "measured"], how  # one searched, two waited and read it
+    measured = next(h["kernels"] for h in health.values() if h["kernels"]["how"] == "measured")
+    chosen = f"{measured['dtype']}/{measured['quantization']}"
+    assert measured["row_differs"][chosen] is None  # a row computed the same in every batch
+    assert "@" not in fmt["linear"] and "@" not in fmt["lm_head"]  # no split by default
+    # an explicit --dtype takes the checkpoint's weights as they are: no quantized weights
+    proc, url = start_worker("--role", "both", "--dtype", "float32", *FLAGS, env=env)
+    try:
+        async with aiohttp.ClientSession() as http:
+            f32 = (await _health(http, url))["runtime_format"]
+        assert f32["compute_dtype"] == "float32"
+        assert f32["linear"] == "none" and f32["lm_head"] == "none"
+    finally:
+        stop(proc)
+
+
+async def _answer(http: aiohttp.ClientSession, url: str, topic: str) -> list[str]:
+    body = {
+        "messages": [{"role": "user", "content": f"Write a short poem about {topic}."}],
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+    }
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+    tokens = [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
+    assert len(tokens) == TOKENS
+    return tokens
+
+
+async def _alone_and_eight_at_a_time(url: str) -> int:
+    """How many of the 16 answers are the same token for token, run one at a time and then 8 at
+    a time."""
+    async with aiohttp.ClientSession() as http:
+        alone = [await _answer(http, url, t) for t in TOPICS]
+        together: list[list[str]] = []
+        for i in range(0, len(TOPICS), 8):
+            together += await asyncio.gather(*(_answer(http, url, t) for t in TOPICS[i : i + 8]))
+    return sum(a == b for a, b in zip(alone, together))
+
+
+async def test_the_same_tokens_alone_and_eight_at_a_time_co_located(deployment):
+    urls, _ = deployment
+    assert await _alone_and_eight_at_a_time(urls["both"]) >= 14
+    async with aiohttp.ClientSession() as http:
+        await wait_pages_free(http, urls["both"])
+
+
+async def test_the_same_tokens_alone_and_eight_at_a_time_through_router_p_and_d(
+    deployment, aiohttp_server
+):
+    urls, _ = deployment
+    router = await start_router(aiohttp_server, urls["prefill"], urls["decode"])
+    assert await _alone_and_eight_at_a_time(router) >= 14
+    async with aiohttp.ClientSession() as http:
+        # README's example, greedy, on the default kernels
+        body = {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 30,
+            "temperature": 0,
+        }
+        async with http.post(f"{router}/v1/chat/completions", json=body) as resp:
+            answer = await resp.json()
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+        for role in ("prefill", "decode"):
+            await wait_pages_free(http, urls[role])
