@@ -363,6 +363,9 @@ def parse_configs(text: str, formats: list[str]) -> list[Config]:
 
 
 def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
+    """A `pd-worker --role both` in `config`, and its URL once ready; how long that took is
+    `READY_S[url]` (a cold start: the kernel search, with an empty cache directory)."""
+    t0 = time.perf_counter()
     cmd = [
         sys.executable, "-m", "pd.worker.main", "--role", "both", "--port", "0",
         "--dtype", config.dtype, "--quantization", config.quantization,
@@ -385,9 +388,15 @@ def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
         if line.startswith("pd-worker ready:"):
             # keep reading what it logs after (a full pipe would block the worker)
             threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return proc, line.split("url=")[1].strip()
+            url = line.split("url=")[1].strip()
+            READY_S[url] = time.perf_counter() - t0
+            return proc, url
     proc.wait()
     raise RuntimeError("the worker exited before it was ready: " + " | ".join(tail))
+
+
+READY_S: dict[str, float] = {}  # a started worker's URL -> seconds from its start to ready
+FIRST_STREAM_TOKENS = 64  # the stream timed at once after ready (issue 40, item 6)
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
@@ -433,6 +442,8 @@ def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) 
     if url is None:
         proc, url = start_worker(args, config)
     try:
+        # a greedy stream at once after ready, before any warm-up: what a first user gets
+        first = asyncio.run(measure(url, 1, FIRST_STREAM_TOKENS))["decode_tok_s"]
         wait_for_background_compile(url)
         kernels = kernels_of(url)
         asyncio.run(measure(url, 2, 8, args.constrained))  # warm-up (and the grammar compiled)
@@ -443,7 +454,13 @@ def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) 
                 r = asyncio.run(measure(url, n, args.max_tokens, constrained=True))
                 out[-1]["constrained_tok_s"] = r["decode_tok_s"]
         prefill = asyncio.run(measure_prefill(url, prompts)) if prompts else None
-        return {"kernels": kernels, "decode": out, "prefill": prefill}
+        warm = asyncio.run(measure(url, 1, FIRST_STREAM_TOKENS))["decode_tok_s"]
+        start = {
+            "ready_s": READY_S.get(url),  # None: a running worker (--url)
+            "first_stream_tok_s": first,
+            "warm_stream_tok_s": warm,
+        }
+        return {"kernels": kernels, "decode": out, "prefill": prefill, "start": start}
     finally:
         if proc:
             stop_workers([proc])
@@ -761,6 +778,17 @@ def run(args: argparse.Namespace) -> int:
             for n, k in kernels.items()
         },
         "auto_search": kernels.get("auto"),  # what auto measured (or read from its cache)
+        # from start to ready, and a 64-token stream at once after against one once warm
+        "start": {
+            name: {
+                "ready_s": None if st["ready_s"] is None else round(st["ready_s"], 1),
+                "first_stream_tok_s": round(st["first_stream_tok_s"], 1),
+                "warm_stream_tok_s": round(st["warm_stream_tok_s"], 1),
+                "first_over_warm": round(st["first_stream_tok_s"] / st["warm_stream_tok_s"], 3),
+            }
+            for name, got in served.items()
+            for st in [got["start"]]
+        },
         "perplexity_ratio": {n: round(p, 4) for n, p in ppl.items()},
         "refused": refused,
     }
@@ -785,6 +813,13 @@ def print_summary(summary: dict) -> None:
     for name, k in summary["kernels"].items():
         if name == "auto":
             print(f"auto ran {k['dtype']}/{k['quantization']} ({k['how']})")
+    for name, st in summary["start"].items():
+        ready = "" if st["ready_s"] is None else f"ready {st['ready_s']:.1f} s after its start; "
+        print(
+            f"{name}: {ready}a {FIRST_STREAM_TOKENS}-token stream at once "
+            f"{st['first_stream_tok_s']:.1f} tok/s, once warm {st['warm_stream_tok_s']:.1f} "
+            f"({st['first_over_warm']:.2f}x)"
+        )
     print(
         "                     config  streams    tok/s  step ms  linear ms  step MB  bound tok/s  share"
     )

@@ -348,6 +348,8 @@ def test_pd_bench_engine_prints_the_duels_and_the_ones_that_did_not_run(capsys):
         "cpu_line": "a CPU", "read_gbps": 30.0, "threads": 2, "runs": [run],
         "kernels": {"auto": {"dtype": "float32", "quantization": "int4@8+onednn-fp32", "how": "x"}},
         "prefill_tok_s": {}, "perplexity_ratio": {}, "refused": {}, "targets": {},
+        "start": {"auto": {"ready_s": 41.2, "first_stream_tok_s": 38.0, "warm_stream_tok_s": 40.0,
+                           "first_over_warm": 0.95}},
         "default_against_best": {
             "32": {"best": "float32/onednn-fp32", "default_tok_s": [306.7, 288.4],
                    "best_tok_s": [272.8, 272.4], "ratio": 1.057},
@@ -360,3 +362,5 @@ def test_pd_bench_engine_prints_the_duels_and_the_ones_that_did_not_run(capsys):
         "default against float32/onednn-fp32 at 32 streams, in turns x2" in out and "1.057x" in out
     )
     assert "default against float32/int4 at 1 streams: not run (the worker exited)" in out
+    assert "auto: ready 41.2 s after its start; a 64-token stream at once 38.0 tok/s" in out
+    assert "once warm 40.0 (0.95x)" in out
