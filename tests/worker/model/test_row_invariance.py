@@ -44,6 +44,20 @@ def test_a_kernel_with_a_path_of_its_own_for_one_row_is_caught_at_its_first_batc
     assert first_difference(exact, x, ROWS) is None
 
 
+def test_a_difference_in_one_middle_row_only_is_caught():
+    """As bf16 rounding shows a sum taken in another order: a few outputs of a few rows."""
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 256), torch.randn(64, 256)
+
+    def blocked(x: torch.Tensor) -> torch.Tensor:
+        y = torch.stack([(r * w).sum(-1) for r in x])  # each row on its own
+        if x.shape[0] > 32:  # another block size: one output of row 7 rounds otherwise
+            y[7, 3] = torch.nextafter(y[7, 3], torch.tensor(float("inf")))
+        return y
+
+    assert first_difference(blocked, x, ROWS) == 33
+
+
 def test_the_models_own_int4_blocks_compute_every_row_alone_and_dynamic_int8_does_not():
     # int4 (the GGUF's Q4_1 as written) and int8: weight-only, each row on its own
     for dtype in ("float32", "bfloat16"):
