@@ -168,20 +168,24 @@ class WorkerConfig:
     quantization: str = _flag(
         "auto",
         "weights and kernel of the linear layers: auto (measured at start on a CPU, with --dtype "
-        "auto; none elsewhere or with PD_KERNEL_SEARCH=0), none (dense in the dtype), int8 (weight-only, "
+        "auto: the fastest single format that computes each row the same in a batch of any size, "
+        "within 1.02x fp32's perplexity; none with an explicit --dtype, elsewhere or with "
+        "PD_KERNEL_SEARCH=0), none (dense in the dtype), int8 (weight-only, "
         "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
         "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
         "quantized per call: quantized.linear_dynamic), onednn-bf16 / onednn-fp32 (bf16 or fp32 "
         "weights reordered for oneDNN), smooth-int8 (fbgemm-int8 with the activations scaled per row and "
         "smoothed per channel, calibrated at load); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
-        "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16)",
+        "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16: it changes answers "
+        "with the load)",
     )
     lm_head_quantization: str = _flag(
         "auto",
         "weights and kernel of the LM head, as --quantization takes them (a split too, e.g. "
-        "fbgemm-int8@8+int8); auto: measured with --quantization auto (the fastest head within "
-        "the same perplexity bound, a split's small half judged at its batch sizes), else the "
-        "layers' format (int8 under int4)",
+        "fbgemm-int8@8+int8, which changes answers with the load); auto: measured with "
+        "--quantization auto (the fastest single format that computes each row the same in a "
+        "batch of any size, within the same perplexity bound), else the layers' format (int8 "
+        "under int4)",
     )
     group_size: int = _flag(32, "inputs per int4 group")
     attention_backend: str = _flag(
