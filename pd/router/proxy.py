@@ -234,12 +234,12 @@ class Proxy:
                 done = await before()
                 if done is not None:
                     return done
-            unfit = [x for x in pool.healthy if fits is not None and not fits(x)]
-            if n == 0 and first is not None and first in pool.healthy and first not in tried:
-                w: Worker | None = first if first not in unfit else None
+            unfit = [] if fits is None else [x for x in pool.healthy if not fits(x)]
+            skip = tried + unfit
+            if n == 0 and first is not None and first in pool.healthy and first not in skip:
+                w: Worker | None = first
             else:
-                w = None
-            w = w or pool.choose(ex.key, tried + unfit, ex.prompt)
+                w = pool.choose(ex.key, skip, ex.prompt)
             if w is None:
                 if unfit and not tried:
                     return self._no_pair(pool)

@@ -14,6 +14,7 @@ import asyncio
 import aiohttp
 import pytest
 
+from tests.e2e.conftest import chat
 from tests.e2e.processes import start_worker, start_workers, stop, wait_pages_free
 from tests.e2e.test_pd import start_router
 
@@ -75,13 +76,10 @@ async def test_workers_of_one_machine_share_one_search_and_one_format(deployment
 
 
 async def _answer(http: aiohttp.ClientSession, url: str, topic: str) -> list[str]:
-    body = {
-        "messages": [{"role": "user", "content": f"Write a short poem about {topic}."}],
-        "max_tokens": TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": True,
-    }
+    body = chat(
+        f"Write a short poem about {topic}.",
+        max_tokens=TOKENS, temperature=0, ignore_eos=True, logprobs=True,
+    )  # fmt: skip
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         answer = await resp.json()
         assert resp.status == 200, answer
@@ -115,11 +113,7 @@ async def test_the_same_tokens_alone_and_eight_at_a_time_co_located_and_through_
     assert both >= 14 and pd >= 14, f"the same alone and 8 at a time: {both} co-located, {pd} PD"
     async with aiohttp.ClientSession() as http:
         # README's example, greedy, on the default kernels
-        body = {
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 30,
-            "temperature": 0,
-        }
+        body = chat("What is the capital of France?", max_tokens=30, temperature=0)
         async with http.post(f"{router}/v1/chat/completions", json=body) as resp:
             answer = await resp.json()
         assert "Paris" in answer["choices"][0]["message"]["content"], answer

@@ -110,7 +110,7 @@ class Choice:
     quantization: str
     how: str  # "measured", "cache", or why nothing was measured
     ms: dict[str, dict[int, float]] = field(default_factory=dict)  # candidate -> rows -> ms
-    scores: dict[str, float] = field(default_factory=dict)  # at the role's batches
+    scores: dict[str, float] = field(default_factory=dict)  # at the search's batches
     perplexity_ratio: dict[str, float] = field(default_factory=dict)  # over fp32 dense's
     search_s: float = 0.0
     # The LM head's format ("auto": the layers' rule, quant.head_quantization) and, when it was

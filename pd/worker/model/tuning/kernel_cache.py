@@ -1,8 +1,9 @@
 """Where `--dtype auto` / `--quantization auto` keep what they measured (kernel_choice.py): one
 JSON file per key under `$PD_CACHE_DIR/kernels/` (default `~/.cache/pd/kernels/`). The key is
 everything the measurement depends on (`cache_key`): the CPU (model name and every flag), the
-checkpoint's digest, the role and its batch sizes, the threads, the TP size, torch's version and
-what was pinned, so a choice never follows a worker to another machine, model or role. A file
+checkpoint's digest, the batch sizes, the threads, the TP size, torch's version and what was
+pinned, so a choice never follows a worker to another machine or model (not the role: P and D
+of one machine share a choice). A file
 that cannot be read or parsed is a miss (the search runs again and rewrites it). Workers that
 start together on one machine search once (`locked`): the first to take a key's lock measures,
 the others wait for it and read what it stored."""

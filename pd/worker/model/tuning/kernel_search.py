@@ -1,5 +1,5 @@
 """The measuring half of `--dtype auto` / `--quantization auto` (the rule is autotune.py): each
-candidate timed on the model's own linear layers at the role's batch sizes, and the model's
+candidate timed on the model's own linear layers at the search's batch sizes, and the model's
 perplexity on the shipped text for the candidates the rule asks about.
 
 Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of each layer, built

@@ -25,8 +25,9 @@ from pd.worker.model import quant
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.smooth_quant import KINDS
+from pd.worker.model.tuning.kernel_search import linear_shapes
 
-# Batch sizes on both sides of the blocks kernels use (8, 16, 32 rows), besides the role's own.
+# Batch sizes on both sides of the blocks kernels use (8, 16, 32 rows), besides the worker's own.
 PROBE_ROWS = (2, 3, 5, 8, 16, 17, 32, 33, 64)
 
 
@@ -72,8 +73,6 @@ def layers_differ(
 ) -> str | None:
     """Where `quantization` in `dtype` computes a row of one rank's linear layers otherwise in a
     batch than alone ("down at 33 rows"), or None when nowhere in `rows`."""
-    from pd.worker.model.tuning.kernel_search import linear_shapes  # kernel_search is heavy
-
     t, cpu = DTYPES[dtype], torch.device("cpu")
     for i, s in enumerate(x for x in linear_shapes(config, tp) if x.name != "lm_head"):
         act_max = torch.ones(s.inp) if s.name in KINDS else None  # smooth-int8's calibration
