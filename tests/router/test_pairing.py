@@ -4,6 +4,7 @@ its log and metrics (pd/router/pairing.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from tests.router.conftest import COMPLETION, registry_of, wait_for
@@ -50,3 +51,23 @@ async def test_no_decode_worker_on_the_format_is_a_clear_503_and_p_is_never_aske
     await wait_for(lambda: reg.decode.workers[d.url].runtime_format == INT4)
     resp = await client.post("/v1/completions", json=COMPLETION)
     assert resp.status == 200 and len(d.requests) == 1
+
+
+async def test_a_decode_worker_that_left_ps_format_during_the_prefill_gets_nothing_and_p_is_released(
+    stub, router
+):
+    p = await stub("prefill", runtime_format=INT4, delay=0.5)
+    d = await stub("decode", runtime_format=INT4)
+    client = await router(prefill=[p], decode=[d])
+    reg = registry_of(client)
+    await wait_for(lambda: len(reg.decode.healthy) == 1 and len(reg.prefill.healthy) == 1)
+    request = asyncio.ensure_future(client.post("/v1/completions", json=COMPLETION))
+    await wait_for(lambda: len(p.requests) == 1)  # P prefills now (it answers in 0.5 s)
+    d.runtime_format = NONE  # D restarts on another format meanwhile
+    await wait_for(lambda: reg.decode.workers[d.url].runtime_format == NONE)
+    resp = await request
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_paired_worker"
+    assert d.requests == []  # never sent P's params
+    await wait_for(lambda: len(p.released) == 1)  # P's pages released
+    await asyncio.sleep(0.2)
+    assert len(p.released) == 1 and p.released[0]["transfer_id"].startswith("cmpl-")  # once
