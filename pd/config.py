@@ -124,8 +124,19 @@ class WorkerConfig:
     )
     grammar_timeout_s: float = _flag(
         10.0,
-        "structured outputs: longest a grammar may take to compile (a 400 beyond; compiles run "
-        "off the event loop, and compiled grammars are cached)",
+        "structured outputs: longest a grammar may take to compile (a 400 beyond; each "
+        "compiles first in a grammar child, which is killed at the deadline, then here off the "
+        "event loop; compiled grammars are cached)",
+    )
+    grammar_compilers: int = _flag(
+        2,
+        "structured outputs: grammar child processes (a client's constraint compiles in one "
+        "first, so that one that crashes or runs long takes down only its child; one slow "
+        "compile holds one child)",
+    )
+    grammar_memory_mb: int = _flag(
+        1024,
+        "structured outputs: memory one compile may take in a grammar child (its address space beyond the child's own; beyond it: a 400)",
     )
     tool_call_parser: str = _flag(
         "auto",
@@ -252,6 +263,8 @@ class WorkerConfig:
         check(self.tp >= 1, "--tp must be >= 1")
         check(self.threads >= 0, "--threads must be >= 0")
         check(self.grammar_timeout_s > 0, "--grammar-timeout-s must be > 0")
+        check(self.grammar_compilers >= 1, "--grammar-compilers must be >= 1")
+        check(self.grammar_memory_mb >= 256, "--grammar-memory-mb must be >= 256")
         check(
             self.tool_call_parser in TOOL_CALL_PARSERS,
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",

@@ -30,10 +30,22 @@ class Failure:
     body: bytes
     retry_after: str | None = None
     retryable: bool = True  # another worker may succeed (not so for a 4xx about the request)
+    # The worker's connection broke before its first byte (`proxy.is_disconnect`): the request
+    # may be what broke it, so `Proxy.retry` tries at most one other worker after it.
+    disconnect: bool = False
 
     @classmethod
-    def local(cls, status: int, message: str, code: str) -> Failure:
-        return cls(status, orjson.dumps(error_body(message, "upstream_error", code)))
+    def local(
+        cls,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        retryable: bool = True,
+        disconnect: bool = False,
+    ) -> Failure:
+        body = orjson.dumps(error_body(message, "upstream_error", code))
+        return cls(status, body, retryable=retryable, disconnect=disconnect)
 
     @classmethod
     def upstream(cls, w: Worker, resp: aiohttp.ClientResponse, data: bytes) -> Failure:

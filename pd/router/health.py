@@ -1,7 +1,8 @@
 """Active health checks: poll every worker's `/health`, eject the failing, re-admit the recovered.
 
 A worker is admitted on its first good check, ejected after `health_failures` consecutive bad
-ones (at once when a request cannot even connect to it), and re-admitted after
+ones (at once when a request cannot even connect to it, or when its connection broke during a
+request and a check right after fails: `recheck`), and re-admitted after
 `health_successes` consecutive good ones. Each good check also refreshes the load it reports,
 and a new `instance` in it (the worker restarted) clears what the router expected it to cache.
 """
@@ -77,6 +78,7 @@ class HealthChecker:
             total=cfg.health_timeout, sock_connect=min(cfg.health_timeout, cfg.connect_timeout)
         )
         self.session: aiohttp.ClientSession | None = None
+        self._rechecks: dict[Worker, asyncio.Future[str | None]] = {}  # (`recheck`)
         for pool in registry.pools.values():
             pool.on_eject = self._count_ejection
 
@@ -84,6 +86,25 @@ class HealthChecker:
         self.metrics.ejections[w.role] += 1
 
     async def check(self, w: Worker) -> bool:
+        return await self._check(w) is None
+
+    async def recheck(self, w: Worker) -> str | None:
+        """Check `w` now, out of the loop's turn (a request's connection to it broke), recorded
+        as the loop's checks are: None when good, else why not. Whoever asks while a check of
+        `w` runs shares it (a worker that crashes breaks all its connections at once)."""
+        task = self._rechecks.get(w)
+        if task is None:
+            task = asyncio.ensure_future(self._check(w))
+            self._rechecks[w] = task
+
+            def done(t: asyncio.Future[str | None]) -> None:
+                if self._rechecks.get(w) is t:
+                    del self._rechecks[w]
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)  # a request that goes away leaves it to the others
+
+    async def _check(self, w: Worker) -> str | None:
         assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
         before, fmt = w.instance, w.runtime_format
         reason = await probe(self.session, w, self.timeout, self.headers)
@@ -93,7 +114,7 @@ class HealthChecker:
             other = self.registry.decode if w.role == "prefill" else self.registry.prefill
             report_format(w, list(other.workers.values()))
         self.record(w, reason)
-        return reason is None
+        return reason
 
     def record(self, w: Worker, reason: str | None) -> None:
         pool = self.registry.pools[w.role]

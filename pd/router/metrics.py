@@ -26,6 +26,9 @@ from pd.router.registry import Registry
 # "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
 ROUTES = ("pd", "local", "both", "none")
 MIGRATION_REASONS = ("broken", "eof", "ejected", "idle", "draining")
+# A worker's connection broke before its first byte; a health check right after it: passed
+# (the request may try one other worker) or failed (the worker is ejected, no retry).
+DISCONNECT_OUTCOMES = ("alive", "dead")
 
 
 class RouterMetrics(Collector):
@@ -51,6 +54,7 @@ class RouterMetrics(Collector):
         self.cached_actual = dict.fromkeys(registry.pools, 0)
         self.migrations: dict[str, int] = {}  # reason -> broken streams continued elsewhere
         self.migration_wait = Hist()  # from a break to the continuation's first byte
+        self.disconnects = {(p, o): 0 for p in registry.pools for o in DISCONNECT_OUTCOMES}
         self.prom = CollectorRegistry()
         self.prom.register(self)
 
@@ -153,6 +157,16 @@ class RouterMetrics(Collector):
         )
         wait.add_metric([], self.migration_wait.buckets(), self.migration_wait.sum)
         yield wait
+        disconnects = CounterMetricFamily(
+            "pd_router_disconnects",
+            "Worker connections that broke before the first byte of an answer, by the outcome "
+            "of a health check right after (alive: one other worker may be tried; dead: the "
+            "worker is ejected and the request not retried)",
+            labels=["pool", "outcome"],
+        )
+        for (pool_name, outcome), n in self.disconnects.items():
+            disconnects.add_metric([pool_name, outcome], n)
+        yield disconnects
         decisions = CounterMetricFamily(
             "pd_router_policy_decisions",
             "Routing decisions by pool, policy and kind",

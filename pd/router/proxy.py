@@ -27,6 +27,13 @@ Deadlines: a prefill gets `--prefill-deadline-base` plus the tokens in flight on
 byte, then `--stream-idle-timeout-s` of silence. A worker ejected by the health checks fails its
 in-flight requests at once (retried elsewhere when the client has no byte yet).
 
+Disconnects (`is_disconnect`): a worker whose connection breaks before its first byte may have
+been crashed by the request (a poison grammar, say), so the router checks its /health at once
+(`HealthChecker.recheck`). Failed: the worker is ejected and the client gets a 502
+`worker_died`, with no retry, so that one request kills at most one worker. Passed: the phase
+tries at most one other worker, never the one that disconnected; a second disconnect anywhere
+in the request ends it with a 502 `workers_disconnected`.
+
 After the first byte, a stream that breaks (connection error, EOF before [DONE], ejection,
 silence, `: pd-migrate`) migrates: each unfinished choice is continued on another worker by the
 usual plan and relayed into the same client stream (migrate.py; docs/migration.md §4).
@@ -105,6 +112,9 @@ class Exchange:
     leg: bool = False  # a continuation leg of a migration: a break ends it, `broken` says why
     broken: str | None = None
     exclude: tuple[Worker, ...] = ()  # workers whose stream broke: not chosen again
+    # Workers that disconnected before their first byte and then passed a health check: not
+    # chosen again; a second one ends the request (`Proxy.retry`).
+    disconnected: tuple[Worker, ...] = ()
     # A fan-out's sub-exchange (fanout.py): its stream goes here (prepare/write/write_eof), not
     # to the client.
     sink: Any = None
@@ -226,10 +236,19 @@ class Proxy:
         (--max-retries + 1). `before` runs ahead of each choice and may end the phase with its
         result: in PD, each try of D follows a prefill of its own. Returns what `attempt`
         returned, or the failure the client gets. Only workers that `fits` takes are
-        chosen (after `before`): in PD, a D whose runtime format is its P's (pairing.py)."""
-        tried: list[Worker] = [w for w in ex.exclude if w.role == pool.name]
+        chosen (after `before`): in PD, a D whose runtime format is its P's (pairing.py).
+
+        After a disconnect (`Failure.disconnect`: the request may have crashed the worker) at
+        most one more try follows, and that worker is never chosen again for the request; a
+        request's second disconnect (in any phase) ends it: a 502 `workers_disconnected`. A
+        worker that disconnected and then failed a health check ends the phase at once (its
+        failure is not retryable: `_on_error`)."""
+        tried: list[Worker] = [w for w in (*ex.exclude, *ex.disconnected) if w.role == pool.name]
         failure: Failure | None = None
+        last: int | None = None  # the last try allowed after a disconnect
         for n in range(self.cfg.max_retries + 1 if tries is None else tries):
+            if last is not None and n > last:
+                break
             if before is not None:
                 done = await before()
                 if done is not None:
@@ -256,6 +275,11 @@ class Proxy:
             if not isinstance(result, Failure):
                 return result
             failure = result
+            if failure.disconnect and failure.retryable:  # it still answers /health
+                ex.disconnected += (w,)
+                if len(ex.disconnected) > 1:
+                    return self._disconnected_twice(ex)
+                last = n + 1
             if not failure.retryable:
                 break
         return failure or self._no_worker(pool, tried)
@@ -383,6 +407,8 @@ class Proxy:
         attempt = partial(self._stream_once, pool, ex, orjson.dumps(plan.stream), "local")
         served = await self.retry(pool, ex, attempt, first=plan.decode, tries=1)
         if isinstance(served, Failure):
+            if served.disconnect and not served.retryable:  # D died: P is not tried either
+                return served.response()
             self.metrics.local_fallbacks += 1
             log.info(
                 "decode-local request failed on %s (%s): going through P",
@@ -435,7 +461,7 @@ class Proxy:
             return self._timed_out(w, f"did not answer within {deadline:.1f}s")
         except aiohttp.ClientError as e:
             self._release_read_answer(w, data, "the prefill's connection broke")
-            return self._on_error(w, e)
+            return await self._on_error(w, e)
         except asyncio.CancelledError:  # the client left, maybe with P's answer read
             self._release_read_answer(w, data, "the client left before the decode worker")
             raise
@@ -481,7 +507,7 @@ class Proxy:
         except TimeoutError:
             return self._timed_out(w, f"sent nothing within {self.cfg.read_timeout}s")
         except aiohttp.ClientError as e:
-            return self._on_error(w, e)
+            return await self._on_error(w, e)
         finally:
             if not handed_over and resp is not None:
                 resp.close()
@@ -720,12 +746,75 @@ class Proxy:
             )
         return Failure.local(504, f"{w.role} worker {w.url} {what}", f"{phase}_timeout")
 
-    def _on_error(self, w: Worker, e: BaseException) -> Failure:
+    async def _on_error(self, w: Worker, e: aiohttp.ClientError) -> Failure:
+        """A request to `w` failed with `e` before the client got a byte. A connect error
+        ejects `w` at once. A disconnect (`is_disconnect`) is followed by a health check of `w`
+        right away (shared with the other requests `w` broke meanwhile): if it fails, `w` is
+        ejected and the failure is not retryable (the request may have crashed `w`: it is
+        not sent on to crash another); if it passes, the failure is retryable, marked as a
+        disconnect (`retry` tries one other worker at most). Counted in
+        pd_router_disconnects_total{pool,outcome}."""
         phase = w.role if w.role != "both" else "worker"
+        error = f"{type(e).__name__} {e}".strip()
+        if is_disconnect(e):
+            why = await self.health.recheck(w)
+            if why is not None:
+                self.metrics.disconnects[w.role, "dead"] += 1
+                self.health.eject(w, f"it disconnected during a request, then {why}")
+                log.warning(
+                    "%s worker %s disconnected before its first byte (%s), then %s: ejected; "
+                    "the request is not retried (it may have crashed the worker)",
+                    w.role,
+                    w.url,
+                    error,
+                    why,
+                )
+                return Failure.local(
+                    502,
+                    f"{w.role} worker {w.url} disconnected before answering ({error}) and then "
+                    f"failed a health check ({why}): the request may have crashed it, so it "
+                    "was not retried on another worker",
+                    "worker_died",
+                    retryable=False,
+                    disconnect=True,
+                )
+            self.metrics.disconnects[w.role, "alive"] += 1
+            log.info(
+                "%s worker %s disconnected before its first byte (%s); its /health answers",
+                w.role,
+                w.url,
+                error,
+            )
+            return Failure.local(
+                502,
+                f"{w.role} worker {w.url} disconnected before answering ({error})",
+                f"{phase}_failed",
+                disconnect=True,
+            )
         if isinstance(e, aiohttp.ClientConnectorError):
             self.health.eject(w, f"cannot connect: {e}")
+        return Failure.local(502, f"{w.role} worker {w.url} failed: {error}", f"{phase}_failed")
+
+    def _disconnected_twice(self, ex: Exchange) -> Failure:
+        """The request's second disconnect (both workers passed a health check after it)."""
+        first, second = ex.disconnected[-2:]
+        log.warning(
+            "a request disconnected two workers before their first byte (%s %s, then %s %s): "
+            "not retried again",
+            first.role,
+            first.url,
+            second.role,
+            second.url,
+        )
         return Failure.local(
-            502, f"{w.role} worker {w.url} failed: {type(e).__name__} {e}", f"{phase}_failed"
+            502,
+            f"the request disconnected two workers before they answered ({first.role} worker "
+            f"{first.url}, then {second.role} worker {second.url}); both still answer their "
+            "health checks, but the request may be what breaks them, so it was not retried "
+            "again",
+            "workers_disconnected",
+            retryable=False,
+            disconnect=True,
         )
 
     def _no_pair(self, pool: Pool) -> Failure:
@@ -753,6 +842,28 @@ class Proxy:
             f"no healthy {pool.name} worker", "service_unavailable", "no_healthy_worker"
         )
         return Failure(503, orjson.dumps(body), retry_after="1")
+
+
+def is_disconnect(e: BaseException) -> bool:
+    """Whether `e` says that a worker's connection broke after it was made, before the router
+    had the worker's whole answer (P) or its first byte (a stream): the worker closed or reset
+    it (ServerDisconnectedError; ClientOSError other than a connect error, e.g. ECONNRESET or
+    EPIPE; ClientConnectionResetError; aiohttp's plain ClientConnectionError "Connection lost")
+    or cut its answer short (ClientPayloadError). A worker that the request crashed looks like
+    this (so does one killed, or restarted, meanwhile). Not a disconnect: a connect error
+    (ClientConnectorError: no connection was made), a timeout (ServerTimeoutError), a TLS
+    fingerprint mismatch, a malformed answer (ClientResponseError: the worker did answer) or a
+    bad URL."""
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return True
+    return isinstance(e, aiohttp.ClientConnectionError) and not isinstance(
+        e,
+        (
+            aiohttp.ClientConnectorError,
+            aiohttp.ServerTimeoutError,
+            aiohttp.ServerFingerprintMismatch,
+        ),
+    )
 
 
 _ERROR_EVENT = b'data: {"error"'

@@ -49,6 +49,13 @@ class StubWorker:
         self.chunk_delay = 0.0  # seconds between stream chunks
         self.eof_delay = 0.0  # seconds between a stream's [DONE] and the end of its body
         self.break_after: int | None = None  # drop the connection after this many chunks
+        # Drop the connection of each OpenAI request, before any byte of an answer, as a worker
+        # the request crashes does; with `dies` the first such drop kills the stub: from then
+        # on every connection (/health's too) is dropped unanswered, as a dead worker's.
+        self.disconnect = False
+        self.dies = False
+        self.dead = False
+        self.disconnects = 0  # connections dropped that way
         # After this many chunks an error event ends the stream (no [DONE]), as a worker's
         # engine failure does; `send_done=False` ends a stream cleanly without [DONE].
         self.error_after: int | None = None
@@ -113,6 +120,8 @@ class StubWorker:
         return web.json_response({"transfer_id": body.get("transfer_id"), "released": True})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.dead:
+            return self._drop(request)
         if self.health_status != 200:
             return web.json_response({"status": "unavailable", "role": self.role}, status=503)
         body = {
@@ -140,6 +149,10 @@ class StubWorker:
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
+            if self.disconnect or self.dead:
+                self.disconnects += 1
+                self.dead = self.dead or self.dies
+                return self._drop(request)
             if self.fail_status is not None and (self.fail_times is None or self.fail_times > 0):
                 if self.fail_times is not None:
                     self.fail_times -= 1
@@ -161,6 +174,12 @@ class StubWorker:
             raise
         finally:
             self.active -= 1
+
+    def _drop(self, request: web.Request) -> web.Response:
+        """Close the connection without an answer (the response returned is never sent)."""
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
 
     def _usage(self, body: dict, chat: bool, n: int) -> dict[str, Any]:
         """Usage with 4 prompt bytes to a token (as the router's initial estimate)."""

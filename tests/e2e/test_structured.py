@@ -184,12 +184,13 @@ async def test_the_openai_sdk_parse_returns_a_parsed_object(pair, aiohttp_server
 async def test_a_grammar_that_does_not_compile_in_time_is_a_400(aiohttp_client):
     from pd.worker.api.server import make_app
 
-    worker = make_worker(grammar_timeout_s=0.001)  # the first compile alone takes longer
+    worker = make_worker(grammar_timeout_s=1.0)
     client = await aiohttp_client(make_app(worker))
+    options = [f"option number {i}" for i in range(60_000)]  # ~8 s to compile
     resp = await client.post(
         "/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-              "response_format": schema_format(SCHEMA)},
+              "structured_outputs": {"choice": options}},
     )  # fmt: skip
     error = (await resp.json())["error"]
     assert resp.status == 400 and "did not compile within" in error["message"], error

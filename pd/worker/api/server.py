@@ -36,7 +36,7 @@ from pd.worker.api.prompt import PromptBuilder, Request
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
-from pd.worker.text.grammar import GrammarCompiler, GrammarError
+from pd.worker.text.grammar import GrammarCompiler, GrammarError, GrammarUnavailable
 from pd.worker.text.token_rules import TokenRules, rules_for
 from pd.worker.tools import ToolCalling
 
@@ -102,6 +102,8 @@ def make_app(worker: Worker) -> web.Application:
         worker.tokenizer,
         worker.vocab_size or worker.tokenizer.vocab_size,
         worker.config.grammar_timeout_s,
+        children=worker.config.grammar_compilers,
+        memory_mb=worker.config.grammar_memory_mb,
     )
     app[TOOLS] = ToolCalling(worker.tokenizer.chat_template, worker.config.tool_call_parser)
     app[BODY_LIMIT] = limit
@@ -136,7 +138,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     await engine.stop()
     app[PROMPTS].close()
-    app[GRAMMARS].close()
+    await app[GRAMMARS].aclose()
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -453,6 +455,11 @@ async def _rules(
     except GrammarError as e:
         raise APIError(
             400, f"invalid structured-output constraint: {e}", code="invalid_grammar"
+        ) from None
+    except GrammarUnavailable as e:
+        raise APIError(
+            503, f"structured outputs: {e}", "service_unavailable", "grammar_unavailable",
+            headers={"Retry-After": "1"},
         ) from None
 
 

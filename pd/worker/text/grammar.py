@@ -1,12 +1,16 @@
 """Constrained decoding with llguidance: a request's constraint compiled once, a matcher per request.
 
-A `Constraint` (`pd.protocol.Constraint`: JSON schema, any JSON object, regex, choice or Lark/GBNF grammar)
-becomes llguidance's grammar text, and that a matcher over this worker's vocabulary
-(`GrammarCompiler.matcher`). Building the matcher is the costly part (the lexer and parser
-tables; llguidance drops the GIL meanwhile, 0.1 to 1 s for huge grammars): it runs on the
-compiler's own thread, under a deadline, with an LRU of built matchers keyed by the grammar, so a
-request whose grammar was seen before gets a copy (`deep_copy`) of the cached one. A grammar
-that does not compile, or not within the deadline, is a 400 naming the problem.
+A `Constraint` (`pd.protocol.Constraint`: JSON schema, any JSON object, regex, choice or Lark/GBNF
+grammar) becomes llguidance's grammar text (`grammar_source`), and that a matcher over this
+worker's vocabulary (`GrammarCompiler.matcher`). A client's constraint never compiles first in
+the worker: its size limits are checked (`grammar_source.check_limits`), then it compiles in a
+grammar child (`grammar_pool`: its own process, memory capped, killed at `--grammar-timeout-s`),
+and only a grammar that compiled there is built here, on a thread of the same stack size
+(`stack_threads`). Building is the costly part (the lexer and parser tables; llguidance drops
+the GIL meanwhile, 0.1 to 1 s for huge grammars); an LRU of built matchers keyed by the
+constraint gives a request seen before a copy (`deep_copy`) of the cached one. A constraint that
+does not compile, is over a limit, crashes its child or runs past the deadline is a 400 naming
+the problem.
 
 Per request, a `GrammarMatcher` fills the next token's allowed set as a bitmask row (one bit per
 token id, llguidance's layout: int32 words, bit i of word w is token 32 w + i) and consumes each
@@ -19,52 +23,26 @@ classes) before llguidance reads them.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 import llguidance
 import numpy as np
 
 from pd.protocol import Constraint
-from pd.worker.text.strict_schema import ecma_regex, strict
+from pd.worker.text.grammar_pool import GrammarPool, GrammarUnavailable
+from pd.worker.text.grammar_source import (
+    GrammarError,
+    build_matcher,
+    check_limits,
+    grammar_text,
+    new_tokenizer,
+)
+from pd.worker.text.stack_threads import GRAMMAR_STACK_BYTES, StackThreads
 from pd.worker.text.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions
-
-# llguidance's JSON options unless the schema says otherwise (its "x-guidance" key).
-JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
-
-
-class GrammarError(ValueError):
-    """The constraint does not compile (bad schema, regex or grammar), or took too long."""
-
-
-def grammar_text(c: Constraint) -> str:
-    """llguidance's grammar for a constraint (not yet checked: building the matcher checks it)."""
-    try:
-        if c.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=JSON_DEFAULTS
-            )
-        if c.kind == "json_schema":
-            schema = strict(json.loads(c.spec))
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
-        if c.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(ecma_regex(c.spec))
-        if c.kind == "choice":
-            choices = json.loads(c.spec)
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(s) for s in choices)
-            )
-        if c.kind == "grammar":
-            return llguidance.grammar_from("grammar", c.spec)
-    except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid {c.kind}: {e}") from None
-    raise GrammarError(f"unknown constraint kind {c.kind!r}")
+__all__ = ["GrammarCompiler", "GrammarError", "GrammarMatcher", "GrammarUnavailable"]
 
 
 class GrammarMatcher:
@@ -104,11 +82,19 @@ class GrammarMatcher:
 
 
 class GrammarCompiler:
-    """Matchers for constraints over one tokenizer: built on a thread of their own under a
-    deadline, cached by grammar (LRU of `cache_size`)."""
+    """Matchers for constraints over one tokenizer: each constraint checked in a grammar child,
+    then built on a thread of the child's stack size under a deadline, and cached by constraint
+    (LRU of `cache_size`)."""
 
     def __init__(
-        self, tok: Tokenizer, vocab_size: int, timeout_s: float = 10.0, cache_size: int = 256
+        self,
+        tok: Tokenizer,
+        vocab_size: int,
+        timeout_s: float = 10.0,
+        cache_size: int = 256,
+        children: int = 2,
+        memory_mb: int = 1024,
+        stack_bytes: int = GRAMMAR_STACK_BYTES,
     ) -> None:
         # The model's vocabulary may be padded past the tokenizer's: masks cover the model's rows.
         self.vocab_size = vocab_size
@@ -118,24 +104,32 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._source = tok  # llguidance's tokenizer is built on the first compile (~0.25 s)
         self._tok: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()  # the cache is read on the loop and written on the thread
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is read on the loop and written on a thread
+        self.pool = GrammarPool(self._setup, children, memory_mb, stack_bytes)
+        self._threads = StackThreads(max(1, children), stack_bytes, "pd-grammar")
         self.compiles = 0  # matchers built (cache misses), for tests and metrics
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+        self._threads.close()
+
+    async def aclose(self) -> None:
+        await self.pool.aclose()
+        self._threads.close()
 
     async def matcher(self, c: Constraint) -> GrammarMatcher:
-        """A fresh matcher for `c`. Raises GrammarError when it does not compile in time."""
-        grammar = grammar_text(c)
+        """A fresh matcher for `c`. Raises GrammarError when it is over a limit or does not
+        compile in time (in its child), GrammarUnavailable when no child could take it."""
+        key = (c.kind, c.spec)
         with self._lock:
-            cached = self._cache.get(grammar)
+            cached = self._cache.get(key)
             if cached is not None:
-                self._cache.move_to_end(grammar)
+                self._cache.move_to_end(key)
                 return self._wrap(cached.deep_copy())
-        loop = asyncio.get_running_loop()
-        build = loop.run_in_executor(self._executor, self._build, grammar)
+        check_limits(c.kind, c.spec)
+        grammar = await self.pool.check(c.kind, c.spec, self.timeout_s)
+        build = asyncio.wrap_future(self._threads.submit(self._build, key, grammar))
         try:
             template = await asyncio.wait_for(build, self.timeout_s)
         except TimeoutError:
@@ -145,26 +139,32 @@ class GrammarCompiler:
         return self._wrap(template.deep_copy())
 
     def matcher_now(self, c: Constraint) -> GrammarMatcher:
-        """`matcher` on the caller's thread (tests, benchmarks)."""
-        return self._wrap(self._build(grammar_text(c)).deep_copy())
+        """A matcher built on the caller's thread, with no child: for constraints the caller
+        wrote (tests, benchmarks), never a client's."""
+        check_limits(c.kind, c.spec)
+        return self._wrap(self._build((c.kind, c.spec), grammar_text(c.kind, c.spec)).deep_copy())
 
-    def _build(self, grammar: str) -> llguidance.LLMatcher:
+    def _setup(self) -> dict[str, Any]:
+        """The grammar children's tokenizer (their first message)."""
+        return {
+            "tokenizer": self._source.backend.to_str(),
+            "n_vocab": self.vocab_size,
+            "eos": sorted(self.eos),
+        }
+
+    def _build(self, key: tuple[str, str], grammar: str) -> llguidance.LLMatcher:
         with self._lock:
-            cached = self._cache.get(grammar)
+            cached = self._cache.get(key)
         if cached is not None:
             return cached
-        if self._tok is None:  # on the compile thread, like every build
-            self._tok = llguidance.LLTokenizer(
-                self._source.backend.to_str(),
-                n_vocab=self.vocab_size,
-                eos_token=sorted(self.eos) or None,
+        if self._tok is None:
+            self._tok = new_tokenizer(
+                self._source.backend.to_str(), self.vocab_size, sorted(self.eos)
             )
-        m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(" ".join(m.get_error().split())[:500])
+        m = build_matcher(self._tok, grammar)
         self.compiles += 1
         with self._lock:
-            self._cache[grammar] = m
+            self._cache[key] = m
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return m

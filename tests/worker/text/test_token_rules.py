@@ -4,7 +4,6 @@ allowed_token_ids and bad_words; compile errors, the cache and the deadline."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import random
@@ -147,20 +146,14 @@ async def test_bad_constraints_are_errors_naming_the_problem(compiler):
             await compiler.matcher(c)
 
 
-async def test_compiled_grammars_are_cached_and_compiles_have_a_deadline(tok, monkeypatch):
+async def test_compiled_grammars_are_cached(tok):
     compiler = GrammarCompiler(tok, tok.vocab_size)
     c = Constraint("regex", r"[0-9]{4}")
-    await compiler.matcher(c)  # the first compile also builds llguidance's tokenizer
-    compiler.timeout_s = 0.2
+    await compiler.matcher(c)  # the first compile also starts the children
     t = time.perf_counter()
     await compiler.matcher(c)
     assert compiler.compiles == 1 and time.perf_counter() - t < 0.05  # a copy of the cached one
-    real = compiler._build
-    monkeypatch.setattr(compiler, "_build", lambda g: (time.sleep(0.5), real(g))[1])
-    with pytest.raises(GrammarError, match="did not compile within 0.2s"):
-        await compiler.matcher(Constraint("regex", r"[a-f]{9}"))
-    await asyncio.sleep(0.4)  # the slow compile ends on its thread; nothing waits for it
-    compiler.close()
+    await compiler.aclose()
 
 
 def test_ecma_digits_and_closed_objects_in_declared_order(tok, compiler):
