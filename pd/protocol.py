@@ -62,15 +62,55 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, "invalid_request_error", code, param)
 
 
+MAX_JSON_DEPTH = 64  # containers nested in a body, or in JSON a server parses from a string
+
+
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body; anything but a JSON object is a 400."""
+    """Decode a request body; anything but a JSON object, or one nested deeper than
+    MAX_JSON_DEPTH, is a 400."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    if json_too_deep(raw, body):
+        raise bad_request(
+            f"request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json"
+        )
     return body
+
+
+def json_too_deep(raw: bytes | str, value: Any, most: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `value`, parsed from `raw`, nests more than `most` objects and arrays. Most
+    bodies hold fewer brackets than that (counted in C); the others are walked without
+    recursion, skipping lists of scalars (a prompt's ids) in C."""
+    opens = (
+        raw.count("[") + raw.count("{")
+        if isinstance(raw, str)
+        else (raw.count(b"[") + raw.count(b"{"))
+    )
+    if opens <= most or not isinstance(value, (dict, list)):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > most:
+            return True
+        items = list(x.values()) if isinstance(x, dict) else x
+        kinds = set(map(type, items))
+        if dict in kinds or list in kinds:
+            stack.extend((y, depth + 1) for y in items if isinstance(y, (dict, list)))
+    return False
+
+
+def header_bytes(value: str) -> bytes:
+    """A header value as the bytes the client sent (aiohttp decodes them as UTF-8 with
+    surrogateescape): compared and hashed as bytes, never a UnicodeEncodeError."""
+    try:
+        return value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace")
 
 
 # ----------------------------------------------------------------------------- field validators
@@ -135,6 +175,15 @@ MAX_PROMPTS = 64  # prompts a completions request may list
 # beside their parent, past --max-waiting-requests, so one request's share is bounded here.
 MAX_CHOICES = 64
 MAX_LOGIT_BIAS = 1024  # token ids a logit_bias may name (OpenAI allows 300)
+# Lists a request may send, each checked on every token or step (docs/security.md): far above
+# what clients send (OpenAI allows 4 stop strings; lm-eval sends a few), far below a stall.
+MAX_STOP = 128  # stop strings
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_BAD_WORDS = 256  # vLLM's bad_words
+MAX_BAD_WORD_CHARS = 128
+MAX_STOP_TOKEN_IDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # vLLM's allowed_token_ids: a vocabulary's worth (262,144)
+MAX_MESSAGES = 4096  # chat messages
 MAX_CACHE_SALT_CHARS = 256
 # Below this temperature sampling is greedy (as in vLLM): logits / temperature would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -230,12 +279,26 @@ def _parse_options(
         raise bad_request("'stop' must be a string or a list of strings", param="stop")
     if any(s == "" for s in stop):
         raise bad_request("'stop' strings must not be empty", param="stop")
+    _bound(stop, "stop", MAX_STOP, "strings", MAX_STOP_CHARS)
     stop_token_ids = body.get("stop_token_ids")
     stop_token_ids = tuple(_token_ids(stop_token_ids, "stop_token_ids")) if stop_token_ids else ()
+    _bound(stop_token_ids, "stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
+    bad_words = _strings(body, "bad_words")
+    _bound(bad_words, "bad_words", MAX_BAD_WORDS, "words", MAX_BAD_WORD_CHARS)
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        _bound(allowed, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, "token ids")
+        allowed = tuple(_token_ids(allowed, "allowed_token_ids"))
     best_of = _int(body, "best_of", 1, 1)
     if best_of != 1:
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_value")
     seed = _opt(body, "seed", int)
+    n: int = body["n"] if type(body.get("n")) is int else 1
+    if seed is not None and not -(1 << 63) <= seed <= (1 << 63) - max(1, n):
+        # Choice i samples with seed + i, in every request that carries it (migration legs).
+        raise bad_request(
+            "'seed' must be a signed 64-bit integer, and seed + n - 1 too", param="seed"
+        )
     top_k = _int(body, "top_k", -1, -1)
     assert top_k is not None  # it has a default
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -246,12 +309,8 @@ def _parse_options(
         constraint=parse_constraint(body),
         logit_bias=_logit_bias(body.get("logit_bias")),
         min_tokens=_int(body, "min_tokens", 0, 0) or 0,
-        allowed_token_ids=(
-            tuple(_token_ids(body["allowed_token_ids"], "allowed_token_ids"))
-            if body.get("allowed_token_ids") is not None
-            else None
-        ),
-        bad_words=_strings(body, "bad_words"),
+        allowed_token_ids=allowed,
+        bad_words=bad_words,
         include_stop_str_in_output=bool(_opt(body, "include_stop_str_in_output", bool, False)),
         max_tokens=max_tokens,
         temperature=temperature,
@@ -295,6 +354,16 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
             )
         out.append((token, float(bias)))
     return tuple(out)
+
+
+def _bound(values: Any, name: str, most: int, what: str, most_chars: int | None = None) -> None:
+    """A 400 for a list longer than `most` (or, for strings, one longer than `most_chars`)."""
+    if isinstance(values, (list, tuple)) and len(values) > most:
+        raise bad_request(f"'{name}' may hold at most {most} {what}, got {len(values)}", param=name)
+    if most_chars is not None and any(len(v) > most_chars for v in values):
+        raise bad_request(
+            f"each of '{name}' may be at most {most_chars} characters long", param=name
+        )
 
 
 def _strings(body: dict, name: str) -> tuple[str, ...]:
@@ -373,10 +442,15 @@ def parse_constraint(body: dict[str, Any]) -> Constraint | None:
 def _constraint(kind: str, value: Any, param: str) -> Constraint:
     if kind == "json_schema":
         if isinstance(value, str):
+            text = value
             try:
-                value = orjson.loads(value)
+                value = orjson.loads(text)
             except orjson.JSONDecodeError:
                 raise bad_request(f"'{param}' must be a JSON schema", param=param) from None
+            if json_too_deep(text, value):
+                raise bad_request(
+                    f"'{param}' nests deeper than {MAX_JSON_DEPTH} levels", param=param
+                )
         if not isinstance(value, dict):
             raise bad_request(f"'{param}' must be a JSON schema object", param=param)
         return _schema_constraint(value, param)
@@ -564,6 +638,7 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 def _parse_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise bad_request("'messages' must be a non-empty list", param="messages")
+    _bound(value, "messages", MAX_MESSAGES, "messages")
     messages = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):

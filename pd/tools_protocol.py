@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from pd.protocol import Constraint, bad_request
+from pd.protocol import MAX_JSON_DEPTH, Constraint, bad_request, json_too_deep
 
 MAX_TOOLS = 128  # as OpenAI
 # OpenAI's rule for a function name (letters, digits, underscores, dashes, at most 64), plus the
@@ -214,10 +214,13 @@ def check_tool_message(i: int, message: dict[str, Any]) -> None:
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
-                orjson.loads(args)
+                parsed = orjson.loads(args)
             except orjson.JSONDecodeError:
                 why = f"{at}.function.arguments' is not valid JSON"
                 raise bad_request(why, param="messages") from None
+            if json_too_deep(args, parsed):
+                why = f"{at}.function.arguments' nests deeper than {MAX_JSON_DEPTH} levels"
+                raise bad_request(why, param="messages")
         elif not isinstance(args, dict):
             raise bad_request(
                 f"{at}.function.arguments' must be a JSON string (or an object)", param="messages"

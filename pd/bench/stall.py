@@ -28,11 +28,94 @@ import orjson
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running worker or router (default: start a prefill worker)")
     p.add_argument("--sizes", default="1,4,7", help="prompt sizes in MiB, comma-separated")
-    p.add_argument("--kinds", default="text,chat,ids", help="prompt forms: text, chat, ids")
+    p.add_argument(
+        "--kinds",
+        default="text,chat,ids",
+        help="prompt forms (text, chat, ids: at each of --sizes) and field kinds, each at its "
+        f"bound and past it ({', '.join(FIELD_KINDS)}; 'all': every kind)",
+    )
     p.add_argument("--poll-ms", type=float, default=10.0, help="/health poll interval")
     p.add_argument("--max-stall-ms", type=float, default=50.0, help="worst /health wait allowed")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the started worker")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+# Field kinds: one request at each bound a client may send (docs/security.md), answered 200, and
+# one past it, answered 400; measured once each, whatever --sizes says.
+FIELD_KINDS = (
+    "stop", "bad_words", "token_ids", "logit_bias", "tools", "messages", "tokenize", "echo",
+)  # fmt: skip
+PROMPT_KINDS = ("text", "chat", "ids")
+
+
+def field_bodies(kind: str) -> list[tuple[str, bytes, int]]:
+    """[(path, body, status expected)] of a field kind: at its bound, then past it."""
+    from pd.protocol import (
+        MAX_ALLOWED_TOKEN_IDS,
+        MAX_BAD_WORD_CHARS,
+        MAX_BAD_WORDS,
+        MAX_LOGIT_BIAS,
+        MAX_MESSAGES,
+        MAX_STOP,
+        MAX_STOP_CHARS,
+        MAX_STOP_TOKEN_IDS,
+    )
+    from pd.tools_protocol import MAX_TOOLS
+
+    chat, done = "/v1/chat/completions", "/v1/completions"
+    base: dict[str, Any] = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
+
+    def both(path: str, at: dict, past: dict) -> list[tuple[str, bytes, int]]:
+        return [(path, orjson.dumps(at), 200), (path, orjson.dumps(past), 400)]
+
+    if kind == "stop":  # checked on every token: long strings that almost match
+        stops = [("a" * (MAX_STOP_CHARS - 1)) + str(i % 10) for i in range(MAX_STOP)]
+        many = [f"stop{i}" for i in range(100_000)]
+        return both(done, {**base, "stop": stops}, {**base, "stop": many})
+    if kind == "bad_words":
+        words = [f"w{i}" + "x" * (MAX_BAD_WORD_CHARS - 8) for i in range(MAX_BAD_WORDS)]
+        return both(done, {**base, "bad_words": words}, {**base, "bad_words": [*words, "more"]})
+    if kind == "token_ids":
+        allowed = list(range(MAX_ALLOWED_TOKEN_IDS))
+        stop_ids = list(range(MAX_STOP_TOKEN_IDS))
+        at = {**base, "allowed_token_ids": allowed, "stop_token_ids": stop_ids}
+        return both(done, at, {**at, "allowed_token_ids": [*allowed, 1]})
+    if kind == "logit_bias":
+        bias = {str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}
+        return both(
+            done, {**base, "logit_bias": bias}, {**base, "logit_bias": {**bias, "99999": 1.0}}
+        )
+    if kind == "tools":
+        tool: dict[str, Any] = {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "type": "object",
+                    "properties": {f"p{i}": {"type": "string"} for i in range(16)},
+                },
+            },
+        }
+        tools = [{**tool, "function": {**tool["function"], "name": f"f{i}"}}
+                 for i in range(MAX_TOOLS)]  # fmt: skip
+        body = {"messages": [{"role": "user", "content": "Call a tool."}], "max_tokens": 16}
+        return both(chat, {**body, "tools": tools}, {**body, "tools": [*tools, tool]})
+    if kind == "messages":
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"}
+                    for i in range(MAX_MESSAGES - 1)] + [{"role": "user", "content": "hi"}]  # fmt: skip
+        body = {"max_tokens": 16}
+        return both(
+            chat, {**body, "messages": messages}, {**body, "messages": [*messages, *messages]}
+        )
+    if kind == "tokenize":  # a long text (counted, not refused), with each token's string
+        text = "the quick brown fox jumps over a lazy dog " * 50_000  # ~2 MiB
+        return [("/tokenize", orjson.dumps({"prompt": text, "return_token_strs": True}), 200)]
+    if kind == "echo":  # the prompt part for n choices: built once per prompt
+        prompt = "the quick brown fox jumps over a lazy dog " * 150  # ~1,500 tokens
+        body = {"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": 5,
+                "prompt_logprobs": 5, "n": 16}  # fmt: skip
+        return [(done, orjson.dumps(body), 200)]
+    raise ValueError(f"unknown kind {kind!r}")
 
 
 def body_of(kind: str, nbytes: int) -> tuple[str, bytes]:
@@ -65,6 +148,12 @@ async def _health_latencies(
 
 async def measure(url: str, kind: str, mib: float, poll_s: float) -> dict[str, Any]:
     path, body = body_of(kind, int(mib * (1 << 20)))
+    return await measure_one(url, kind, mib, poll_s, path, body)
+
+
+async def measure_one(
+    url: str, kind: str, mib: float, poll_s: float, path: str, body: bytes
+) -> dict[str, Any]:
     async with aiohttp.ClientSession() as http:
         stop = asyncio.Event()
         poller = asyncio.create_task(_health_latencies(http, url, poll_s, stop))
@@ -114,7 +203,17 @@ async def _run(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     await _wait_healthy(url, [])
     sizes = [float(s) for s in args.sizes.split(",")]
     kinds = args.kinds.split(",")
-    return [await measure(url, k, s, args.poll_ms / 1e3) for s in sizes for k in kinds]
+    if kinds == ["all"]:
+        kinds = [*PROMPT_KINDS, *FIELD_KINDS]
+    poll = args.poll_ms / 1e3
+    out = [await measure(url, k, s, poll) for s in sizes for k in kinds if k in PROMPT_KINDS]
+    for k in kinds:
+        if k in FIELD_KINDS:
+            for path, body, expected in field_bodies(k):
+                r = await measure_one(url, k, len(body) / (1 << 20), poll, path, body)
+                r["expected"] = expected
+                out.append(r)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,14 +230,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(results, option=orjson.OPT_INDENT_2).decode())
     else:
-        print(f"{'prompt':>12} {'answer':>28} {'health p50':>11} {'worst':>9}")
+        print(f"{'request':>19} {'answer':>28} {'health p50':>11} {'worst':>9}")
         for r in results:
             answer = f"{r['status']} {r['code'] or ''} in {r['answer_s']:.2f}s"
             print(
-                f"{r['mib']:>4g} MiB {r['kind']:<4} {answer:>28} {r['health_p50_ms']:>8.1f} ms"
+                f"{r['mib']:>4.2g} MiB {r['kind']:<10} {answer:>28} {r['health_p50_ms']:>8.1f} ms"
                 f" {r['health_worst_ms']:>6.1f} ms"
             )
     worst = max(r["health_worst_ms"] for r in results)
-    bad = [r for r in results if r["status"] >= 500]
+    bad = [
+        r for r in results if r["status"] >= 500 or r.get("expected", r["status"]) != r["status"]
+    ]
+    for r in bad:
+        print(
+            f"{r['kind']}: answered {r['status']} {r['code'] or ''}, expected {r.get('expected', '< 500')}"
+        )
     print(f"worst /health wait: {worst:.1f} ms (allowed {args.max_stall_ms:g} ms)")
     return 0 if worst <= args.max_stall_ms and not bad else 1

@@ -10,7 +10,7 @@ import hmac
 
 from aiohttp import web
 
-from pd.protocol import APIError, bad_request, parse_json_body
+from pd.protocol import APIError, bad_request, header_bytes, parse_json_body
 from pd.router.config import POOLS
 from pd.router.keys import CONFIG, HEALTH, REGISTRY
 from pd.router.proxy import json_response
@@ -27,7 +27,7 @@ def _authorize(request: web.Request, change: bool) -> None:
                 "admin_disabled",
             )
         return
-    given = request.headers.get("Authorization", "").encode()
+    given = header_bytes(request.headers.get("Authorization", ""))
     if not hmac.compare_digest(given, f"Bearer {token}".encode()):
         raise APIError(
             401, "invalid or missing admin token", "invalid_request_error", "invalid_admin_token"

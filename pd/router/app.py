@@ -21,6 +21,7 @@ from pd.protocol import (
     CompletionRequest,
     bad_request,
     error_body,
+    header_bytes,
     parse_json_body,
     parse_request,
     unknown_fields,
@@ -63,7 +64,7 @@ def _middleware(cfg: RouterConfig):
                 and request.path.startswith(_AUTHED)
                 and request.method != "OPTIONS"  # a CORS preflight carries no credentials
             ):
-                given = request.headers.get("Authorization", "").encode()
+                given = header_bytes(request.headers.get("Authorization", ""))
                 if not hmac.compare_digest(given, expected):
                     raise APIError(
                         401,
@@ -90,6 +91,11 @@ def _middleware(cfg: RouterConfig):
                 "invalid_request_error",
                 "not_found" if e.status == 404 else None,
             )
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # every failure is answered as OpenAI-style JSON
+            log.exception("unhandled error on %s", request.path)
+            return _error(500, f"internal error: {type(e).__name__}", "internal_error", None)
 
     return middleware
 

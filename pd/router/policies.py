@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from pd.protocol import header_bytes
 from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey
 
 if TYPE_CHECKING:
@@ -103,13 +104,13 @@ class LoadAware(Policy):
 
 
 def _hash(s: str) -> int:
-    return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(header_bytes(s), digest_size=8).digest(), "big")
 
 
 def room_id(key: str) -> bytes:
     """A room key as the table keeps it: 16 bytes, however long the client made the key
     (`X-Room-Id`, `user`, `session_id`). 128 bits: two rooms share a home only by collision."""
-    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+    return hashlib.blake2b(header_bytes(key), digest_size=16).digest()
 
 
 # What one room costs in the table: its 16-byte id, its (worker, time) and the OrderedDict's

@@ -8,6 +8,7 @@ prompt token has no logprob (nothing predicts it): `null`, as OpenAI and vLLM an
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,3 +68,18 @@ def prompt_part(
             out.append(entry)
         part.prompt_logprobs = out
     return part
+
+
+def once(build: Callable[[], PromptPart]) -> Callable[[], PromptPart]:
+    """`build`, run once whoever asks first: a prompt's n choices share one part (it is read,
+    never written). Thread-safe: choices may ask from the text thread and the loop at once."""
+    lock = threading.Lock()
+    built: list[PromptPart] = []
+
+    def get() -> PromptPart:
+        with lock:
+            if not built:
+                built.append(build())
+            return built[0]
+
+    return get

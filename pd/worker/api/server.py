@@ -21,10 +21,11 @@ from pd.protocol import (
     GenerationOptions,
     bad_request,
     error_body,
+    header_bytes,
     parse_json_body,
 )
 from pd.worker.api.choices import choices_of, collect, interleave, usage
-from pd.worker.api.echo import PromptPart, prompt_part
+from pd.worker.api.echo import PromptPart, once, prompt_part
 from pd.worker.api.openai_format import (
     SSE_DONE,
     SSE_MIGRATE,
@@ -155,7 +156,7 @@ def _check_auth(worker: Worker, request: web.Request) -> None:
     if key is None:
         return
     given = request.headers.get("Authorization", "")
-    if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    if not hmac.compare_digest(header_bytes(given), f"Bearer {key}".encode()):
         raise APIError(
             401,
             "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -411,14 +412,16 @@ def _prompt_part(
     if not echo and req.prompt_logprobs is None:
         return None
     seq = handle.seq
-    return lambda: prompt_part(
-        seq.prompt_ids,
-        seq.prompt_logprobs,
-        worker.tokenizer,
-        token_text,
-        echo=echo,
-        echo_logprobs=req.options.top_logprobs if echo and req.options.logprobs else None,
-        prompt_logprobs=req.prompt_logprobs,
+    return once(  # built once for the prompt's n choices
+        lambda: prompt_part(
+            seq.prompt_ids,
+            seq.prompt_logprobs,
+            worker.tokenizer,
+            token_text,
+            echo=echo,
+            echo_logprobs=req.options.top_logprobs if echo and req.options.logprobs else None,
+            prompt_logprobs=req.prompt_logprobs,
+        )
     )
 
 
@@ -458,7 +461,10 @@ async def _rules(
         ) from None
     except GrammarUnavailable as e:
         raise APIError(
-            503, f"structured outputs: {e}", "service_unavailable", "grammar_unavailable",
+            503,
+            f"structured outputs: {e}",
+            "service_unavailable",
+            "grammar_unavailable",
             headers={"Retry-After": "1"},
         ) from None
 

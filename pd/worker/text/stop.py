@@ -53,10 +53,16 @@ class StopChecker:
         return min((i, s) for s in self._stop if (i := done.find(s)) >= 0)
 
     def _partial_suffix_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        longest = max(len(s) for s in self._stop) - 1
-        for k in range(min(longest, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(len(s) > k and s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+        """Length of the longest suffix of text that is a proper prefix of a stop string. Per
+        stop string, only the places where its first character occurs in the text's last
+        len - 1 characters are tried, earliest (longest) first."""
+        best = 0
+        n = len(text)
+        for s in self._stop:
+            i = text.find(s[0], max(0, n - len(s) + 1), n - best)  # longer than the best
+            while i >= 0:
+                if s.startswith(text[i:]):
+                    best = n - i
+                    break
+                i = text.find(s[0], i + 1, n - best)
+        return best

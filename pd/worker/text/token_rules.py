@@ -21,15 +21,18 @@ from pd.worker.text.tokenizer import Tokenizer
 
 
 def set_bits(row: np.ndarray, ids: Iterable[int], value: bool) -> None:
-    """Allow (`value`) or forbid each token id of `ids` in a bitmask row (ids past it ignored)."""
+    """Allow (`value`) or forbid each token id of `ids` in a bitmask row (ids past it ignored).
+    Vectorized: a vocabulary's worth of ids costs milliseconds, not a Python loop each."""
     words = row.view(np.uint32)
-    for t in ids:
-        w, b = divmod(int(t), 32)
-        if w < words.size:
-            if value:
-                words[w] |= np.uint32(1 << b)
-            else:
-                words[w] &= np.uint32(~(1 << b) & 0xFFFFFFFF)
+    t = np.fromiter(ids, np.int64)
+    t = t[(t >= 0) & (t < 32 * words.size)]
+    if not t.size:
+        return
+    w, bits = t >> 5, np.left_shift(np.uint32(1), (t & 31).astype(np.uint32))
+    if value:
+        np.bitwise_or.at(words, w, bits)
+    else:
+        np.bitwise_and.at(words, w, ~bits)
 
 
 def allowed_ids(row: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -108,17 +111,16 @@ async def rules_for(
     ):
         return None
     grammar = await grammars.matcher(o.constraint) if o.constraint is not None else None
-    bad: list[list[int]] = []
+    bad: dict[tuple[int, ...], None] = {}  # in order, once each
     for word in o.bad_words:  # as vLLM: the word alone and after a space
         for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tok.encode(text)
-            if ids and ids not in bad:
-                bad.append(ids)
+            if ids := tuple(tok.encode(text)):
+                bad[ids] = None
     return TokenRules(
         grammars.words,
         grammar=grammar,
         min_tokens=o.min_tokens,
         stop_ids=frozenset(tok.eos_token_ids) | frozenset(o.stop_token_ids),
         allowed=o.allowed_token_ids,
-        bad_words=bad,
+        bad_words=list(bad),
     )

@@ -80,8 +80,8 @@ def worker(role: StandInRole, **config) -> Worker:
     )  # fmt: skip
 
 
-async def post(client, body: bytes):
-    headers = {"Content-Type": "application/json"}
+async def post(client, body: bytes, headers: dict[str, str] | None = None):
+    headers = {"Content-Type": "application/json", **(headers or {})}
     resp = await client.post("/v1/completions", data=body, headers=headers)
     return resp, orjson.loads(await resp.read())
 
@@ -120,6 +120,23 @@ async def test_the_handler_refuses_bad_requests_before_the_role_queues_them(
     resp, body = await post(client, raw)
     assert_error(resp, body, status, code)
     assert not role.prompts and not w.engine.aborted
+
+
+async def test_a_non_utf8_api_key_is_a_401_and_a_deep_body_a_400(aiohttp_client):
+    """Headers are compared as bytes; JSON nested past 64 levels is refused (a 500 before)."""
+    from tests.router.test_client_input import raw_request
+
+    role = StandInRole()
+    client = await aiohttp_client(make_app(worker(role, api_key="k")))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    status, answer = await raw_request(
+        client.server.port, head + b"Authorization: Bearer \xff\xfe\r\n", b'{"prompt": "hi"}'
+    )
+    assert status == 401 and orjson.loads(answer)["error"]["code"] == "invalid_api_key"
+    deep = b'{"prompt": "hi", "metadata": %s}' % (b"[" * 300 + b"]" * 300)
+    resp, body = await post(client, deep, headers={"Authorization": "Bearer k"})
+    assert_error(resp, body, 400, "invalid_json")
+    assert not role.prompts
 
 
 @pytest.mark.parametrize("error, code", [(KV_REFUSED, "invalid_value"), (QUEUE_FULL, "queue_full")])

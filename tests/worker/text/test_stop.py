@@ -107,3 +107,18 @@ def test_include_stop_keeps_the_matched_string_and_nothing_after():
     assert c.add("abc E") == ("abc ", False)
     assert c.add("NDxyz") == ("END", True)
     assert c.matched == "END" and c.add("more") == ("", True)
+
+
+def test_held_back_suffix_is_the_longest_proper_prefix_of_any_stop_string():
+    """The held-back tail against the definition, on random texts over a small alphabet (so
+    that prefixes overlap often)."""
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = tuple("".join(rng.choices("ab c", k=rng.randint(1, 6))) for _ in range(3))
+        text = "".join(rng.choices("ab c", k=rng.randint(0, 12)))
+        want = max(
+            (k for k in range(1, len(text) + 1) for s in stops
+             if len(s) > k and s.startswith(text[-k:])),
+            default=0,
+        )  # fmt: skip
+        assert StopChecker(stops)._partial_suffix_len(text) == want, (stops, text)
