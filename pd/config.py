@@ -112,7 +112,15 @@ class WorkerConfig:
     chunk_size: int = _flag(
         512, "token budget of one step: prefill chunks and decode tokens together"
     )
-    max_running_requests: int = _flag(64, "most requests in the running batch")
+    max_running_requests: int = _flag(
+        64, "most choices in the running batch (a request with n choices counts n)"
+    )
+    pull_slots: int | None = _flag(
+        None,
+        "decode role: running slots that only requests pulled from a prefill worker may take, "
+        "so that local requests never starve them (default: a quarter of "
+        "--max-running-requests on a decode worker, 0 on others)",
+    )
     max_waiting_requests: int = _flag(
         256, "most requests queued; more are answered 503 + Retry-After"
     )
@@ -253,6 +261,13 @@ class WorkerConfig:
         "worker's reported latencies are then divided by it",
     )
 
+    @property
+    def resolved_pull_slots(self) -> int:
+        """--pull-slots, or its default for the role."""
+        if self.pull_slots is not None:
+            return self.pull_slots
+        return self.max_running_requests // 4 if self.role == "decode" else 0
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -284,6 +299,10 @@ class WorkerConfig:
         check(0 < self.kv_memory_fraction < 1, "--kv-memory-fraction must be in (0, 1)")
         check(self.chunk_size >= 1, "--chunk-size must be >= 1")
         check(self.max_running_requests >= 1, "--max-running-requests must be >= 1")
+        check(
+            self.pull_slots is None or 0 <= self.pull_slots < self.max_running_requests,
+            "--pull-slots must be in 0 .. --max-running-requests - 1",
+        )
         check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
         check(0 <= self.bootstrap_port < 65536, "--bootstrap-port must be in 0..65535")
         check(

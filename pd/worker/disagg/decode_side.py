@@ -183,7 +183,8 @@ class DecodeSide(TransferRole):
         try:
             # The wait ends when the pull fails meanwhile (P died or aborted, the lease was
             # lost, or the client left: its abort aborts `rx`), or at the queue's deadline.
-            pages = await self.page_wait.acquire(key, num_pages, until=rx.wait)
+            choices = 1 + len(handle.forks)
+            pages = await self.page_wait.acquire(key, num_pages, rx.wait, choices)
             if pages is None:
                 self._end(handle, rx)
                 return

@@ -25,6 +25,7 @@ from pd.worker.engine import HeldPages
 class _Waiter:
     key: str
     num_pages: int
+    choices: int
     granted: asyncio.Future[list[int]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
@@ -40,15 +41,23 @@ class PageWaitQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    @property
+    def choices(self) -> int:
+        return sum(w.choices for w in self._queue)
+
     async def acquire(
-        self, key: str, num_pages: int, until: Callable[[], Awaitable[object]]
+        self,
+        key: str,
+        num_pages: int,
+        until: Callable[[], Awaitable[object]],
+        choices: int = 1,
     ) -> list[int] | None:
-        """Pages for `num_pages` held under `key`, in arrival order; None when `until()` (e.g.
-        the receiver's `wait`) finished first. Raises APIError 503 when they do not fit within
-        the queue's deadline."""
-        if not self._queue and (pages := self.pages.reserve(key, num_pages)) is not None:
+        """Pages for `num_pages` held under `key` (and running slots for `choices`), in arrival
+        order; None when `until()` (e.g. the receiver's `wait`) finished first. Raises APIError
+        503 when they do not fit within the queue's deadline."""
+        if not self._queue and (pages := self.pages.reserve(key, num_pages, choices)) is not None:
             return pages
-        waiter = _Waiter(key, num_pages)
+        waiter = _Waiter(key, num_pages, choices)
         self._queue.append(waiter)
         stop = asyncio.ensure_future(until())
         try:
@@ -80,7 +89,7 @@ class PageWaitQueue:
             if head.granted.done():  # cancelled meanwhile: `acquire` takes it out
                 self._queue.popleft()
                 continue
-            pages = self.pages.reserve(head.key, head.num_pages)
+            pages = self.pages.reserve(head.key, head.num_pages, head.choices)
             if pages is None:
                 return
             self._queue.popleft()

@@ -102,7 +102,7 @@ class Prefill(CoLocated):
                 param="kv_transfer_params",
             )
         ids = await prompt_ids()
-        self.engine.capacity.max_tokens_for(len(ids), asked)  # the whole request, not one token
+        self.engine.capacity.max_tokens_for(len(ids), asked, req.n)  # the whole request (D's)
         # P samples the first token: its rules constrain it as D's constrain the rest.
         # A continuation: prompt + its output ids prefilled, one token sampled past them.
         return self.engine.add_request(

@@ -14,9 +14,11 @@ class Capacity:
     page_size: int
     num_pages: int  # KV pages per rank
 
-    def max_tokens_for(self, prompt_len: int, asked: int | None) -> int:
-        """The request's generation budget (`asked`, or up to the context when None); raises a
-        400 when the prompt, or prompt + `asked`, exceeds the context or the whole KV cache."""
+    def max_tokens_for(self, prompt_len: int, asked: int | None, n: int = 1) -> int:
+        """The request's generation budget per choice (`asked`, or up to the context when None);
+        raises a 400 when the prompt, or prompt + `asked`, exceeds the context, or its `n`
+        choices could never fit in the KV cache together: the prompt's full pages once (the
+        choices share them), and each choice's partial last prompt page and its tokens."""
         if prompt_len >= self.max_model_len:
             raise APIError(
                 400,
@@ -27,7 +29,7 @@ class Capacity:
             )
         room = self.max_model_len - prompt_len
         if asked is None:
-            max_tokens = room
+            asked = room
         elif asked > room:
             raise APIError(
                 400,
@@ -37,13 +39,16 @@ class Capacity:
                 code="context_length_exceeded",
                 param="max_tokens",
             )
-        else:
-            max_tokens = asked
-        if -(-(prompt_len + max_tokens) // self.page_size) > self.num_pages:
+        shared, tail = divmod(prompt_len, self.page_size)
+        pages = shared + n * -(-(tail + asked) // self.page_size)
+        if pages > self.num_pages:
+            what = f"prompt + max_tokens ({prompt_len + asked} tokens)"
+            if n > 1:
+                what = f"the prompt and {n} choices of max_tokens {asked} ({pages} pages)"
             raise APIError(
                 400,
-                f"prompt + max_tokens ({prompt_len + max_tokens} tokens) exceed this worker's "
-                f"KV cache ({self.num_pages * self.page_size} tokens)",
+                f"{what} exceed this worker's KV cache ({self.num_pages * self.page_size} tokens)",
                 code="context_length_exceeded",
+                param=None if n == 1 else "n",
             )
-        return max_tokens
+        return asked

@@ -132,7 +132,7 @@ class Engine:
         other choices (`handle.forks`, with `choice_rules`) fork from it (fork.py). `given`: a
         continuation's output ids (docs/migration.md §3), prefilled after the prompt (on a
         prefill worker, `remote_decode`, it samples one token past them)."""
-        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules, given)
+        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules, given, n)
         handle.seq.remote_decode = remote_decode
         handle.seq.cache_salt = cache_salt
         if given is not None:
@@ -160,7 +160,7 @@ class Engine:
         for i in range(1, n):
             rules = choice_rules[i - 1] if choice_rules else None
             child = self._new_handle(
-                seq.prompt_ids, choice_options(seq.params, i), SeqStatus.FORKING, rules
+                seq.prompt_ids, choice_options(seq.params, i), SeqStatus.FORKING, rules, n=0
             )
             child.seq.cache_salt = seq.cache_salt
             child.seq.num_cached_tokens = seq.num_cached_tokens
@@ -184,7 +184,9 @@ class Engine:
         continuation's output ids, whose KV P computed after the prompt (nothing is emitted
         for them; P's first token follows them)."""
         # Its rules see P's first token first (`accept_first_token`), as P's did.
-        handle = self._new_handle(prompt_ids, options, SeqStatus.TRANSFERRING, rules, given)
+        handle = self._new_handle(
+            prompt_ids, options, SeqStatus.TRANSFERRING, rules, given, n, pulled=True
+        )
         handle.seq.num_cached_tokens = cached_tokens
         handle.seq.cache_salt = cache_salt
         if given is not None and (ends := self.postprocess.prime(handle, given)) is not None:
@@ -217,8 +219,25 @@ class Engine:
         status: SeqStatus,
         rules: TokenRules | None = None,
         given: list[int] | None = None,
+        n: int = 1,
+        pulled: bool = False,
     ) -> RequestHandle:
-        max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens)
+        """A request's handle once it is admissible: `n` choices (0: a choice after the first,
+        admitted with it) of which each fits the context and all the KV cache together, and
+        all a running batch; its choices within --max-waiting-requests (those waiting for
+        pages to be pulled into included)."""
+        max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens, max(n, 1))
+        sched = self.scheduler
+        most = sched.max_running - (0 if pulled else sched.pull_slots)
+        if n > most:
+            raise APIError(
+                400,
+                f"{n} choices can never run at once here: this worker runs at most {most} "
+                + ("" if most == sched.max_running else "local ")
+                + "choices (--max-running-requests counts each choice of n)",
+                code="invalid_value",
+                param="n",
+            )
         if given is not None and len(prompt_ids) + len(given) >= self.max_model_len:
             raise bad_request(
                 f"the prompt's {len(prompt_ids)} tokens and the continuation's {len(given)} "
@@ -227,7 +246,7 @@ class Engine:
             )
         if self._wakeup is None:
             raise APIError(503, "the engine is not running", "server_busy", "not_ready")
-        if len(self.scheduler.waiting) >= self.max_waiting:
+        if n and self.queued_choices + n > self.max_waiting:
             raise APIError(
                 503,
                 "the worker's request queue is full; retry later",
@@ -243,6 +262,12 @@ class Engine:
         )
         self.handles[request_id] = handle
         return handle
+
+    @property
+    def queued_choices(self) -> int:
+        """Choices waiting: for admission, and (decode) for pages to pull into."""
+        waiters = self._page_waiters.choices if self._page_waiters is not None else 0
+        return self.scheduler.waiting_choices + waiters
 
     def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
         """Stop a request (client gone), its other choices (n > 1) too. Its pages are freed at

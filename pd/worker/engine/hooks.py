@@ -19,8 +19,9 @@ class HeldPages(Protocol):
         """Prefill: finish a prefilled request but keep its pages under `key`."""
         ...
 
-    def reserve(self, key: str, num_pages: int) -> list[int] | None:
-        """Decode: pages for a pull, or None when they do not fit beside the running batch."""
+    def reserve(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
+        """Decode: pages for a pull of `choices` choices, or None when they (or its choices'
+        running slots) do not fit beside the running batch."""
         ...
 
     def release(self, key: str) -> None:
@@ -53,4 +54,9 @@ class PageWaiters(Protocol):
 
     def __len__(self) -> int:
         """How many wait (`Engine.load` reports them)."""
+        ...
+
+    @property
+    def choices(self) -> int:
+        """The choices of those that wait (counted against --max-waiting-requests)."""
         ...

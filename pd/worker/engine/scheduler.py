@@ -37,14 +37,20 @@ class Scheduler:
         cache: KVCacheManager,
         chunk_size: int,
         max_running: int,
+        pull_slots: int = 0,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.chunk_size = chunk_size
+        # Running slots count choices: a request with n choices takes n (its children fork
+        # into the batch after its first token). `pull_slots` of them only pulls may take
+        # (decode: a client whose P answered is never starved by local requests).
         self.max_running = max_running
+        self.pull_slots = pull_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.forks: Forks = {}  # n > 1: parent -> its children until they fork (fork.py)
+        self._held_choices: dict[str, int] = {}  # decode: a reserved pull's choices, by key
 
     # ------------------------------------------------------------------------------ queues
 
@@ -70,6 +76,23 @@ class Scheduler:
         self._release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def choices_of(self, seq: Sequence) -> int:
+        """The running slots `seq` stands for: itself and its children still to fork."""
+        return 1 + len(self.forks.get(seq, ()))
+
+    @property
+    def running_choices(self) -> int:
+        """Running slots taken: the running sequences, the children still to fork from running
+        parents, and the choices of the pulls pages are reserved for (decode)."""
+        pending = sum(len(c) for p, c in self.forks.items() if p.status is SeqStatus.RUNNING)
+        return len(self.running) + pending + sum(self._held_choices.values())
+
+    @property
+    def waiting_choices(self) -> int:
+        """The choices of the requests waiting for admission."""
+        pending = sum(len(c) for p, c in self.forks.items() if p.status is SeqStatus.WAITING)
+        return len(self.waiting) + pending
 
     @property
     def has_work(self) -> bool:
@@ -97,7 +120,8 @@ class Scheduler:
                 continue
             self._add(batch, seq, n)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        slots = self.max_running - self.pull_slots - self.running_choices  # local admission
+        while self.waiting and budget > 0 and self.choices_of(self.waiting[0]) <= slots:
             seq = self.waiting[0]
             self._reuse_prefix(seq)
             n = min(seq.num_remaining, budget)
@@ -113,6 +137,7 @@ class Scheduler:
             seq.page_ids.extend(pages)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            slots -= self.choices_of(seq)
             self._add(batch, seq, n)
             budget -= n
         attach_riders(batch, self.forks)
@@ -198,32 +223,36 @@ class Scheduler:
         seq.finish_reason = "remote_decode"
         return pages
 
-    def reserve(self, key: str, num_pages: int) -> list[int] | None:
+    def reserve(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
         """Decode: pages for a request's pulled KV, if no preempted request waits, they fit beside
         the running batch's growth (one free or evictable page per running request stays in
-        reserve) and the batch is under `max_running`. New requests waiting for admission do not
-        hold a pull back: its client already has P's first token."""
+        reserve) and its `choices` fit in `max_running` (the pull slots included). New requests
+        waiting for admission do not hold a pull back: its client already has P's first
+        token."""
         assert key not in self.cache.held
         if any(s.num_preemptions for s in self.waiting):  # they get their pages back first
             return None
-        if len(self.running) + len(self.cache.held) >= self.max_running:
+        if self.running_choices + choices > self.max_running:
             return None
         if self.cache.num_free - num_pages < len(self.running):
             return None
         pages = self.cache.allocate(num_pages)
         if pages is not None:
             self.cache.hold(key, pages)
+            self._held_choices[key] = choices
         return pages
 
     def release(self, key: str) -> None:
         """Drop the pages held under `key` (idempotent: done, abort and lease expiry may race)."""
         self.cache.release(key)
+        self._held_choices.pop(key, None)
 
     def admit_pulled(self, seq: Sequence, key: str) -> None:
         """Decode: the pull is done; the request runs on its held pages, whose KV covers the
         prompt, from there (and its full prompt pages become matchable on this worker)."""
         assert seq.status is SeqStatus.TRANSFERRING
         seq.page_ids = self.cache.take(key)
+        self._held_choices.pop(key, None)  # running now, its children with it
         # The KV covers the prompt (and a continuation's given outputs); P's first token next.
         seq.num_computed = len(seq.prompt_ids) + seq.num_given
         seq.status = SeqStatus.RUNNING

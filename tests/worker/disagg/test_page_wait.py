@@ -18,7 +18,7 @@ class Pages:
         self.free = free
         self.held: dict[str, int] = {}
 
-    def reserve(self, key: str, num_pages: int) -> list[int] | None:
+    def reserve(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
         if num_pages > self.free:
             return None
         self.free -= num_pages

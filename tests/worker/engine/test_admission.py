@@ -32,3 +32,12 @@ def test_what_does_not_fit_is_a_400(prompt_len, asked, param, needle):
 
 def test_the_last_token_that_fits():
     assert CAP.max_tokens_for(60, 20) == 20  # 80 tokens = 20 pages exactly
+
+
+def test_n_choices_must_fit_the_kv_cache_together():
+    """The prompt's full pages once, then each choice's partial page and max_tokens."""
+    assert CAP.max_tokens_for(8, 16, n=4) == 16  # 2 shared pages + 4 x 4 = 18 of 20
+    assert CAP.max_tokens_for(10, 14, n=4) == 14  # 2 shared + 4 x ceil((2 + 14) / 4) = 18
+    with pytest.raises(APIError) as e:
+        CAP.max_tokens_for(10, 16, n=4)  # 2 + 4 x 5 = 22 pages
+    assert e.value.status == 400 and e.value.param == "n" and "4 choices" in e.value.message

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import pytest
+
 from pd.kvcache.cache_manager import KVCacheManager
-from pd.protocol import GenerationOptions
+from pd.protocol import APIError, GenerationOptions
 from pd.worker.engine.engine import Engine
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.model.sampler import SampleOutput
@@ -134,3 +136,29 @@ def test_health_integrity_costs_no_walk_over_the_pages(monkeypatch):
     monkeypatch.setattr(engine.scheduler.cache, "check_integrity", lambda *a: walked.append(1))
     assert engine.integrity() == "ok" and walked == []
     assert engine.check_integrity() == "ok" and walked == [1]
+
+
+async def test_choices_count_against_the_running_and_waiting_limits():
+    """n > --max-running-requests could never run: a 400 naming n. The waiting queue counts
+    choices: 8 waiting choices fill it, one more request is a 503 queue_full."""
+    engine, runner = make_engine(num_pages=64)
+    engine.start()
+    try:
+        with pytest.raises(APIError) as e:
+            engine.add_request([1, 2, 3], GenerationOptions(max_tokens=2), n=9)
+        assert e.value.status == 400 and e.value.param == "n"
+        with pytest.raises(APIError) as e:  # 7 shared pages + 8 x 8 > 64
+            engine.add_request(list(range(30)), GenerationOptions(max_tokens=30), n=8)
+        assert e.value.status == 400 and "8 choices" in e.value.message
+        first = engine.add_request([1, 2, 3], GenerationOptions(max_tokens=2), n=8)
+        await wait_in_step(runner)  # running: 8 choices, the batch full
+        waiting = [engine.add_request([4, 5], GenerationOptions(max_tokens=2), n=4) for _ in "ab"]
+        with pytest.raises(APIError) as e:
+            engine.add_request([6], GenerationOptions(max_tokens=2))
+        assert e.value.status == 503 and e.value.code == "queue_full"
+        for h in (first, *waiting):
+            engine.abort(h)
+    finally:
+        runner.go.set()
+        await engine.stop()
+    engine.scheduler.check_integrity()

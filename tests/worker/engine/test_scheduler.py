@@ -199,3 +199,52 @@ def test_a_pull_is_not_starved_by_new_local_requests_only_by_preempted_ones():
     s.waiting.appendleft(victim)
     assert s.reserve("pull", 3) is None  # a preempted request gets its pages back first
     s.check_integrity()
+
+
+def forked(s: Scheduler, name: str, prompt_len: int, n: int) -> Sequence:
+    """A request with n choices: a parent and n - 1 children to fork after its first token."""
+    parent = seq(name, prompt_len)
+    children = [seq(f"{name}.{i}", prompt_len) for i in range(1, n)]
+    for c in children:
+        c.status = SeqStatus.FORKING
+    s.add(parent)
+    s.add_children(parent, children)
+    return parent
+
+
+def test_each_choice_takes_a_running_slot_from_admission_on():
+    """n counts against max_running: a request with 4 choices takes 4 slots when it is admitted
+    (its children fork in later), so a third request waits though only two sequences run."""
+    s = make(num_pages=200, chunk=64, max_running=8)
+    a, b = forked(s, "a", 40, 4), forked(s, "b", 40, 4)
+    c = seq("c", 6)
+    s.add(c)
+    batch = run_step(s)  # a prefilled and forked; b half prefilled, its children to come
+    assert batch.seqs == [a, b] and list(s.waiting) == [c]
+    assert len(s.running) == 5 and s.running_choices == 8
+    run_step(s)  # b's children forked: 8 sequences run, c still waits
+    assert len(s.running) == 8 and list(s.waiting) == [c]
+    s.finish(a, "stop")
+    run_step(s)
+    assert c in s.running
+    for q in list(s.running):
+        s.finish(q, "stop")
+    assert s.cache.num_used == 0
+    s.check_integrity()
+
+
+def test_pull_slots_are_kept_from_local_requests():
+    """Decode: with 2 of 8 slots kept for pulls, local choices stop at 6, and a pull of 2
+    choices is still reserved."""
+    s = Scheduler(KVCacheManager(200, PAGE, prefix_cache=False), 64, 8, pull_slots=2)
+    local = forked(s, "local", 6, 4)
+    more = forked(s, "more", 6, 4)  # 4 + 4 > 6: waits
+    run_step(s)
+    assert list(s.waiting) == [more] and s.running_choices == 4
+    assert s.reserve("pull", 2, choices=2) is not None and s.running_choices == 6
+    assert s.reserve("pull2", 2, choices=3) is None  # 6 + 3 > 8
+    s.release("pull")
+    assert s.running_choices == 4
+    s.finish(local, "stop")
+    s.finish(more, "stop")
+    s.check_integrity()
