@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import aiohttp
-import pytest
 
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
