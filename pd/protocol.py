@@ -81,6 +81,18 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def require_json(method: str, has_body: bool, content_type: str) -> None:
+    """A POST with a body must say `application/json` (a 415 otherwise, as vLLM answers): a
+    browser's form or text POST from another site never reaches a handler (CSRF)."""
+    if method == "POST" and has_body and content_type != "application/json":
+        raise APIError(
+            415,
+            f"a request body must be JSON: send 'Content-Type: application/json', not "
+            f"{content_type!r}",
+            code="unsupported_media_type",
+        )
+
+
 def json_too_deep(raw: bytes | str, value: Any, most: int = MAX_JSON_DEPTH) -> bool:
     """Whether `value`, parsed from `raw`, nests more than `most` objects and arrays. Most
     bodies hold fewer brackets than that (counted in C); the others are walked without

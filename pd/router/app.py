@@ -24,6 +24,7 @@ from pd.protocol import (
     header_bytes,
     parse_json_body,
     parse_request,
+    require_json,
     unknown_fields,
 )
 from pd.router import admin, fanout, tokenize
@@ -72,6 +73,7 @@ def _middleware(cfg: RouterConfig):
                         "invalid_request_error",
                         "invalid_api_key",
                     )
+            require_json(request.method, request.body_exists, request.content_type)
             return await handler(request)
         except APIError as e:
             return json_response(e.body(), e.status, e.headers or None)

@@ -155,7 +155,7 @@ async def test_metrics_are_exposed(stub, router):
     client = await router(prefill=[p1], decode=[d], decode_policy="round-robin")
     assert (await client.post("/v1/completions", json=COMPLETION)).status == 503
     assert (await client.post("/v1/completions", json={**COMPLETION, "stream": True})).status == 200
-    await client.post("/v1/completions", data=b"{")
+    await client.post("/v1/completions", data=b"{", headers={"Content-Type": "application/json"})
     text = (await (await client.get("/metrics")).read()).decode()
     for line in (
         'pd_router_requests_total{policy="load-aware/round-robin",route="pd",status="200"} 1.0',

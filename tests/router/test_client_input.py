@@ -84,3 +84,19 @@ async def test_deep_bodies_and_odd_header_bytes_are_4xx_json_never_5xx(stub, rou
         port, head + b"Authorization: Bearer secret\r\nX-Room-Id: \xc3\x28\xff\r\n", body
     )
     assert status == 200, answer
+
+
+async def test_a_post_body_must_be_json_and_a_bodyless_admin_post_works(stub, router):
+    """415 for a form or text body (a browser's cross-site POST), at router and workers, as
+    vLLM answers; a body-less POST such as /reset_prefix_cache needs no Content-Type."""
+    d, p = await stub("decode"), await stub("prefill")
+    client = await router(prefill=[p], decode=[d])
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    for kind in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data"):
+        resp = await client.post("/v1/completions", data=body, headers={"Content-Type": kind})
+        error = (await resp.json())["error"]
+        assert resp.status == 415 and error["code"] == "unsupported_media_type", error
+    resp = await client.post(
+        "/v1/completions", data=body, headers={"Content-Type": "application/json; charset=utf-8"}
+    )
+    assert resp.status == 200

@@ -23,6 +23,7 @@ from pd.protocol import (
     error_body,
     header_bytes,
     parse_json_body,
+    require_json,
 )
 from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.echo import PromptPart, once, prompt_part
@@ -65,6 +66,7 @@ async def errors_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     try:
+        require_json(request.method, request.body_exists, request.content_type)
         return await handler(request)
     except APIError as e:
         return json_response(e.body(), e.status, e.headers)

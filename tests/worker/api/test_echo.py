@@ -13,6 +13,8 @@ from pd.worker.api.openai_format import ResponseBuilder
 from pd.worker.api.server import make_app
 from pd.worker.engine import Delta
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
 
 class Tok:
     """Token i is the letter chr(a + i % 26); token 30 is a two-letter one."""
@@ -217,7 +219,7 @@ async def test_echo_through_the_handler_on_a_stand_in_engine(aiohttp_client, mon
     client = await aiohttp_client(make_app(worker(StandInRole())))
     for stream in (b"false", b"true"):
         raw = b'{"prompt": [1, 2, 3], "echo": true, "stream": %s}' % stream
-        resp = await client.post("/v1/completions", data=raw)
+        resp = await client.post("/v1/completions", data=raw, headers=JSON_HEADERS)
         assert resp.status == 200
         text = await resp.text()
         if stream == b"false":

@@ -53,6 +53,9 @@ class StandInEngine:
     def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
         self.aborted.append(handle)
 
+    def reset_prefix_cache(self) -> tuple[int, int]:
+        return 0, 0
+
 
 class StandInRole:
     """Admits with the handler's prompt ids and answers "hi" at once, or refuses."""
@@ -165,8 +168,26 @@ async def test_a_served_request_is_answered_and_aborted_once_in_finally(aiohttp_
     w = worker(role, api_key="k")
     client = await aiohttp_client(make_app(w))
     raw = orjson.dumps({"prompt": "hi", "stream": stream})
-    resp = await client.post("/v1/completions", data=raw, headers={"Authorization": "Bearer k"})
+    resp = await client.post(
+        "/v1/completions",
+        data=raw,
+        headers={"Authorization": "Bearer k", "Content-Type": "application/json"},
+    )
     text = await resp.text()
     assert resp.status == 200 and "hi" in text, text
     assert role.prompts == [Tok().encode("hi")]
     assert [h.seq.request_id for h in w.engine.aborted] == ["req-1"]
+
+
+async def test_a_post_body_must_be_json_and_reset_prefix_cache_needs_none(aiohttp_client):
+    role = StandInRole()
+    client = await aiohttp_client(make_app(worker(role, api_key="k")))
+    auth = {"Authorization": "Bearer k"}
+    resp = await client.post(
+        "/v1/completions", data=b'{"prompt": "hi"}', headers={**auth, "Content-Type": "text/plain"}
+    )
+    body = orjson.loads(await resp.read())
+    assert_error(resp, body, 415, "unsupported_media_type")
+    assert not role.prompts
+    assert (await client.post("/reset_prefix_cache")).status == 401  # the key, where one is set
+    assert (await client.post("/reset_prefix_cache", headers=auth)).status == 200

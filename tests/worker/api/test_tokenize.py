@@ -43,6 +43,7 @@ def worker(tok: Tokenizer, **config) -> Worker:
 
 
 async def post(client, path: str, body: dict, **headers):
+    headers = {"Content-Type": "application/json", **headers}
     resp = await client.post(path, data=orjson.dumps(body), headers=headers)
     return resp, orjson.loads(await resp.read())
 
