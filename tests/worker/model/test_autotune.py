@@ -392,3 +392,25 @@ def test_the_judge_weighs_a_split_heads_small_half_at_its_rows_on_the_real_model
     judge.head_ratio(layers, C(F32, "int8@8+none"))
     assert (F32, "none", "int8", None) in judge._head_ratios
     assert not any(k[2] == "int8" and k[3] is not None for k in judge._head_ratios)
+
+
+def test_a_cached_choice_with_bad_values_is_refused_and_measured_again():
+    """A cache file edited or written by another version: a format that is not a candidate
+    here, an unknown head, a negative time. Each is a ValueError (`resolve_kernels` measures
+    again with a warning), never a worker that fails to start."""
+    import json
+
+    from pd.worker.model.tuning.kernel_choice import _checked
+
+    cands = [Candidate(F32, "none"), Candidate(F32, "int4")]
+    good = Choice(F32, "int4", "measured", ms={"float32/int4": {1: 5.0}}, head="auto")
+    round_trip = Choice.from_dict(json.loads(json.dumps(good.as_dict())), "cache")
+    assert _checked(round_trip, cands, ["none", "int4"], "auto") is round_trip
+    for bad, needle in [
+        (Choice(F32, "int3", "cache"), "not a candidate"),
+        (Choice("float64", "int4", "cache"), "not a candidate"),
+        (Choice(F32, "int4", "cache", head="q9"), "LM head format"),
+        (Choice(F32, "int4", "cache", ms={"float32/int4": {1: -1.0}}), "step time"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            _checked(bad, cands, ["none", "int4"], "auto")

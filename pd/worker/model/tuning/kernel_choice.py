@@ -135,14 +135,30 @@ def resolve_kernels(
         hit = kernel_cache.load(key)
         if hit is not None:
             try:
-                return Choice.from_dict(hit, "cache")
-            except (KeyError, TypeError, ValueError):
-                log.warning("a kernel choice in the cache is unreadable: measured again")
+                return _checked(Choice.from_dict(hit, "cache"), cands, formats, head)
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                log.warning("a kernel choice in the cache is unusable (%s): measured again", e)
         choice = _search(
             cands, formats, config, tp, group_size, chunk_size, max_running, weights, encode,
             measure_head=head == "auto" and quantization == "auto",
         )  # fmt: skip
         kernel_cache.store(key, choice.as_dict())
+    return choice
+
+
+def _checked(choice: Choice, cands: list[Candidate], formats: list[str], head: str) -> Choice:
+    """A cached choice, if it names a candidate of this search (and a head format this machine
+    has, or the pinned one); a ValueError naming what is wrong otherwise (a cache file edited,
+    or written by another version: measured again, never a failed start)."""
+    if Candidate(choice.dtype, choice.quantization) not in cands:
+        raise ValueError(f"{choice.dtype}/{choice.quantization} is not a candidate here")
+    heads = {head} if head != "auto" else {"auto", *formats}
+    if choice.head not in heads:
+        raise ValueError(f"LM head format {choice.head!r} is not one here")
+    for table in (choice.ms, choice.head_ms):
+        for rows in table.values():
+            if not all(type(v) in (int, float) and v >= 0 for v in rows.values()):
+                raise ValueError("a step time is not a non-negative number")
     return choice
 
 
