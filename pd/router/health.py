@@ -41,8 +41,12 @@ async def probe(
         return f"/health failed: {type(e).__name__} {e}".strip()
     except orjson.JSONDecodeError:
         return "/health is not JSON"
-    if not isinstance(data, dict) or data.get("status") != "ok":
+    if not isinstance(data, dict) or data.get("status") not in ("ok", "draining"):
         return f"/health status is {data.get('status') if isinstance(data, dict) else data!r}"
+    # Alive; new requests only while ready (a draining worker is alive and not ready).
+    w.ready = data.get("ready") is not False and data["status"] == "ok"
+    why = data.get("not_ready_reason")
+    w.not_ready = None if w.ready else (why if isinstance(why, str) else str(data["status"]))
     role = data.get("role")
     if role is not None and role != w.role:
         return f"worker reports role {role!r} but sits in the {w.role} pool"
@@ -106,8 +110,10 @@ class HealthChecker:
 
     async def _check(self, w: Worker) -> str | None:
         assert self.session is not None, "HealthChecker.session is set in the app's cleanup_ctx"
-        before, fmt = w.instance, w.runtime_format
+        before, fmt, ready = w.instance, w.runtime_format, w.ready
         reason = await probe(self.session, w, self.timeout, self.headers)
+        if w.ready != ready:
+            self.registry.pools[w.role].readiness_changed(w)
         if before is not None and w.instance != before:
             self.registry.pools[w.role].restarted(w)
         if w.runtime_format != fmt and w.role != "both":

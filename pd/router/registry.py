@@ -70,14 +70,23 @@ class Pool:
             w.fail_inflight()
 
     def set_draining(self, w: Worker) -> None:
-        """The worker said it drains (`: pd-migrate`): no new request goes to it; its other
-        streams are not cut (each migrates when the worker ends it). The health checks re-admit
-        it once it answers well again."""
-        if not w.healthy or self.workers.get(w.url) is not w:
+        """The worker said it drains (`: pd-migrate`): not ready, so no new request goes to
+        it; it is not ejected and its other streams are not cut (each migrates when the worker
+        ends it). Its health checks say when it is ready again."""
+        if not w.ready or self.workers.get(w.url) is not w:
             return
-        w.healthy = False
-        w.oks, w.last_error = 0, "draining"
-        log.warning("%s worker %s drains: no new requests", self.name, w.url)
+        w.ready, w.not_ready = False, "draining"
+        self.readiness_changed(w)
+
+    def readiness_changed(self, w: Worker) -> None:
+        """`w.ready` changed (its /health, or a `: pd-migrate`): new requests follow it."""
+        if self.workers.get(w.url) is not w:
+            return
+        if w.ready:
+            log.info("%s worker %s is ready again", self.name, w.url)
+        else:
+            log.warning("%s worker %s is not ready (%s): no new requests", self.name, w.url,
+                        w.not_ready)  # fmt: skip
         self._refresh()
 
     def choose(
@@ -112,7 +121,8 @@ class Pool:
         self.index.forget(w.url)
 
     def _refresh(self) -> None:
-        self.healthy = [w for w in self.workers.values() if w.healthy]
+        """`healthy`: the workers new requests may go to (alive and ready)."""
+        self.healthy = [w for w in self.workers.values() if w.healthy and w.ready]
 
 
 class Registry:

@@ -33,6 +33,7 @@ class StubWorker:
         self.chunks = chunks  # completion tokens a stream carries
         self.record = record
         self.health_status = 200  # anything else: 503 {"status": "unavailable"}
+        self.ready = True  # what /health says of readiness (False: no new requests)
         # reported in /health when set (the router pairs P and D on equal ones: pairing.py)
         self.runtime_format: dict[str, str] | None = None
         self.load: dict[str, Any] = {
@@ -126,6 +127,8 @@ class StubWorker:
             return web.json_response({"status": "unavailable", "role": self.role}, status=503)
         body = {
             "status": "ok",
+            "ready": self.ready,
+            "not_ready_reason": None if self.ready else "the KV pool is full",
             "role": self.role,
             "model": self.model,
             "instance": self.instance,

@@ -28,6 +28,8 @@ class Worker:
         "instance",
         "fails",
         "oks",
+        "ready",
+        "not_ready",
         "last_error",
         "ejections",
         "cancels",
@@ -37,6 +39,10 @@ class Worker:
         self.url = url
         self.role = role  # "prefill" | "decode" | "both"
         self.healthy = False  # admitted on its first good health check
+        # Whether it takes new requests (its /health `ready`: not while it drains, or while it
+        # could admit nothing for a while); not ready is not ejected: its streams go on.
+        self.ready = True
+        self.not_ready: str | None = None  # why not, as it said
         self.checked = False  # False until the first health check answered
         self.inflight = 0  # router requests on this worker now
         self.inflight_tokens = 0  # their estimated uncached prompt tokens (prefill-side cost)

@@ -224,13 +224,15 @@ async def test_pd_migrate_migrates_and_the_worker_gets_no_new_request(stub, rout
     assert metric(client, "pd_router_migrations_total", reason="draining") == 1
     assert any("migrates after 3 tokens" in r.getMessage() for r in caplog.records)
     reg = registry_of(client)
-    assert not reg.decode.workers[ws[1].url].healthy  # at once, not at the next health poll
+    drained = reg.decode.workers[ws[1].url]
+    assert not drained.ready and drained.healthy  # at once, not at the next health poll
+    assert drained not in reg.decode.healthy  # (not ejected: its other streams go on)
     seen = len(ws[1].requests)
     for _ in range(3):
         assert await answer_of(client, CHAT_PATH, body, True) == reference
     assert len(ws[1].requests) == seen  # no new request
-    await client.server.app[HEALTH].check_all()  # healthy again: re-admitted
-    assert reg.decode.workers[ws[1].url].healthy
+    await client.server.app[HEALTH].check_all()  # its /health says ready: new requests again
+    assert drained.ready and drained in reg.decode.healthy
 
 
 async def test_a_silent_stream_migrates_after_the_idle_timeout(stub, router):

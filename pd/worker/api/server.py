@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import orjson
@@ -38,6 +39,7 @@ from pd.worker.api.prompt import PromptBuilder, Request
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
+from pd.worker.readiness import TICK_S, Readiness
 from pd.worker.text.grammar import GrammarCompiler, GrammarError, GrammarUnavailable
 from pd.worker.text.token_rules import TokenRules, rules_for
 from pd.worker.tools import ToolCalling
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 WORKER = web.AppKey("worker", Worker)
 PROMPTS = web.AppKey("prompts", PromptBuilder)
 GRAMMARS = web.AppKey("grammars", GrammarCompiler)
+READINESS = web.AppKey("readiness", Readiness)
 TOOLS = web.AppKey("tools", ToolCalling)
 BODY_LIMIT = web.AppKey("body_limit", int)
 TOKEN_TEXT = web.AppKey[Callable[[int], str]]("token_text")  # a token's text, cached by id
@@ -101,6 +104,7 @@ def make_app(worker: Worker) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
+    app[READINESS] = Readiness()
     app[GRAMMARS] = GrammarCompiler(
         worker.tokenizer,
         worker.vocab_size or worker.tokenizer.vocab_size,
@@ -122,6 +126,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/integrity", integrity)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
@@ -138,10 +143,34 @@ def make_app(worker: Worker) -> web.Application:
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[WORKER].engine
     engine.start()
+    ticker = asyncio.create_task(_tick_readiness(app))
     yield
+    ticker.cancel()
     await engine.stop()
     app[PROMPTS].close()
     await app[GRAMMARS].aclose()
+
+
+def _admit_blocker(app: web.Application) -> str | None:
+    """What keeps this worker from admitting any request now (readiness.py), or None."""
+    blocker = app[WORKER].engine.admit_blocker()
+    return blocker or app[GRAMMARS].pool.down
+
+
+async def _tick_readiness(app: web.Application) -> None:
+    readiness = app[READINESS]
+    while True:
+        readiness.update(time.monotonic(), _admit_blocker(app))
+        await asyncio.sleep(TICK_S)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness (readiness.py): 200 while this worker should get new requests, else 503 and
+    why (draining, or unable to admit any for 2 s)."""
+    worker = request.app[WORKER]
+    ok, why = request.app[READINESS].state(worker.draining)
+    body = {"ready": ok, "reason": why} if not ok else {"ready": True}
+    return json_response(body, 200 if ok else 503)
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -173,8 +202,11 @@ def _check_auth(worker: Worker, request: web.Request) -> None:
 async def health(request: web.Request) -> web.Response:
     worker = request.app[WORKER]
     load = worker.engine.load().to_dict()
+    ready, why = request.app[READINESS].state(worker.draining)
     body = {
         "status": "draining" if worker.draining else "ok",
+        "ready": ready,  # /ready's answer (readiness.py): the router sends new requests only then
+        "not_ready_reason": why,
         "role": worker.config.role,
         "model": worker.model_name,
         "instance": worker.instance_id,
@@ -197,7 +229,7 @@ async def health(request: web.Request) -> web.Response:
     }
     if worker.simulation is not None:  # --simulate: says so, with the simulated clock's figures
         body["simulate"] = worker.simulation()
-    return json_response(body, 503 if worker.draining else 200)
+    return json_response(body)  # liveness: 200 while the loop answers, draining included
 
 
 async def integrity(request: web.Request) -> web.Response:

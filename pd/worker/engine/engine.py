@@ -263,6 +263,17 @@ class Engine:
         self.handles[request_id] = handle
         return handle
 
+    def admit_blocker(self) -> str | None:
+        """What keeps any new request (a pull included) from being admitted now, or None."""
+        sched = self.scheduler
+        if self.queued_choices >= self.max_waiting:
+            return f"the waiting queue is full ({self.max_waiting} choices)"
+        if sched.running_choices >= sched.max_running:
+            return f"the running batch is full ({sched.max_running} choices)"
+        if sched.cache.num_free == 0:
+            return "the KV pool is full"
+        return None
+
     @property
     def queued_choices(self) -> int:
         """Choices waiting: for admission, and (decode) for pages to pull into."""

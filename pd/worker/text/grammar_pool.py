@@ -120,6 +120,13 @@ class GrammarPool:
         self.crashes = 0  # children a constraint crashed (stack, memory)
         self.timeouts = 0  # children killed at a deadline
 
+    @property
+    def down(self) -> str | None:
+        """Why no child can compile (none alive after a failed start), or None."""
+        if self._started and not self._closed and not self._live and self.last_start_error:
+            return f"no grammar child runs ({self.last_start_error})"
+        return None
+
     def pids(self) -> list[int]:
         return sorted(c.proc.pid for c in self._live)
 

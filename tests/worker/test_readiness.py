@@ -1,0 +1,26 @@
+"""Readiness (pd/worker/readiness.py): it flips only after the admission condition held 2 s,
+both ways, and draining is never ready."""
+
+from __future__ import annotations
+
+from pd.worker.readiness import Readiness
+
+
+def test_readiness_flips_after_the_condition_holds_and_not_on_a_blip():
+    r = Readiness(hold_s=2.0)
+    r.update(0.0, None)
+    assert r.state(False) == (True, None)
+    r.update(1.0, "the KV pool is full")
+    r.update(2.9, "the KV pool is full")
+    assert r.state(False)[0]  # 1.9 s: not yet
+    r.update(3.0, "the KV pool is full")
+    ready, why = r.state(False)
+    assert not ready and "for 2s: the KV pool is full" in why
+    r.update(3.5, None)
+    r.update(4.0, "the running batch is full")  # a blip of admission: the clock starts again
+    r.update(5.4, None)
+    r.update(7.3, None)
+    assert not r.state(False)[0]
+    r.update(7.4, None)
+    assert r.state(False) == (True, None)
+    assert r.state(True) == (False, "draining")
