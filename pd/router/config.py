@@ -73,9 +73,11 @@ class RouterConfig:
         "elsewhere); between chunks see --stream-idle-timeout-s",
     )
     stream_idle_timeout_s: float = _flag(
-        30.0,
+        75.0,
         "longest silence (seconds) of a decode or co-located worker between stream chunks: "
-        "then the stream is continued on another worker (migrated)",
+        "then the stream is continued on another worker (migrated). Workers send a keep-alive "
+        "comment after 5 s of silence; the default exceeds a worker's page wait plus pull "
+        "(30 + 30 s)",
     )
     migration_limit: int = _flag(
         3,

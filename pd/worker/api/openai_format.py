@@ -18,6 +18,10 @@ SSE_DONE = b"data: [DONE]\n\n"
 # docs/migration.md: the router's request header, and the end of a stream a drain migrates.
 TOKEN_IDS_HEADER = "X-PD-Token-Ids"
 SSE_MIGRATE = b": pd-migrate draining\n\n"
+# A comment written when a stream has been silent this long (a request that waits for the
+# batch or for pages, or prefills): proxies and the router's idle watch see it alive.
+SSE_KEEPALIVE = b": keep-alive\n\n"
+KEEPALIVE_S = 5.0
 
 
 def sse(obj: Any) -> bytes:

@@ -29,7 +29,9 @@ from pd.protocol import (
 from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.echo import PromptPart, once, prompt_part
 from pd.worker.api.openai_format import (
+    KEEPALIVE_S,
     SSE_DONE,
+    SSE_KEEPALIVE,
     SSE_MIGRATE,
     TOKEN_IDS_HEADER,
     ResponseBuilder,
@@ -473,6 +475,19 @@ async def _prompt_ready(
     builder.prompt = await prompts.off_loop(entries >= LARGE_PROMPT_PART, builder.prompt_part)
 
 
+async def _keep_alive(resp: web.StreamResponse, written: list[float]) -> None:
+    """A comment on a stream silent for KEEPALIVE_S (waiting, prefilling, waiting for pages):
+    at least one every 10 s, so the router's idle watch and proxies see it alive."""
+    try:
+        while True:
+            await asyncio.sleep(max(0.05, written[0] + KEEPALIVE_S - time.monotonic()))
+            if time.monotonic() - written[0] >= KEEPALIVE_S:
+                written[0] = time.monotonic()
+                await resp.write(SSE_KEEPALIVE)
+    except (ConnectionResetError, RuntimeError):  # the client left, or the stream ended
+        return
+
+
 async def _rules(
     grammars: GrammarCompiler, worker: Worker, options: GenerationOptions
 ) -> TokenRules | None:
@@ -523,25 +538,33 @@ async def _stream(
         worker.migratable.add(tuple(choices))
         if worker.draining:  # it came in as the drain began
             worker.migrate_streams()
+    written = [time.monotonic()]  # when the stream last carried an event (keep-alive's clock)
+
+    async def emit(data: bytes) -> None:
+        written[0] = time.monotonic()
+        await resp.write(data)
+
+    keepalive = asyncio.create_task(_keep_alive(resp, written))
     try:
         if builders[0].chat:
             for b in builders:
-                await resp.write(b.chunk(None, role=True))
+                await emit(b.chunk(None, role=True))
         async for builder, delta in interleave(choices, builders):
             if delta.migrate:
-                await resp.write(SSE_MIGRATE)
+                await emit(SSE_MIGRATE)
                 await resp.write_eof()
                 return resp
             if delta.error is not None:  # headers are out: the error is the stream's last event
-                await resp.write(sse(delta.error.body()))
+                await emit(sse(delta.error.body()))
                 break
             await readies[id(builder)]()
             builder.add(delta)
-            await resp.write(builder.chunk(delta))
+            await emit(builder.chunk(delta))
     finally:
+        keepalive.cancel()
         worker.migratable.discard(tuple(choices))
     if include_usage:
-        await resp.write(builders[0].usage_chunk(usage(per_prompt, builders)))
-    await resp.write(SSE_DONE)
+        await emit(builders[0].usage_chunk(usage(per_prompt, builders)))
+    await emit(SSE_DONE)
     await resp.write_eof()
     return resp

@@ -5,6 +5,8 @@ finished). The handler asks the role to admit a request and never which role it 
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 
@@ -191,3 +193,35 @@ async def test_a_post_body_must_be_json_and_reset_prefix_cache_needs_none(aiohtt
     assert not role.prompts
     assert (await client.post("/reset_prefix_cache")).status == 401  # the key, where one is set
     assert (await client.post("/reset_prefix_cache", headers=auth)).status == 200
+
+
+class SlowRole(StandInRole):
+    """Answers "hi" after `delay` seconds: a request that waits for the batch or for pages."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    async def admit(self, req, prompt_ids, rules=None, choice_rules=None) -> RequestHandle:
+        handle = await super().admit(req, prompt_ids, rules, choice_rules)
+        delta = handle.queue.get_nowait()
+        asyncio.get_running_loop().call_later(self.delay, handle.queue.put_nowait, delta)
+        return handle
+
+
+async def test_a_waiting_stream_carries_keep_alive_comments(aiohttp_client, monkeypatch):
+    """At least one every KEEPALIVE_S while nothing else is sent (10 s at most: the router's
+    idle watch and proxies see the stream alive); none once events flow."""
+    from pd.worker.api import server
+
+    monkeypatch.setattr(server, "KEEPALIVE_S", 0.1)
+    client = await aiohttp_client(make_app(worker(SlowRole(0.55))))
+    resp = await client.post(
+        "/v1/completions",
+        data=orjson.dumps({"prompt": "hi", "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
+    text = (await resp.read()).decode()
+    before, after = text.split("data: ", 1)
+    assert 3 <= before.count(": keep-alive\n\n") <= 6, text
+    assert ": keep-alive" not in after and text.endswith("data: [DONE]\n\n")
