@@ -81,7 +81,7 @@ class RouterConfig:
     )
     migration_limit: int = _flag(
         3,
-        "most migrations of a request: a stream that breaks (connection, EOF before [DONE], "
+        "most migrations of each choice of a request: a stream that breaks (connection, EOF before [DONE], "
         "ejection, silence, drain) is continued on another worker, at most this many times, "
         "then it ends with an error event",
     )

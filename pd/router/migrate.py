@@ -310,7 +310,7 @@ def request_id(ex: Exchange, head: dict[str, Any]) -> str:
 
 async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
     """Continue every unfinished choice of `ex` after its stream (read by `track`) broke for
-    `reason`; their events go out through `emit`. At most --migration-limit legs a request."""
+    `reason`; their events go out through `emit`. At most --migration-limit legs a choice."""
     t_break = perf_counter()
     head = head_of(track)
     ident: dict[str, Any] = {k: head[k] for k in ("id", "created") if k in head}
@@ -321,13 +321,15 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
     prompt_usage: dict[str, Any] | None = None
     exclude: list[Worker] = [*ex.exclude, track.worker]
     broken = track.worker
-    legs = 0
+    first_reason = reason
     for i in range(n):
         if i in track.finished:
             continue
+        # The limit is per choice: one break of an n-choice stream is one migration of each.
+        legs, reason, broken = 0, first_reason, track.worker
         while True:
             if legs >= proxy.cfg.migration_limit:
-                return Outcome(False, why=f"the stream broke {legs + 1} times ({reason})")
+                return Outcome(False, why=f"choice {i}'s stream broke {legs + 1} times ({reason})")
             legs += 1
             proxy.metrics.migrations[reason] = proxy.metrics.migrations.get(reason, 0) + 1
             log.info(

@@ -169,6 +169,20 @@ async def test_n_2_with_one_choice_migrating(stub, router, stream):
 
 
 @pytest.mark.parametrize("stream", [True, False])
+async def test_the_migration_limit_is_per_choice(stub, router, stream):
+    """An n=4 stream whose worker breaks once continues all four choices (four legs), within
+    a limit of one migration a choice."""
+    client, p, ws = await two_of(stub, router, "pd", migration_limit=1)
+    body = body_of(False, stream, stream, n=4, seed=10)
+    reference = await answer_of(client, COMPLETION_PATH, body, False)
+    ws[1].break_at, ws[1].break_times = 3, 1
+    got = await answer_of(client, COMPLETION_PATH, body, False)
+    assert got == reference
+    assert len([b for b in ws[0].requests if "pd_continuation" in b]) == 4
+    assert idle(client)
+
+
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_list_of_prompts_migrates_each_prompt_on_its_own(stub, router, stream):
     client, p, ws = await two_of(stub, router, "both")
     body = {**body_of(False, stream, stream), "prompt": ["alpha", "beta beta"]}
