@@ -21,9 +21,22 @@ from pd.worker.tools.segments import Begin, Body, Content, End, Segment, Segment
 
 log = logging.getLogger(__name__)
 
-# A call's text longer than this is parsed again only once it grew by an eighth (partial parses
-# of the whole text at every token would cost its length squared).
+# A call's text longer than this is parsed again only at fixed lengths, each an eighth past the
+# one before (partial parses of the whole text at every token would cost its length squared),
+# and then only up to that length: what was streamed of a call depends on its text alone, never
+# on how the text came in pieces, so a continuation that primes a stream with the text sent so
+# far (docs/migration.md §3) stands exactly where the client is.
 _REPARSE_CHARS = 4096
+
+
+def parse_point(size: int) -> int:
+    """The length a call's text of `size` characters is parsed up to while it streams."""
+    if size <= _REPARSE_CHARS:
+        return size
+    point = _REPARSE_CHARS
+    while point + point // 8 <= size:
+        point += point // 8
+    return point
 
 
 @dataclass
@@ -111,12 +124,13 @@ class ToolStream:
         return {"content": text}
 
     def _update(self, call: _Call, final: bool, out: list[dict[str, Any]]) -> None:
-        grown = call.size - call.parsed_at
-        if not final and call.size > _REPARSE_CHARS and grown * 8 < call.size:
+        point = call.size if final else parse_point(call.size)
+        if point == call.parsed_at and not final:
             return
-        call.parsed_at = call.size
+        call.parsed_at = point
+        text = call.text if point == call.size else call.text[:point]
         if call.index is None:
-            name = self.named or arguments.name_of(call.text)
+            name = self.named or arguments.name_of(text)
             if name is None:
                 return  # not yet (or never: a call without a name is dropped)
             call.index = len(self.calls)
@@ -126,11 +140,11 @@ class ToolStream:
                             function={"name": name, "arguments": ""})
             )  # fmt: skip
         if self.named is not None:
-            target = call.text  # the output is the arguments, as written
+            target = text  # the output is the arguments, as written
         elif final:
-            target = arguments.final_arguments(call.text)
+            target = arguments.final_arguments(text)
         else:
-            target = arguments.stable_arguments(call.text)
+            target = arguments.stable_arguments(text)
         if target.startswith(call.sent):
             piece = target[len(call.sent) :]
             if piece:

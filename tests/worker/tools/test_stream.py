@@ -255,3 +255,31 @@ def test_argument_pieces_concatenate_to_the_final_arguments(fmt, args, indent, a
     assert final == json.dumps(args, ensure_ascii=False)
     pieces = [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", ())]
     assert "".join(pieces) == final
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "named"])
+def test_a_continuation_primed_with_the_sent_text_loses_no_argument_text(fmt):
+    """A call with 12 KB of arguments, streamed token by token, its stream cut at every 10%:
+    the second leg is primed with the text the first leg had fed (its deltas went out; the
+    continuation's are dropped, as the worker does with `given_text`) and goes on. The client's
+    arguments, both legs together, are exactly the whole call's (they lost text past 4 KB)."""
+    rng = random.Random(7)
+    args = {"notes": [f"line {i}: " + "x" * rng.randint(5, 60) for i in range(300)]}
+    body = json.dumps(args)
+    assert len(body) > 12_000
+    if fmt == "named":
+        text, kw = body, {"named": "record"}
+    else:
+        text, kw = f'<tool_call>\n{{"name": "record", "arguments": {body}}}\n</tool_call>', {}
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]  # ~ one token each
+    single, _ = streamed(fmt, pieces, **kw)
+    assert assembled(single)["tool_calls"][0]["function"]["arguments"] == body
+    for tenth in range(1, 10):
+        cut = len(pieces) * tenth // 10
+        first = make(fmt, **kw)
+        deltas = [d for p in pieces[:cut] for d in first.feed(p)]
+        second = make(fmt, **kw)
+        second.feed("".join(pieces[:cut]))  # primed: what the client has already
+        deltas += [d for p in pieces[cut:] for d in second.feed(p)] + second.finish()
+        got = assembled(deltas)["tool_calls"]
+        assert len(got) == 1 and got[0]["function"]["arguments"] == body, tenth
