@@ -303,7 +303,7 @@ class WorkerConfig:
             self.pull_slots is None or 0 <= self.pull_slots < self.max_running_requests,
             "--pull-slots must be in 0 .. --max-running-requests - 1",
         )
-        check(self.max_waiting_requests >= 0, "--max-waiting-requests must be >= 0")
+        check(self.max_waiting_requests >= 1, "--max-waiting-requests must be >= 1")
         check(0 <= self.bootstrap_port < 65536, "--bootstrap-port must be in 0..65535")
         check(
             self.role != "prefill"

@@ -121,8 +121,12 @@ class Pool:
         self.index.forget(w.url)
 
     def _refresh(self) -> None:
-        """`healthy`: the workers new requests may go to (alive and ready)."""
-        self.healthy = [w for w in self.workers.values() if w.healthy and w.ready]
+        """`healthy`: the workers new requests may go to: alive and ready; when none is ready,
+        the alive ones that do not drain (all busy: each queues what it gets, rather than the
+        router refusing everything)."""
+        alive = [w for w in self.workers.values() if w.healthy]
+        ready = [w for w in alive if w.ready]
+        self.healthy = ready or [w for w in alive if w.not_ready != "draining"]
 
 
 class Registry:

@@ -42,6 +42,7 @@ from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, ho
 from pd.worker.model.torch_thread import TorchThread
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.text import Tokenizer
+from pd.worker.text.stack_threads import GRAMMAR_STACK_BYTES
 
 if TYPE_CHECKING:
     from pd.sim.runner import SimulatedRunner
@@ -216,7 +217,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     device = resolve_device(cfg.device)
     # Every torch op of this worker runs on one thread, loading included (see torch_thread.py).
     threads = cfg.threads or torch.get_num_threads()
-    torch_thread = TorchThread(threads)
+    torch_thread = TorchThread(threads, GRAMMAR_STACK_BYTES)  # it fills grammar masks
     if ckpt is None:
         # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip);
         # auto may choose int4 (alone or in a split), and the dense formats dequantize them.

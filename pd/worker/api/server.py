@@ -162,7 +162,10 @@ def _admit_blocker(app: web.Application) -> str | None:
 async def _tick_readiness(app: web.Application) -> None:
     readiness = app[READINESS]
     while True:
-        readiness.update(time.monotonic(), _admit_blocker(app))
+        try:
+            readiness.update(time.monotonic(), _admit_blocker(app))
+        except Exception:  # never frozen: the next tick tries again
+            log.exception("readiness: the admission check failed")
         await asyncio.sleep(TICK_S)
 
 

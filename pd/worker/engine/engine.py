@@ -246,6 +246,14 @@ class Engine:
             )
         if self._wakeup is None:
             raise APIError(503, "the engine is not running", "server_busy", "not_ready")
+        if n > self.max_waiting:
+            raise APIError(
+                400,
+                f"{n} choices can never wait here: this worker queues at most "
+                f"{self.max_waiting} (--max-waiting-requests counts each choice of n)",
+                code="invalid_value",
+                param="n",
+            )
         if n and self.queued_choices + n > self.max_waiting:
             raise APIError(
                 503,

@@ -12,6 +12,7 @@ torch thread gets all of `--threads`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -22,12 +23,20 @@ T = TypeVar("T")
 
 
 class TorchThread:
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, stack_bytes: int | None = None) -> None:
+        """`stack_bytes`: the thread's stack (it fills grammar masks, and llguidance recurses
+        on the native stack: the worker gives it the stack grammar children compile on)."""
         self.threads = threads
         torch.set_num_threads(1)  # this (the event loop's) thread never forms a team of its own
         self.executor = ThreadPoolExecutor(
             1, thread_name_prefix="pd-torch", initializer=torch.set_num_threads, initargs=(threads,)
         )
+        if stack_bytes is not None:  # at start-up, before any other thread starts
+            before = threading.stack_size(stack_bytes)
+            try:
+                self.executor.submit(int).result()  # the thread starts now, with that stack
+            finally:
+                threading.stack_size(before)
 
     def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         """Run `fn` on the torch thread and wait for it (start-up work: loading, building)."""

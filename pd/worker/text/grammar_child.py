@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     del setup
     # The cap is what a compile may take beyond the child's own size once started.
     limit = _address_space() + (args.memory_mb << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(
+        resource.RLIMIT_AS, (limit, limit if hard == resource.RLIM_INFINITY else hard)
+    )
     out.write(frame({"ready": True}))
     while (msg := read_frame(inp)) is not None:
         try:
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         except GrammarError as e:
             reply = {"error": str(e)}
         except MemoryError:
-            reply = {"error": f"compiling it needs more than {args.memory_mb} MiB"}
+            reply = {"error": f"compiling it needs more than {args.memory_mb} MiB", "spent": True}
         out.write(frame(reply))
 
 

@@ -155,6 +155,8 @@ class GrammarPool:
     async def check(self, kind: str, spec: str, timeout: float) -> str:
         """llguidance's grammar for the constraint once it compiled in a child. Raises
         GrammarError (the request's fault) or GrammarUnavailable."""
+        if self._closed:
+            raise GrammarUnavailable("the worker is stopping")
         self.start()
         loop = asyncio.get_running_loop()
         # A busy child is free within its deadline; a new one starts in about a second.
@@ -192,7 +194,10 @@ class GrammarPool:
                 f"compiling it crashed the grammar compiler ({_death(rc)}): it needs more memory "
                 f"than {self.memory_mb} MiB or more stack than {self.stack_bytes >> 10} KiB"
             ) from None
-        self._idle.put_nowait(child)
+        if answer.get("spent"):  # it ran out of memory: its heap may stay near the cap
+            self._replace(child, "a compile ran out of memory")
+        else:
+            self._idle.put_nowait(child)
         if "error" in answer:
             raise GrammarError(str(answer["error"]))
         return str(answer["grammar"])
@@ -257,7 +262,8 @@ class GrammarPool:
             self._start_failed(f"the child did not start ({_death(rc)})")
             return
         if self._closed:
-            child.kill()
+            self._live.discard(child)
+            await asyncio.to_thread(child.reap)
             return
         self.last_start_error = None
         self._idle.put_nowait(child)

@@ -103,48 +103,52 @@ def check_limits(kind: str, spec: str) -> None:
             raise GrammarError(f"the grammar defines {rules} rules; at most {MAX_GRAMMAR_RULES}")
 
 
-def ref_depth(schema: Any) -> int:
-    """The longest chain of local `$ref`s (`#...` JSON pointers) met resolving `schema` from its
-    root: each reference target counts once on a chain (a recursive schema is not infinite),
-    and each target's depth is computed once. Iterative: no Python recursion on a deep chain."""
-    targets: dict[str, Any] = {}  # pointer -> the subschema it names
+def ref_depth(schema: Any, most: int = MAX_REF_DEPTH) -> int:
+    """The longest chain of local `$ref`s (`#/...` JSON pointers, or `#` the root) met resolving
+    `schema` from its root: each reference target counts once on a chain (a recursive schema is
+    not infinite), and each target's depth is computed once; the walk stops once a chain is
+    past `most` (returning more than `most`). Iterative, and linear in the schema: each
+    subschema's references are listed once, whatever points at it."""
+    refs_of: dict[int, list[str]] = {}  # id(subschema) -> the local refs inside it
 
     def refs_in(node: Any) -> list[str]:
-        out: list[str] = []
-        stack = [node]
-        while stack:
-            x = stack.pop()
-            if isinstance(x, dict):
-                ref = x.get("$ref")
-                if isinstance(ref, str) and ref.startswith("#"):
-                    out.append(ref)
-                stack.extend(x.values())
-            elif isinstance(x, list):
-                stack.extend(x)
-        return out
+        key = id(node)
+        if key not in refs_of:
+            out: list[str] = []
+            stack = [node]
+            while stack:
+                x = stack.pop()
+                if isinstance(x, dict):
+                    ref = x.get("$ref")
+                    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                        out.append(ref)
+                    stack.extend(x.values())
+                elif isinstance(x, list):
+                    stack.extend(x)
+            refs_of[key] = list(dict.fromkeys(out))
+        return refs_of[key]
 
     def resolve(pointer: str) -> Any:
-        if pointer not in targets:
-            node: Any = schema
-            for part in pointer[1:].split("/")[1:] if pointer != "#" else ():
-                part = part.replace("~1", "/").replace("~0", "~")
-                if isinstance(node, dict):
-                    node = node.get(part)
-                elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                    node = node[int(part)]
-                else:
-                    node = None
-            targets[pointer] = node
-        return targets[pointer]
+        node: Any = schema
+        for part in pointer[2:].split("/") if pointer != "#" else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
 
     depth: dict[str, int] = {}  # finished targets
-    on_chain: set[str] = set()
-    # Each frame: a target and the references still to follow from it.
-    frames: list[tuple[str, list[str]]] = [("#", refs_in(schema))]
-    on_chain.add("#")
+    on_chain: set[str] = {"#"}
     best: dict[str, int] = {"#": 0}
+    # Each frame: a target and the references still to follow from it.
+    frames: list[tuple[str, list[str]]] = [("#", list(refs_in(schema)))]
     while frames:
         name, pending = frames[-1]
+        if len(frames) > most:
+            return len(frames)  # past the limit: no need to go on
         if pending:
             ref = pending.pop()
             if ref in on_chain:
@@ -154,7 +158,8 @@ def ref_depth(schema: Any) -> int:
                 continue
             on_chain.add(ref)
             best[ref] = 0
-            frames.append((ref, refs_in(resolve(ref))))
+            target = resolve(ref)
+            frames.append((ref, list(refs_in(target)) if target is not None else []))
             continue
         frames.pop()
         on_chain.discard(name)

@@ -8,9 +8,10 @@ what did not overflow there does not overflow here.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -21,6 +22,18 @@ GRAMMAR_STACK_BYTES = 8 << 20  # what Linux gives a thread by default (`ulimit -
 _sizing = threading.Lock()  # threading.stack_size is process-wide: one start at a time
 
 
+@contextlib.contextmanager
+def thread_stack(stack_bytes: int) -> Iterator[None]:
+    """Threads started inside get `stack_bytes` of stack (e.g. an executor's, forced to start
+    by a first job): the torch thread, which fills grammar masks, gets the grammar stack."""
+    with _sizing:
+        before = threading.stack_size(stack_bytes)
+        try:
+            yield
+        finally:
+            threading.stack_size(before)
+
+
 class StackThreads:
     """`n` threads of `stack_bytes` each, running what is submitted in order."""
 
@@ -29,15 +42,11 @@ class StackThreads:
             queue.SimpleQueue()
         )
         self._threads: list[threading.Thread] = []
-        with _sizing:
-            before = threading.stack_size(stack_bytes)
-            try:
-                for i in range(n):
-                    t = threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-                    t.start()
-                    self._threads.append(t)
-            finally:
-                threading.stack_size(before)
+        with thread_stack(stack_bytes):
+            for i in range(n):
+                t = threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         future: Future[T] = Future()

@@ -53,7 +53,9 @@ def tokenizer():
 def make_worker() -> Worker:
     tok = tokenizer()
     cfg = WorkerConfig(max_model_len=MAX_MODEL_LEN, served_model_name="stub-model")
-    scheduler = Scheduler(KVCacheManager(96, 16), chunk_size=128, max_running=8)
+    # Room for any request the fuzz may send (n up to 16 choices of 512 tokens each: a 400
+    # otherwise, as choices count against the running batch and the KV cache).
+    scheduler = Scheduler(KVCacheManager(640, 16), chunk_size=128, max_running=16)
     engine = Engine(
         Runner(min(tok.eos_token_ids)), scheduler, tok, role="both",
         max_model_len=MAX_MODEL_LEN, max_waiting=64,

@@ -26,7 +26,10 @@ def test_ref_depth_follows_chains_once_and_cuts_cycles():
     assert ref_depth({"type": "object"}) == 0
     assert ref_depth(chain(1)) == 1
     assert ref_depth(chain(5)) == 5
-    assert ref_depth(chain(5000)) == 5000  # iterative: no RecursionError
+    assert ref_depth(chain(5000), most=10**6) == 5000  # iterative: no RecursionError
+    assert MAX_REF_DEPTH < ref_depth(chain(5000)) <= MAX_REF_DEPTH + 1  # stops past the limit
+    anchors = {f"a{i}": {"$ref": f"#a{i + 1}"} for i in range(4000)}  # not pointers: not followed
+    assert ref_depth({"$defs": anchors, "$ref": "#a0"}) == 0
     tree = {  # a recursive schema: a node holds nodes
         "$defs": {"node": {"type": "object", "properties": {"kids": {
             "type": "array", "items": {"$ref": "#/$defs/node"}}}}},
