@@ -18,6 +18,7 @@ from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.config import WorkerConfig
 
 log = logging.getLogger("pd.worker")
+SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over the event loop waits for at most (default 5 ms)
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -48,6 +49,10 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     from pd.worker.api.server import make_app
     from pd.worker.build import build_worker
 
+    # The loop shares the GIL with the text thread's Python work (large prompts, answers): at
+    # Python's 5 ms switch interval a /health under such work waited ~86 ms, one interval per
+    # hand-over (`pd-bench stall --kinds tokenize`).
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
     worker = await loop.run_in_executor(None, build_worker, cfg)
     # NOTE: what start-up built lives as long as the process: out of the collector's sight, a

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
+import orjson
+
 from pd.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -36,6 +38,11 @@ _TOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "tools": None,
     "mm_processor_kwargs": ({},),
 }
+LARGE_ANSWER_TOKENS = 4096  # an answer this long is built on the text thread
+# The longest text counted: tokenizers holds the GIL ~30 ms a MiB (the event loop waits that
+# long: `pd-bench stall --kinds tokenize`), and 1 MiB is past any prompt of an 8k context
+# (8192 tokens x 82 bytes a token at most, for SmolLM2).
+MAX_TOKENIZE_CHARS = 1 << 20
 _DETOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {"model": None, "tokens": None}
 
 
@@ -68,9 +75,10 @@ async def tokenize(
     body: dict[str, Any],
     max_model_len: int,
     ignore_unknown: bool = False,
-) -> dict[str, Any]:
-    """The answer to a `/tokenize` body (a 400 for a bad one). A prompt longer than the context
-    is counted, not refused: counting is what the endpoint is for."""
+) -> bytes:
+    """The answer to a `/tokenize` body, as JSON (a 400 for a bad one). A prompt longer than the
+    context is counted, not refused (counting is what the endpoint is for), up to
+    MAX_TOKENIZE_CHARS."""
     _check_fields(body, _TOKENIZE_FIELDS, ignore_unknown)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
@@ -87,10 +95,26 @@ async def tokenize(
         text = body["prompt"]
         if not isinstance(text, str):
             raise bad_request("'prompt' must be a string", param="prompt", code="invalid_type")
+    if len(text) > MAX_TOKENIZE_CHARS:
+        raise bad_request(
+            f"/tokenize counts texts of at most {MAX_TOKENIZE_CHARS} characters (any prompt "
+            f"this model takes is shorter); this one has {len(text)}",
+            param="prompt",
+            code="prompt_too_large",
+        )
     ids = await prompts.encode(text, add_special)
     tok = prompts.tok
-    strs = [tok.id_to_token(t) for t in ids] if _flag(body, "return_token_strs", False) else None
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+    want_strs = _flag(body, "return_token_strs", False)
+
+    def answer() -> bytes:  # off the loop for long prompts: a string per token, then JSON
+        head = b'{"count":%d,"max_model_len":%d,"tokens":' % (len(ids), max_model_len)
+        if not want_strs:
+            return head + json_list(ids) + b',"token_strs":null}'
+        table = tok.token_strings
+        strs = [table[t] if t < len(table) else None for t in ids]
+        return head + json_list(ids) + b',"token_strs":' + json_list(strs) + b"}"
+
+    return await prompts.off_loop(len(ids) >= LARGE_ANSWER_TOKENS, answer)
 
 
 async def detokenize(
@@ -105,6 +129,15 @@ async def detokenize(
         raise bad_request("'tokens' must be a list of token ids", param="tokens")
     ids = checked_token_ids(tokens, prompts.tok.vocab_size, "tokens")
     return {"prompt": await prompts.decode(ids)}
+
+
+def json_list(values: list[Any], chunk: int = 32768) -> bytes:
+    """A JSON array, written a slice at a time: each orjson call holds the GIL for a few
+    milliseconds at most, so the event loop runs between them."""
+    if len(values) <= chunk:
+        return orjson.dumps(values)
+    parts = [orjson.dumps(values[i : i + chunk])[1:-1] for i in range(0, len(values), chunk)]
+    return b"[" + b",".join(parts) + b"]"
 
 
 def check_model(req_model: Any, accepted: Collection[str], served: str) -> None:

@@ -84,6 +84,11 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     @functools.cached_property
+    def token_strings(self) -> list[str | None]:
+        """`id_to_token` of every id, as a list (built once: ~30 ms for 49k entries)."""
+        return [self.backend.id_to_token(i) for i in range(self.vocab_size)]
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of a prompt's UTF-8 text one token stands for (added tokens included):
         a text of B bytes has at least B / max_token_bytes tokens, which bounds a prompt before it
