@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import orjson
 
 from pd.protocol import (
+    MAX_PROMPTS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +57,13 @@ class PromptBuilder:
         byte at most 6 in JSON (a \\u escape), plus 1 MiB for messages and the other fields."""
         return 6 * self.max_model_len * self.max_token_bytes + (1 << 20)
 
+    @property
+    def max_commas(self) -> int:
+        """The most commas a body within the context holds: a comma per token id (64 prompts
+        of ids at most) or at most `max_token_bytes` per token of text, plus the JSON of up
+        to 4,096 messages and 128 tools."""
+        return self.max_model_len * max(MAX_PROMPTS, self.max_token_bytes) + (1 << 16)
+
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -69,7 +77,16 @@ class PromptBuilder:
         return await self._run(large, fn)
 
     async def parse(self, path: str, raw: bytes) -> Request:
-        """The parsed, validated request of a body."""
+        """The parsed, validated request of a body. One with more commas than any request
+        within the context holds is refused unparsed (parsing megabytes of token ids holds
+        the GIL, and so the event loop, for ~60 ms: `pd-bench stall --kinds ids`)."""
+        if raw.count(b",") > self.max_commas:
+            raise APIError(
+                400,
+                f"the request holds more values than any request within this model's context "
+                f"({self.max_model_len} tokens) takes",
+                code="context_length_exceeded",
+            )
         return await self._run(
             len(raw) >= INLINE_BYTES, _parse, path, raw, self.ignore_unknown_fields
         )
