@@ -58,21 +58,29 @@ class ResponseBuilder:
     # X-PD-Token-Ids (docs/migration.md §1): an event with new tokens opens with their ids
     # (`: pd-ids <index> <id> ...`), for the router.
     announce_ids: bool = False
+    # A stream: each delta goes out as it comes, so nothing is kept for a final answer (the
+    # text and logprobs of a long stream with top_logprobs would pile up for nothing).
+    streaming: bool = False
+    started: bool = False  # the first delta was added
 
     @property
     def response_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
     def add(self, delta: Delta) -> None:
-        if not self.text:  # the first delta: the prompt's part goes first (built here, or ahead)
+        if not self.started:  # the first delta: the prompt's part goes first (built, or ahead)
+            self.started = True
             if self.prompt is None and self.prompt_part is not None:
                 self.prompt = self.prompt_part()
             self.chars = len(self.prompt.text) if self.prompt is not None else 0
-        self.offsets.extend(self.chars for _ in delta.logprobs)
+        if self.streaming:  # this delta's offsets only (its chunk reads them)
+            self.offsets = [self.chars] * len(delta.logprobs)
+        else:
+            self.offsets.extend(self.chars for _ in delta.logprobs)
+            self.text.append(delta.text)
+            self.logprobs.extend(delta.logprobs)
         self.chars += len(delta.text)
-        self.text.append(delta.text)
         self.completion_tokens += len(delta.token_ids)
-        self.logprobs.extend(delta.logprobs)
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
 

@@ -427,6 +427,7 @@ async def _answer(
                 # Each choice parses its own text for tool calls, if the request has tools.
                 tools=request.app[TOOLS].stream(tools) if chat else None,
                 announce_ids=announce_ids,
+                streaming=req.stream,
             )
             if builder.tools is not None and handle.given_text:
                 builder.tools.feed(handle.given_text)  # a continuation's: its deltas went out
@@ -501,7 +502,7 @@ async def _prompt_ready(
 ) -> None:
     """Before the first delta: build the answer's prompt part, on the text thread when large
     (none when P hands the request to D: D answers it, from the params)."""
-    if builder.prompt_part is None or builder.prompt is not None or builder.text:
+    if builder.prompt_part is None or builder.prompt is not None or builder.started:
         return
     if handle.kv_transfer_params is not None:
         builder.prompt = PromptPart()

@@ -226,3 +226,19 @@ async def test_echo_through_the_handler_on_a_stand_in_engine(aiohttp_client, mon
             assert orjson.loads(text)["choices"][0]["text"] == "bcd" + "hi"
         else:
             assert '"text":"bcdhi"' in text
+
+
+def test_a_streaming_builder_keeps_nothing_for_a_final_answer():
+    """A stream's chunks carry each delta's text, logprobs and offsets; the builder keeps no
+    text or logprobs for an answer never built (a long stream with top_logprobs piled up)."""
+    streamed, whole = builder(streaming=True), builder()
+    chunks = []
+    for i in range(200):
+        d = Delta("ab", [7], [(7, -0.5, [(7, -0.5), (8, -1.0)])])
+        streamed.add(d)
+        whole.add(d)
+        chunks.append(streamed.chunk(d))
+    assert streamed.text == [] and streamed.logprobs == [] and len(streamed.offsets) == 1
+    assert streamed.chars == whole.chars == 400 and streamed.completion_tokens == 200
+    last = orjson.loads(chunks[-1][len(b"data: ") :])["choices"][0]
+    assert last["logprobs"]["text_offset"] == [398]  # where the last token starts
