@@ -6,8 +6,6 @@ request is served. The worker lives on, and its pages are free."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from pd.worker.api.server import GRAMMARS, make_app

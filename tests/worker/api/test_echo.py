@@ -233,7 +233,7 @@ def test_a_streaming_builder_keeps_nothing_for_a_final_answer():
     text or logprobs for an answer never built (a long stream with top_logprobs piled up)."""
     streamed, whole = builder(streaming=True), builder()
     chunks = []
-    for i in range(200):
+    for _ in range(200):
         d = Delta("ab", [7], [(7, -0.5, [(7, -0.5), (8, -1.0)])])
         streamed.add(d)
         whole.add(d)
