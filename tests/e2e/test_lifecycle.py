@@ -183,3 +183,28 @@ async def test_a_decode_refusal_releases_p_at_once_and_p_refuses_what_no_d_could
 async def _pins_gone(http, p_url: str) -> bool:
     load = (await health(http, p_url))["load"]
     return load["kv_pages_pinned"] == 0 and load["inflight_transfers"] == 0
+
+
+async def test_a_prefill_whose_client_left_releases_its_pins_at_once(procs):
+    """The router (here: a client) leaves while P prefills: P's answer can reach no one, so
+    nothing stays pinned for it once P is done (the lease would hold pins 60 s here): the
+    handler's cancellation aborts the prefill, or releases pins taken meanwhile."""
+    ((_, p_url),) = procs(("--role", "prefill", *COMMON))
+    body = {
+        "prompt": SENTENCE * 150, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "max_tokens": 8},
+    }  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(TimeoutError):
+            timeout = aiohttp.ClientTimeout(total=0.3)
+            async with http.post(f"{p_url}/v1/completions", json=body, timeout=timeout) as r:
+                await r.read()
+
+        async def done() -> bool:  # the prefill ran to its end (its answer had no one to go to)
+            load = (await health(http, p_url))["load"]
+            return load["running"] == load["waiting"] == 0
+
+        await until(done, 30.0, "P finished the prefill")
+        load = (await health(http, p_url))["load"]
+        assert load["kv_pages_pinned"] == 0 and load["inflight_transfers"] == 0, load
+        await wait_pages_free(http, p_url)

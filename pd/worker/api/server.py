@@ -360,6 +360,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if len(reqs) > 1 and req.kv_transfer_params is not None:
         raise APIError(400, "kv_transfer_params take one prompt", param="kv_transfer_params")
     handles: list[RequestHandle] = []
+    handles_out = False  # the answer went to aiohttp to write
     try:
         for r in reqs:
             rules = await _rules(request.app[GRAMMARS], worker, req.options)
@@ -373,11 +374,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
             # The role (co-located, prefill or decode: build.py) queues it, tokenizing when
             # it must.
             handles.append(await worker.role.admit(r, _prompt_ids(prompts, r), rules, choice_rules))
-        return await _answer(request, worker, req, handles)
+        answered = await _answer(request, worker, req, handles)
+        handles_out = True
+        return answered
     finally:
         for h in handles:  # (each with its other choices)
             worker.engine.abort(h)  # no-op when finished; frees pages when the client left
             worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
+            if not handles_out:  # cancelled (the router left) after P pinned: release now
+                _release_pins(worker, h, "the router left before P answered")
 
 
 def _continuation(worker: Worker, req: Request) -> Request:
@@ -457,7 +462,23 @@ async def _answer(
     # JSON on the text thread.
     entries = sum(_prompt_entries(b) for b in builders)
     data = await request.app[PROMPTS].off_loop(entries >= LARGE_PROMPT_PART, answer)
+    if _gone(request):  # P's answer can reach no one: `generate` releases its pins now
+        raise ConnectionResetError("the client left before the answer")
     return await send_json(request, data)
+
+
+def _gone(request: web.Request) -> bool:
+    """The client closed its connection (on P: the router left, its client did)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _release_pins(worker: Worker, handle: RequestHandle, reason: str) -> None:
+    """Prefill: the pages pinned for a decode worker whose answer never left (the lease would
+    hold them for --lease-ttl-s)."""
+    params = handle.kv_transfer_params
+    if worker.prefill is not None and isinstance(params, dict) and "transfer_id" in params:
+        worker.prefill.release(str(params["transfer_id"]), reason)
 
 
 def _prompt_entries(b: ResponseBuilder) -> int:
