@@ -24,6 +24,19 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pd.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENIZE_CHARS,
+)
+from pd.tools_protocol import MAX_TOOLS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", help="a running worker or router (default: start a prefill worker)")
@@ -53,18 +66,6 @@ PROMPT_KINDS = ("text", "chat", "ids")
 
 def field_bodies(kind: str) -> list[tuple[str, bytes, int]]:
     """[(path, body, status expected)] of a field kind: at its bound, then past it."""
-    from pd.protocol import (
-        MAX_ALLOWED_TOKEN_IDS,
-        MAX_BAD_WORD_CHARS,
-        MAX_BAD_WORDS,
-        MAX_LOGIT_BIAS,
-        MAX_MESSAGES,
-        MAX_STOP,
-        MAX_STOP_CHARS,
-        MAX_STOP_TOKEN_IDS,
-    )
-    from pd.tools_protocol import MAX_TOOLS
-
     chat, done = "/v1/chat/completions", "/v1/completions"
     base: dict[str, Any] = {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True}
 
@@ -111,8 +112,6 @@ def field_bodies(kind: str) -> list[tuple[str, bytes, int]]:
             chat, {**body, "messages": messages}, {**body, "messages": [*messages, *messages]}
         )
     if kind == "tokenize":  # the longest text counted, with each token's string, then longer
-        from pd.worker.api.tokenize import MAX_TOKENIZE_CHARS
-
         line = "the quick brown fox jumps over a lazy dog "
         text = (line * (MAX_TOKENIZE_CHARS // len(line) + 1))[:MAX_TOKENIZE_CHARS]
         at = {"prompt": text, "return_token_strs": True}

@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from pd.protocol import (
+    MAX_TOKENIZE_CHARS,
     APIError,
     ChatCompletionRequest,
     bad_request,
@@ -39,10 +40,6 @@ _TOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {
     "mm_processor_kwargs": ({},),
 }
 LARGE_ANSWER_TOKENS = 4096  # an answer this long is built on the text thread
-# The longest text counted: tokenizers holds the GIL ~30 ms a MiB (the event loop waits that
-# long: `pd-bench stall --kinds tokenize`), and 1 MiB is past any prompt of an 8k context
-# (8192 tokens x 82 bytes a token at most, for SmolLM2).
-MAX_TOKENIZE_CHARS = 1 << 20
 _DETOKENIZE_FIELDS: dict[str, tuple[Any, ...] | None] = {"model": None, "tokens": None}
 
 

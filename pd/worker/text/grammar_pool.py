@@ -17,21 +17,19 @@ bounded too (`START_GRACE_S` beyond the deadline: then a 503, `GrammarUnavailabl
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pd.worker.text.grammar_child import frame, read_frame
 from pd.worker.text.grammar_source import GrammarError
 
 log = logging.getLogger("pd.worker")
 
-_LENGTH = struct.Struct(">I")
 START_TIMEOUT_S = 60.0  # a child's import and tokenizer build (~1 s)
 START_GRACE_S = 10.0  # beyond the deadline, how long a constraint may wait for a free child
 RESPAWN_DELAY_S = 1.0  # after a child that failed to start
@@ -51,18 +49,11 @@ class _Child:
         self._w = proc.stdin
         self._r = proc.stdout
 
-    def ask(self, msg: bytes) -> dict[str, Any]:
-        """Send a message, read the reply; EOFError when the child died."""
-        self._w.write(_LENGTH.pack(len(msg)) + msg)
+    def ask(self, message: bytes) -> dict[str, Any]:
+        """Send a message (a `frame`), read the reply; EOFError when the child died."""
+        self._w.write(message)
         self._w.flush()
-        head = self._r.read(_LENGTH.size)
-        if len(head) < _LENGTH.size:
-            raise EOFError
-        (n,) = _LENGTH.unpack(head)
-        body = self._r.read(n)
-        if len(body) < n:
-            raise EOFError
-        reply = json.loads(body)
+        reply = read_frame(self._r)
         if not isinstance(reply, dict):
             raise EOFError
         return reply
@@ -173,7 +164,7 @@ class GrammarPool:
             if child.proc.poll() is None:
                 break
             self._replace(child, f"it died while idle ({_death(child.proc.returncode)})")
-        msg = json.dumps({"kind": kind, "spec": spec}).encode()
+        msg = frame({"kind": kind, "spec": spec})
         job = self._background(self._ask(child, msg, timeout))
         return await asyncio.shield(job)  # a caller that leaves leaves the child to finish
 
@@ -234,7 +225,7 @@ class GrammarPool:
         try:
             if self._setup is None:
                 setup = await loop.run_in_executor(self._io, self._setup_of)
-                self._setup = self._setup or json.dumps(setup).encode()
+                self._setup = self._setup or frame(setup)
             if self._closed:
                 return
             # Started from the loop's thread: the child's death signal follows this thread.

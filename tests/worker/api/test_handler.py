@@ -12,12 +12,14 @@ import pytest
 
 from pd.config import WorkerConfig
 from pd.protocol import APIError, bad_request
+from pd.worker.api import server
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
 from pd.worker.engine import Delta, RequestHandle, Sequence
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.text.detokenizer import IncrementalDetokenizer
 from pd.worker.text.stop import StopChecker
+from tests.router.test_client_input import raw_request
 
 MAX_MODEL_LEN = 64
 
@@ -129,8 +131,6 @@ async def test_the_handler_refuses_bad_requests_before_the_role_queues_them(
 
 async def test_a_non_utf8_api_key_is_a_401_and_a_deep_body_a_400(aiohttp_client):
     """Headers are compared as bytes; JSON nested past 64 levels is refused (a 500 before)."""
-    from tests.router.test_client_input import raw_request
-
     role = StandInRole()
     client = await aiohttp_client(make_app(worker(role, api_key="k")))
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -212,8 +212,6 @@ class SlowRole(StandInRole):
 async def test_a_waiting_stream_carries_keep_alive_comments(aiohttp_client, monkeypatch):
     """At least one every KEEPALIVE_S while nothing else is sent (10 s at most: the router's
     idle watch and proxies see the stream alive); none once events flow."""
-    from pd.worker.api import server
-
     monkeypatch.setattr(server, "KEEPALIVE_S", 0.1)
     client = await aiohttp_client(make_app(worker(SlowRole(0.55))))
     resp = await client.post(

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from pd.config import WorkerConfig
-from pd.protocol import parse_request
+from pd.protocol import MAX_TOKENIZE_CHARS, parse_request
 from pd.worker.api.prompt import PromptBuilder
 from pd.worker.api.server import make_app
 from pd.worker.build import Worker
@@ -102,8 +102,6 @@ async def test_a_prompt_longer_than_the_context_is_counted(aiohttp_client, tok):
     resp, body = await post(client, "/tokenize", {"prompt": "hello" + " hello" * 2999})
     assert resp.status == 200 and body["count"] == 3000 > body["max_model_len"]
     # Up to MAX_TOKENIZE_CHARS (past any prompt: the loop waits on tokenizers ~30 ms a MiB).
-    from pd.worker.api.tokenize import MAX_TOKENIZE_CHARS
-
     resp, body = await post(client, "/tokenize", {"prompt": "a" * (MAX_TOKENIZE_CHARS + 1)})
     assert resp.status == 400 and body["error"]["code"] == "prompt_too_large"
 
