@@ -554,7 +554,8 @@ def parse_continuation(value: Any, n: int = 1) -> list[int] | None:
     param = "pd_continuation"
     if not isinstance(value, dict):
         raise bad_request("'pd_continuation' must be an object", param)
-    unknown = sorted(k for k in value if k != "output_token_ids")
+    # (`pd_sig`: the router's signature, pd/signing.py checks it)
+    unknown = sorted(k for k in value if k not in ("output_token_ids", "pd_sig"))
     if unknown:
         raise bad_request(f"'pd_continuation' has unknown keys: {', '.join(unknown)}", param)
     ids: Any = value.get("output_token_ids")

@@ -16,7 +16,8 @@ if [ "${PD_MODE:-pd}" = "both" ]; then
   exec pd-worker --role both --host "$HOST" --port "$PORT" "$@"
 fi
 
-# P and D prove to each other that they share this secret; it never crosses the wire.
+# P and D prove to each other that they share this secret (it never crosses the wire); P signs
+# its kv_transfer_params and the router its continuations with it.
 export PD_CLUSTER_TOKEN=${PD_CLUSTER_TOKEN:-$(python3 -c 'import secrets; print(secrets.token_hex(16))')}
 CORES=$(nproc 2>/dev/null || echo 2)
 THREADS=${PD_THREADS:-$(( CORES > 1 ? CORES / 2 : 1 ))}

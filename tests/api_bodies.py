@@ -29,6 +29,15 @@ KNOWN_CASES = [
     ("/v1/completions", b'{"prompt": [5, 6], "max_tokens": 0, "echo": true, "logprobs": 1}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
      b'"kv_transfer_params": {"pd_version": 1, "prompt_token_ids": "x"}}'),
+    # Well-formed ones, served whatever the generated bodies are (Hypothesis draws constants
+    # from the modules loaded, so those shift with every change to pd).
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "stream": true, "n": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": 2, "stream": true, "logprobs": true, "top_logprobs": 2}'),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": true}'),
 ]  # fmt: skip
 
 # Numbers at and past the edges the parsers check (int32, int64, float range).

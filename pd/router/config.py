@@ -51,6 +51,12 @@ class RouterConfig:
     worker_api_key: str | None = _flag(
         None, "bearer key sent to workers started with --api-key", env="PD_WORKER_API_KEY"
     )
+    cluster_token: str | None = _flag(
+        None,
+        "shared secret of the router and its workers: signs the continuations of migrated "
+        "streams (pd_continuation; without it workers take them from loopback only)",
+        env="PD_CLUSTER_TOKEN",
+    )
     health_interval: float = _flag(2.0, "seconds between health checks of each worker")
     health_timeout: float = _flag(1.0, "seconds a health check may take")
     health_failures: int = _flag(2, "consecutive failed checks that eject a worker")
@@ -192,7 +198,7 @@ class RouterConfig:
         check(self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024")
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         check_origins(self.allowed_origins)
-        for name in ("api_key", "admin_token", "worker_api_key"):
+        for name in ("api_key", "admin_token", "worker_api_key", "cluster_token"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
 
     def policy_of(self, pool: str) -> str:

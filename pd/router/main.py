@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
+from pd.signing import optional_token
 
 EPILOG = """examples:
   pd-router --prefill http://p1:8100 --decode http://d1:8200 --decode http://d2:8200
@@ -57,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         if urls
     )
     log.info("pd-router on http://%s:%d; %s", cfg.host, cfg.port, pools or "no workers yet")
+    if optional_token(cfg.cluster_token) is None:
+        log.warning(
+            "no --cluster-token: continuations of migrated streams go unsigned, and workers "
+            "accept them only from loopback (give router and workers the same token)"
+        )
     web.run_app(
         make_app(cfg),
         host=cfg.host,

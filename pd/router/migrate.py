@@ -30,6 +30,7 @@ import aiohttp
 import orjson
 
 from pd.protocol import APIError
+from pd.signing import CONTINUATION, sign_continuation
 
 if TYPE_CHECKING:
     from pd.router.proxy import Exchange, Proxy
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pd.router")
 
 TOKEN_IDS_HEADER = "X-PD-Token-Ids"
-CONTINUATION = "pd_continuation"
 _PD = b": pd-"
 _IDS = b": pd-ids "
 _AT_PD = b"\n: pd-"  # a `: pd-` line (at a line's start: JSON has no raw newline)
@@ -342,7 +342,7 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
                 legs,
             )
             sink = _Leg(emit, ident, i, ex.include_usage)
-            leg = _leg_exchange(ex, i, ids[i], exclude, sink)
+            leg = _leg_exchange(ex, i, ids[i], exclude, sink, proxy.token)
             try:
                 route = proxy.registry.route()
             except APIError as e:
@@ -409,7 +409,7 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
 
 
 def _leg_exchange(
-    ex: Exchange, i: int, ids: list[int], exclude: list[Worker], sink: _Leg
+    ex: Exchange, i: int, ids: list[int], exclude: list[Worker], sink: _Leg, token: bytes | None
 ) -> Exchange:
     from pd.router.proxy import Exchange
 
@@ -426,7 +426,7 @@ def _leg_exchange(
     return Exchange(
         request=ex.request,
         path=ex.path,
-        body=body,
+        body=sign_continuation(token, body),
         chat=ex.chat,
         stream=True,
         include_usage=True,
@@ -453,6 +453,7 @@ async def _probe_usage(
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = len(ids)
     body[CONTINUATION] = {"output_token_ids": ids}
+    body = sign_continuation(proxy.token, body)
     try:
         route = proxy.registry.route()
     except APIError:

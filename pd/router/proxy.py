@@ -71,6 +71,7 @@ from pd.router.prefix_index import PromptKey, answer_bytes
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
 from pd.router.worker import Worker
+from pd.signing import optional_token
 
 log = logging.getLogger("pd.router")
 
@@ -166,6 +167,8 @@ class Proxy:
         self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout)
         self.idle = IdleWatch(cfg.stream_idle_timeout_s)
         self.release_timeout = aiohttp.ClientTimeout(total=max(1.0, cfg.connect_timeout))
+        # Signs the continuations of migrated streams (pd/signing.py); None: sent unsigned.
+        self.token = optional_token(cfg.cluster_token)
         self._background: set[asyncio.Future] = set()  # releases sent to P
 
     @property

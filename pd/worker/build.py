@@ -16,6 +16,7 @@ import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
+from pd.signing import Guard, optional_token
 from pd.worker.checkpoint import (
     LoadedCheckpoint,
     default_model_path,
@@ -84,6 +85,8 @@ class Worker:
     kernels: dict[str, Any] = field(default_factory=dict)
     # The background compile of the one-row decode step: its state (None: not run)
     one_row_compile: Callable[[], dict[str, Any]] | None = None
+    # What checks the signed internal fields (kv_transfer_params, pd_continuation) it is sent
+    guard: Guard = field(default_factory=lambda: Guard(None))
 
     @property
     def transfer(self) -> TransferRole | None:
@@ -149,7 +152,9 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests, cfg.resolved_pull_slots)
     prefill = decode = None
     if cfg.role == "prefill":
-        prefill = PrefillSide(make_transfer_manager(cfg), runner, scheduler, tp)
+        prefill = PrefillSide(
+            make_transfer_manager(cfg), runner, scheduler, tp, optional_token(cfg.cluster_token)
+        )
     metrics = WorkerMetrics()
     engine = Engine(
         runner,
@@ -210,6 +215,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         runtime_format=runtime_format(runner),
         kernels=model.kernels,
         one_row_compile=model.one_row_compile,
+        guard=Guard(optional_token(cfg.cluster_token)),
     )
 
 

@@ -60,6 +60,7 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     # ~200k objects on a busy core, seen as a step's overshoot and a slow first pull).
     gc.collect()
     gc.freeze()
+    log.info("%s", worker.guard.describe())
     runner = web.AppRunner(make_app(worker), handler_cancellation=True, access_log=None)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)

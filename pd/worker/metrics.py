@@ -31,6 +31,13 @@ class WorkerMetrics:
             "pd_requests_aborted", "requests aborted by their client", registry=r
         )
         self.preemptions = Counter("pd_preemptions", "requests preempted for pages", registry=r)
+        self.internal_refusals = Counter(
+            "pd_internal_field_refusals",
+            "kv_transfer_params or pd_continuation refused (403): unsigned from another host, or "
+            "not signed with this worker's cluster token (pd/signing.py)",
+            ["field"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "pd_time_to_first_token_seconds",
             "time to first token",

@@ -15,9 +15,10 @@ import aiohttp
 import orjson
 import pytest
 
+from pd.signing import sign_continuation
 from pd.transfer import nixl_available
 from tests.e2e.conftest import assert_all_pages_free, wait_idle
-from tests.e2e.processes import start_worker, stop, wait_pages_free
+from tests.e2e.processes import CLUSTER_TOKEN, start_worker, stop, wait_pages_free
 
 pytestmark = pytest.mark.slow  # loads the real model
 
@@ -425,7 +426,10 @@ async def test_pd_continuation_through_prefill_and_decode(fp32_pair):
 
         whole = await via_pd({})
         assert len(whole.ids()) == 64
-        rest = await via_pd({"pd_continuation": {"output_token_ids": whole.ids()[:10]}})
+        # Signed as the router signs it (pd/signing.py): P and D check it, and P signs its params.
+        ten = {**body, "pd_continuation": {"output_token_ids": whole.ids()[:10]}}
+        signed = sign_continuation(CLUSTER_TOKEN.encode(), ten)["pd_continuation"]
+        rest = await via_pd({"pd_continuation": signed})
         assert_goes_on(whole, rest, 10)
         assert rest.usage()["completion_tokens"] == 54  # type: ignore[index]
         # D refuses params that disagree with the continuation.
@@ -440,6 +444,13 @@ async def test_pd_continuation_through_prefill_and_decode(fp32_pair):
                   "pd_continuation": {"output_token_ids": whole.ids()[:3]}},
         )  # fmt: skip
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "pd_continuation"
+        # P's params are signed; D refuses them changed (here another first token), even from
+        # loopback, and pulls nothing.
+        forged = {**kvp, "first_token_id": (kvp["first_token_id"] + 1) % 1000}
+        forged_body = {**body, "stream": True, "kv_transfer_params": forged}
+        resp = await http.post(d_url + COMPLETION, json=forged_body)
+        error = (await resp.json())["error"]
+        assert resp.status == 403 and error["code"] == "unsigned_internal_field", error
         await http.post(p_url + "/kv/release", json={"transfer_id": kvp["transfer_id"]})
         for url in (p_url, d_url):
             await wait_pages_free(http, url)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pd.router.keys import HEALTH
+from pd.signing import CONTINUATION, SIG, Guard, continuation_payload
 from tests.router.conftest import CHAT, COMPLETION, registry_of, sse_events, wait_for
 from tests.router.test_cache_routing import metric
 
@@ -293,6 +294,25 @@ async def test_a_client_leaving_during_a_migration_leaves_nothing_held(stub, rou
     assert cont["pd_continuation"] == {"output_token_ids": [100, 101]}
     await wait_for(lambda: idle(client))
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("mode", ["pd", "both"])
+async def test_a_router_with_a_cluster_token_signs_its_continuations(stub, router, mode):
+    """Each leg's continuation carries the router's signature (pd/signing.py), which a worker
+    with the same token accepts from another host, bound to the request's prompt."""
+    client, p, ws = await two_of(stub, router, mode, cluster_token="tok")
+    body = body_of(True, True, True)
+    reference = await answer_of(client, CHAT_PATH, body, True)
+    ws[1].break_at, ws[1].break_times = 2, 1
+    assert await answer_of(client, CHAT_PATH, body, True) == reference
+    legs = [b for w in (*ws, *([p] if p else [])) for b in w.requests if CONTINUATION in b]
+    assert len(legs) == (2 if mode == "pd" else 1)  # (P and D see the leg in PD)
+    for leg in legs:
+        Guard(b"tok").check(
+            CONTINUATION, "192.0.2.9", continuation_payload(leg), leg[CONTINUATION][SIG]
+        )
+        assert leg["messages"] == body["messages"]
+    assert idle(client)
 
 
 async def test_a_client_cannot_send_its_own_continuation(stub, router):

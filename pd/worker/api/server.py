@@ -26,6 +26,7 @@ from pd.protocol import (
     parse_json_body,
     require_json,
 )
+from pd.signing import CONTINUATION, KV_PARAMS, SIG, continuation_payload, unsigned
 from pd.worker.api.choices import choices_of, collect, interleave, usage
 from pd.worker.api.echo import PromptPart, once, prompt_part
 from pd.worker.api.openai_format import (
@@ -348,6 +349,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             "model_not_found",
             "model",
         )
+    _check_signed(worker, request.remote, req)
     if isinstance(req, ChatCompletionRequest):  # its output parsed into tool calls, if asked
         req.options = request.app[TOOLS].options(req.options, req.tools)
     if req.continuation is not None:
@@ -383,6 +385,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
             worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
             if not handles_out:  # cancelled (the router left) after P pinned: release now
                 _release_pins(worker, h, "the router left before P answered")
+
+
+def _check_signed(worker: Worker, remote: str | None, req: Request) -> None:
+    """pd's internal fields come signed, or from loopback (pd/signing.py); a 403 otherwise
+    (counted in pd_internal_field_refusals_total)."""
+    try:
+        if req.continuation is not None:
+            sig = req.raw[CONTINUATION].get(SIG)
+            worker.guard.check(CONTINUATION, remote, continuation_payload(req.raw), sig)
+        kvp = req.kv_transfer_params
+        if kvp is not None and worker.role.takes_params:
+            worker.guard.check(KV_PARAMS, remote, unsigned(kvp), kvp.get(SIG))
+    except APIError as e:
+        worker.metrics.internal_refusals.labels(e.param).inc()
+        raise
 
 
 def _continuation(worker: Worker, req: Request) -> Request:

@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from pd.protocol import KVTransferParams
+from pd.signing import sign_params
 from pd.transfer import KVSender, TransferManager
 from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.engine import HeldPages, LogprobEntry, Sequence
@@ -21,11 +22,17 @@ log = logging.getLogger(__name__)
 
 class PrefillSide(TransferRole):
     def __init__(
-        self, manager: TransferManager, runner: KVRunner, pages: HeldPages, tp_size: int
+        self,
+        manager: TransferManager,
+        runner: KVRunner,
+        pages: HeldPages,
+        tp_size: int,
+        token: bytes | None = None,
     ) -> None:
         super().__init__(manager, runner)
         self.pages = pages
         self.tp_size = tp_size
+        self.token = token  # the cluster token: the params it answers are signed with it
         self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
 
     def hand_off(
@@ -35,7 +42,8 @@ class PrefillSide(TransferRole):
         choices: list[tuple[int, LogprobEntry | None]] | None = None,
     ) -> dict[str, Any]:
         """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer
-        (with n > 1, every choice's first token: `choices` are choices 1.., one set of pages)."""
+        (with n > 1, every choice's first token: `choices` are choices 1.., one set of pages),
+        signed with the cluster token (pd/signing.py)."""
         # A continuation's first token follows its given outputs (prefilled with the prompt).
         given = seq.output_ids[: seq.num_given]
         firsts = [(seq.output_ids[seq.num_given], first_logprobs), *(choices or [])]
@@ -47,7 +55,7 @@ class PrefillSide(TransferRole):
                 {KV_POOL: pages}, on_release=lambda s, why: self._release(key, why)
             )
             c = self.contract
-            return KVTransferParams(
+            params = KVTransferParams(
                 **sender.params().to_dict(),
                 prompt_token_ids=seq.prompt_ids,
                 first_token_id=firsts[0][0],
@@ -70,6 +78,7 @@ class PrefillSide(TransferRole):
                 dtype=c.dtype,
                 model_fingerprint=c.model_fingerprint,
             ).to_dict()
+            return params if self.token is None else sign_params(self.token, params)
         except Exception:
             if sender is not None:
                 sender.abort("hand-off failed")  # its release frees the pages

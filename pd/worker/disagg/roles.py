@@ -31,6 +31,8 @@ ChoiceRules = list[TokenRules | None] | None  # n > 1: choices 1..n-1's rules (e
 
 
 class Role(Protocol):
+    takes_params: bool  # it consumes P's kv_transfer_params (a decode worker)
+
     async def admit(
         self,
         req: Request,
@@ -48,6 +50,7 @@ class CoLocated:
     without `kv_transfer_params`."""
 
     name = "both"
+    takes_params = False  # whether it consumes P's kv_transfer_params (signed: pd/signing.py)
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -112,6 +115,7 @@ class Prefill(CoLocated):
 
 class Decode(CoLocated):
     name = "decode"
+    takes_params = True
 
     def __init__(self, side: DecodeSide) -> None:
         super().__init__(side.engine)

@@ -64,6 +64,8 @@ class StandInEngine:
 class StandInRole:
     """Admits with the handler's prompt ids and answers "hi" at once, or refuses."""
 
+    takes_params = False  # P's kv_transfer_params go unchecked (as on a prefill worker)
+
     def __init__(self, refuse: APIError | None = None) -> None:
         self.refuse = refuse
         self.prompts: list[list[int]] = []
