@@ -146,6 +146,12 @@ class WorkerConfig:
         1024,
         "structured outputs: memory one compile may take in a grammar child (its address space beyond the child's own; beyond it: a 400)",
     )
+    grammar_cache_mb: int = _flag(
+        256,
+        "structured outputs: memory of the compiled grammars kept for reuse (LRU; a grammar "
+        "is reckoned at 256 KiB plus 128 bytes per character of its text; one larger than "
+        "this is compiled for its request and not kept)",
+    )
     tool_call_parser: str = _flag(
         "auto",
         "the format the model writes tool calls in (auto: read off the chat template; a "
@@ -280,6 +286,7 @@ class WorkerConfig:
         check(self.grammar_timeout_s > 0, "--grammar-timeout-s must be > 0")
         check(self.grammar_compilers >= 1, "--grammar-compilers must be >= 1")
         check(self.grammar_memory_mb >= 256, "--grammar-memory-mb must be >= 256")
+        check(self.grammar_cache_mb >= 1, "--grammar-cache-mb must be >= 1")
         check(
             self.tool_call_parser in TOOL_CALL_PARSERS,
             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}",

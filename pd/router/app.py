@@ -28,6 +28,7 @@ from pd.protocol import (
     unknown_fields,
 )
 from pd.router import admin, fanout, tokenize
+from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
@@ -137,9 +138,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             headers = {**headers, "X-Request-Id": request_id}
         key = request.headers.get("X-Room-Id") or req.room_key
 
+        prompts = len(req.batch) if isinstance(req, CompletionRequest) and req.batch else 1
+        answer_limit = cfg.max_answer_bytes // prompts  # each prompt's share
+
         def exchange(sub: CompletionRequest | ChatCompletionRequest, body: dict) -> Exchange:
             data = prompt_bytes(sub)
             _check_prompt_size(proxy.cfg, data, sub)
+            tokens = proxy.registry.estimate.tokens(len(data)) + 1
+            check_expected(sub, 1, tokens, answer_limit)
             return Exchange(
                 request=request,
                 path=request.path,
@@ -150,9 +156,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 max_tokens=req.options.max_tokens,
                 key=key,
                 prompt=PromptKey.of(data, sub.cache_salt, hashed=cfg.prefix_index_blocks > 0),
-                tokens=proxy.registry.estimate.tokens(len(data)) + 1,
+                tokens=tokens,
                 headers=headers,
                 t0=t0,
+                answer_limit=answer_limit,
             )
 
         if isinstance(req, CompletionRequest) and req.batch is not None:

@@ -139,6 +139,13 @@ class RouterConfig:
         "its answer back for the prefix index (1 MiB: about 8,000 tokens of SSE); a longer "
         "stream is not kept, and only its prompt is learnt",
     )
+    max_answer_bytes: int = _flag(
+        32 << 20,
+        "most bytes of a non-streamed answer, which the router assembles from the worker's "
+        "stream and holds whole (~6 times this in memory): a request expected to exceed it is "
+        "a 400 before any work, an answer that grows past it a 400 (its worker's request "
+        "aborted); streamed answers are relayed and never held",
+    )
     prefix_index_ttl_s: float = _flag(1800.0, "how long the index remembers a block it sent")
     local_prefill_max_tokens: int = _flag(
         256,
@@ -195,6 +202,7 @@ class RouterConfig:
         check(self.prefix_index_blocks >= 0, "--prefix-index-blocks must be >= 0")
         check(self.prefix_index_ttl_s > 0, "--prefix-index-ttl-s must be > 0")
         check(self.prefix_index_answer_bytes >= 0, "--prefix-index-answer-bytes must be >= 0")
+        check(self.max_answer_bytes >= 4096, "--max-answer-bytes must be >= 4096")
         check(self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024")
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         check_origins(self.allowed_origins)

@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd.protocol import error_body
+from pd.protocol import APIError, error_body
 from pd.router.worker import Worker
 
 JSON = "application/json"
@@ -20,6 +20,11 @@ def json_response(
     obj: Any, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type=JSON, headers=headers)
+
+
+def error_response(e: APIError) -> web.Response:
+    """`e` as an OpenAI-style error answer."""
+    return json_response(e.body(), e.status, e.headers)
 
 
 @dataclass(slots=True)

@@ -176,6 +176,15 @@ class RouterMetrics(Collector):
             for decision, n in sorted(pool.policy.decisions.items()):
                 decisions.add_metric([name, pool.policy.name, decision], n)
         yield decisions
+        busy = CounterMetricFamily(
+            "pd_router_busy_choices",
+            "Workers chosen while none of their pool was ready (/ready 503): the fallback that "
+            "queues on a busy worker rather than refusing, by pool",
+            labels=["pool"],
+        )
+        for name, pool in self.registry.pools.items():
+            busy.add_metric([name], pool.busy_choices)
+        yield busy
         decision_s = HistogramMetricFamily(
             "pd_router_route_decision_seconds",
             "The routing policy's time to choose a worker, by pool",

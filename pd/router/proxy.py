@@ -60,8 +60,9 @@ from aiohttp import web
 
 from pd._compat import asyncio_timeout
 from pd.protocol import error_body
+from pd.router.answer_size import too_large
 from pd.router.config import RouterConfig
-from pd.router.failure import JSON, Failure, json_response
+from pd.router.failure import JSON, Failure, error_response, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
@@ -119,6 +120,9 @@ class Exchange:
     # A fan-out's sub-exchange (fanout.py): its stream goes here (prepare/write/write_eof), not
     # to the client.
     sink: Any = None
+    # Most bytes of the answer the router assembles when the client does not stream (0: the
+    # whole --max-answer-bytes; a list of prompts shares it out: answer_size.py)
+    answer_limit: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -693,7 +697,8 @@ class Proxy:
         """The stream as one JSON answer, and that answer (None when the stream failed). A
         stream that breaks before [DONE] migrates, its continuation collected too."""
         ex.ttft = perf_counter() - ex.t0
-        collector = SSECollector(ex.chat)
+        limit = ex.answer_limit or self.cfg.max_answer_bytes
+        collector = SSECollector(ex.chat, limit)
         track = ex.track
         assert track is not None, "_serve sets the tracker"
         reason: str | None = None
@@ -703,6 +708,8 @@ class Proxy:
             async for chunk in upstream.content.iter_any():
                 ex.reads += 1
                 collector.feed(track.feed(chunk))
+                if collector.overflow:  # (the caller closes the stream: the worker aborts)
+                    return error_response(too_large(limit)), None
             if not collector.done:
                 reason = "draining" if track.migrate else "eof"
         except StreamError as e:
@@ -732,6 +739,8 @@ class Proxy:
                     ex.status = "499"
                 why = f"{why}; {out.why}" if out.why else why
                 return Failure.local(502, why, "stream_broken").response(), None
+            if collector.overflow:  # (a continuation's events past the limit were dropped)
+                return error_response(too_large(limit)), None
             if out.usage is not None:
                 collector.feed(_usage_event(out.head, ex.chat, out.usage))
             collector.feed(DONE)

@@ -34,6 +34,8 @@ class Pool:
         self.healthy: list[Worker] = []  # kept in step with the workers' `healthy` flags
         self.on_eject: Callable[[Worker], None] | None = None
         self.decision_s = Hist(DECISION_BUCKETS)  # the policy's time per choice
+        self.all_busy = False  # no worker is ready: `healthy` holds the busy ones (_refresh)
+        self.busy_choices = 0  # workers chosen while all were busy (a fallback, counted)
 
     def add(self, url: str) -> Worker:
         w = self.workers.get(url)
@@ -95,6 +97,8 @@ class Pool:
         t0 = time.perf_counter()
         w = self.policy.choose(self.healthy, key, exclude, prompt)
         self.decision_s.observe(time.perf_counter() - t0)
+        if w is not None and self.all_busy:
+            self.busy_choices += 1
         return w
 
     # ------------------------------------------------------------------------ prefix index
@@ -127,6 +131,7 @@ class Pool:
         alive = [w for w in self.workers.values() if w.healthy]
         ready = [w for w in alive if w.ready]
         self.healthy = ready or [w for w in alive if w.not_ready != "draining"]
+        self.all_busy = not ready and bool(self.healthy)
 
 
 class Registry:

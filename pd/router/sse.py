@@ -98,16 +98,27 @@ class SSECollector:
     keeping every field (OpenAI's streaming semantics, generically): top-level fields and a
     choice's own take the last non-null value; choices merge by `index`; a chat delta merges
     into the choice's message (`_merge`); a completion's `text` is concatenated and logprobs'
-    lists are."""
+    lists are. Past `limit` bytes fed (pd/router/answer_size.py) it drops what it holds and
+    takes nothing more: `overflow` says so."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, limit: int | None = None) -> None:
         self.chat = chat
         self.done = False
+        self.limit = limit
+        self.size = 0  # bytes fed
+        self.overflow = False
         self._buf = b""
         self._top: dict[str, Any] = {}  # every top-level field but the choices
         self._choices: dict[int, dict[str, Any]] = {}  # by index: its fields so far
 
     def feed(self, data: bytes) -> None:
+        if self.overflow:
+            return
+        self.size += len(data)
+        if self.limit is not None and self.size > self.limit:
+            self.overflow = True
+            self._buf, self._top, self._choices = b"", {}, {}
+            return
         self._buf += data
         *events, self._buf = self._buf.replace(b"\r\n", b"\n").split(b"\n\n")
         for event in events:

@@ -36,8 +36,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster():
-    """P, then four decode workers (each kill or drain takes one): [(process, url)]."""
-    procs = start_roles("prefill", "decode", "decode", "decode", "decode")
+    """P, then five decode workers (each kill or drain takes one): [(process, url)]."""
+    procs = start_roles("prefill", "decode", "decode", "decode", "decode", "decode")
     try:
         yield procs
     finally:
@@ -154,6 +154,74 @@ async def test_a_seeded_stream_migrates_with_the_same_tokens(cluster, aiohttp_se
 
         got, _ = await stream(http, url, req, at=10, then=kill)
         assert got == want and await migrations(http, url) >= 1
+        await settled(http, [p] + [u for proc, u in alive if proc.poll() is None])
+
+
+# A tool call whose arguments are 4,331 bytes in ~200 tokens (the tokenizer has tokens of 64-80
+# '#', '-' and '='; the letters vary): long arguments at little decode time.
+LOG_TOOL = [{"type": "function", "function": {"name": "write_log", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["log"],
+    "properties": {"log": {"type": "string", "pattern": "^(#{80}-{64}={64}[a-z]{8}){20}$"}}}}}]  # fmt: skip
+
+
+async def tool_stream(http, url: str, req: dict, at: int | None = None, then=None) -> dict:
+    """A streamed chat's tool calls as the client reads them: per call index its ids, names
+    and arguments (the pieces joined); `then()` is awaited at the `at`-th arguments piece."""
+    calls: dict[int, dict] = {}
+    pieces, finish = 0, None
+    async with http.post(f"{url}/v1/chat/completions", json=req) as resp:
+        assert resp.status == 200, await resp.text()
+        buf = b""
+        async for data in resp.content.iter_any():
+            buf += data
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                obj = orjson.loads(event[6:])
+                assert "error" not in obj, obj
+                for c in obj["choices"]:
+                    finish = c.get("finish_reason") or finish
+                    for tc in c["delta"].get("tool_calls") or ():
+                        call = calls.setdefault(tc["index"], {"ids": [], "names": [], "args": ""})
+                        if "id" in tc:
+                            call["ids"].append(tc["id"])
+                        fn = tc.get("function") or {}
+                        if "name" in fn:
+                            call["names"].append(fn["name"])
+                        if fn.get("arguments"):
+                            call["args"] += fn["arguments"]
+                            pieces += 1
+                            if pieces == at and then is not None:
+                                await then()
+    return {"calls": calls, "finish": finish, "pieces": pieces}
+
+
+async def test_a_4_kb_tool_call_migrates_exactly(cluster, aiohttp_server):
+    """A decode worker killed halfway through a tool call's 4 KB of arguments: the client reads
+    one call, one id and name, and exactly the arguments of an uninterrupted run."""
+    (_, p), *decodes = cluster
+    alive = [w for w in decodes if w[0].poll() is None]
+    assert len(alive) >= 2
+    url = await start_router(aiohttp_server, p, [u for _, u in alive[:2]])
+    req = {"model": "default", "messages": [{"role": "user", "content": "Write the log."}],
+           "tools": LOG_TOOL, "tool_choice": "required", "max_tokens": 400, "temperature": 0,
+           "stream": True}  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        want = await tool_stream(http, url, req)
+        (call,) = want["calls"].values()
+        assert len(call["args"]) >= 4096 and want["finish"] == "tool_calls"
+        assert len(orjson.loads(call["args"])["log"]) == 20 * 216
+
+        async def kill() -> None:
+            proc, _ = await serving(http, alive[:2])
+            proc.send_signal(signal.SIGKILL)
+
+        got = await tool_stream(http, url, req, at=want["pieces"] // 2, then=kill)
+        assert await migrations(http, url) >= 1
+        (moved,) = got["calls"].values()
+        assert len(moved["ids"]) == 1 and moved["names"] == ["write_log"]
+        assert moved["args"] == call["args"] and got["finish"] == "tool_calls"
         await settled(http, [p] + [u for proc, u in alive if proc.poll() is None])
 
 

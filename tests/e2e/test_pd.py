@@ -15,8 +15,11 @@ import pytest
 
 from pd.router import RouterConfig
 from pd.router import make_app as make_router
+from pd.signing import sign_params, unsigned
 from pd.transfer import nixl_available
-from tests.e2e.processes import start_worker, start_workers, stop, wait_pages_free
+from tests.e2e.processes import CLUSTER_TOKEN, start_worker, start_workers, stop, wait_pages_free
+
+TOKEN = CLUSTER_TOKEN.encode()
 
 pytestmark = [
     pytest.mark.slow,
@@ -227,14 +230,15 @@ async def test_decode_worker_refuses_bad_params_and_serves_plain_requests(pair):
             params["prompt_token_ids"]
         )
         for field, value in (("model_fingerprint", "0000"), ("page_size", 32), ("pd_version", 9)):
-            resp = await http.post(
-                f"{d_url}/v1/completions",
-                json={
-                    "prompt": "x",
-                    "max_tokens": 4,
-                    "kv_transfer_params": {**params, field: value},
-                },
-            )
+            # Changed, P's signature no longer holds: a 403 (pd/signing.py) ...
+            changed = {**params, field: value}
+            body = {"prompt": "x", "max_tokens": 4, "kv_transfer_params": changed}
+            resp = await http.post(f"{d_url}/v1/completions", json=body)
+            assert resp.status == 403, field
+            # ... and signed again (as a P of another model would), D's own checks refuse it.
+            resigned = sign_params(TOKEN, unsigned(changed))
+            body = {"prompt": "x", "max_tokens": 4, "kv_transfer_params": resigned}
+            resp = await http.post(f"{d_url}/v1/completions", json=body)
             assert resp.status == 400, field
         # The untampered params still work: D pulls and decodes.
         resp = await http.post(
@@ -249,7 +253,9 @@ async def test_decode_worker_refuses_bad_params_and_serves_plain_requests(pair):
             json={
                 "prompt": "x",
                 "max_tokens": 4,
-                "kv_transfer_params": {**params, "remote_port": 1, "transfer_id": "gone"},
+                "kv_transfer_params": sign_params(
+                    TOKEN, unsigned({**params, "remote_port": 1, "transfer_id": "gone"})
+                ),
             },
         )
         assert resp.status == 502

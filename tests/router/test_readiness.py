@@ -27,3 +27,22 @@ async def test_a_worker_that_is_not_ready_gets_no_new_request_and_is_not_ejected
     for _ in range(4):
         assert (await client.post("/v1/completions", json=BODY)).status == 200
     assert len(a.requests) > seen
+
+
+async def test_when_none_is_ready_the_busy_ones_serve_and_each_choice_is_counted(stub, router):
+    """Every worker busy: requests queue on them rather than being refused, and each such
+    choice is a fallback, counted in pd_router_busy_choices_total."""
+    a, b = await stub("both"), await stub("both")
+    client = await router(worker=[a, b], policy="round-robin")
+    pool = registry_of(client).both
+    await wait_for(lambda: len(pool.healthy) == 2)
+    a.ready = b.ready = False
+    await wait_for(lambda: pool.all_busy)
+    for _ in range(3):
+        assert (await client.post("/v1/completions", json=BODY)).status == 200
+    text = await (await client.get("/metrics")).text()
+    assert 'pd_router_busy_choices_total{pool="both"} 3.0' in text
+    a.ready = b.ready = True
+    await wait_for(lambda: not pool.all_busy)
+    assert (await client.post("/v1/completions", json=BODY)).status == 200
+    assert pool.busy_choices == 3

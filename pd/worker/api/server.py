@@ -134,6 +134,7 @@ def make_app(worker: Worker) -> web.Application:
         worker.config.grammar_timeout_s,
         children=worker.config.grammar_compilers,
         memory_mb=worker.config.grammar_memory_mb,
+        cache_bytes=worker.config.grammar_cache_mb << 20,
     )
     app[TOOLS] = ToolCalling(worker.tokenizer.chat_template, worker.config.tool_call_parser)
     app[BODY_LIMIT] = limit

@@ -81,10 +81,23 @@ class GrammarMatcher:
         return str(self._m.get_error())
 
 
+# What a compiled matcher is reckoned to hold in memory (the cache's bound is in these bytes):
+# llguidance does not say, and measured (RSS, SmolLM2's tokenizer, enum and object schemas of
+# 100 to 10,000 entries) it was ~0.2-0.3 MB, plus 20-200 bytes per byte of the grammar's text.
+MATCHER_BASE_BYTES = 256 << 10
+MATCHER_BYTES_PER_CHAR = 128
+
+
+def matcher_bytes(grammar: str) -> int:
+    """The memory a matcher of `grammar` (its text, as compiled) is reckoned at."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_CHAR * len(grammar)
+
+
 class GrammarCompiler:
     """Matchers for constraints over one tokenizer: each constraint checked in a grammar child,
     then built on a thread of the child's stack size under a deadline, and cached by constraint
-    (LRU of `cache_size`)."""
+    (LRU of at most `cache_size` matchers and `cache_bytes` of their reckoned memory,
+    `matcher_bytes`: one larger than that is not kept)."""
 
     def __init__(
         self,
@@ -92,6 +105,7 @@ class GrammarCompiler:
         vocab_size: int,
         timeout_s: float = 10.0,
         cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
         children: int = 2,
         memory_mb: int = 1024,
         stack_bytes: int = GRAMMAR_STACK_BYTES,
@@ -102,6 +116,9 @@ class GrammarCompiler:
         self.eos = frozenset(tok.eos_token_ids)
         self.timeout_s = timeout_s
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self.cached_bytes = 0  # reckoned memory of the cached matchers
+        self._sizes: dict[tuple[str, str], int] = {}
         self._source = tok  # llguidance's tokenizer is built on the first compile (~0.25 s)
         self._tok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
@@ -163,10 +180,17 @@ class GrammarCompiler:
             )
         m = build_matcher(self._tok, grammar)
         self.compiles += 1
+        size = matcher_bytes(grammar)
+        if size > self.cache_bytes:
+            return m  # used by this request alone
         with self._lock:
-            self._cache[key] = m
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = m
+                self._sizes[key] = size
+                self.cached_bytes += size
+            while len(self._cache) > self.cache_size or self.cached_bytes > self.cache_bytes:
+                old, _ = self._cache.popitem(last=False)
+                self.cached_bytes -= self._sizes.pop(old)
         return m
 
     def _wrap(self, m: llguidance.LLMatcher) -> GrammarMatcher:

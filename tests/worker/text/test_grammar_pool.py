@@ -12,7 +12,7 @@ import pytest
 
 from pd.protocol import Constraint
 from pd.worker.checkpoint import default_model_path, load_tokenizer
-from pd.worker.text.grammar import GrammarCompiler, GrammarError
+from pd.worker.text.grammar import MATCHER_BASE_BYTES, GrammarCompiler, GrammarError
 
 pytestmark = pytest.mark.slow  # loads the default model's tokenizer, starts children
 
@@ -96,3 +96,21 @@ async def test_a_caller_that_leaves_mid_compile_leaves_its_child_to_finish(tok):
     await compiler.matcher(Constraint("regex", "[0-9]{2}"))  # after the child's reply is read
     assert compiler.pool.pids() == pids and compiler.pool.crashes == compiler.pool.timeouts == 0
     await compiler.aclose()
+
+
+def test_the_cache_is_bounded_by_the_matchers_reckoned_memory(tok):
+    """LRU within `cache_bytes` of `matcher_bytes`: the oldest go first, and a grammar larger
+    than the whole bound is compiled for its request and never kept."""
+    compiler = GrammarCompiler(tok, tok.vocab_size, cache_bytes=MATCHER_BASE_BYTES * 3)
+    small = [Constraint("regex", f"a{{{i}}}") for i in range(1, 6)]
+    for c in small:
+        compiler.matcher_now(c)
+    assert len(compiler._cache) == 2 and compiler.cached_bytes <= compiler.cache_bytes
+    assert list(compiler._cache) == [(c.kind, c.spec) for c in small[-2:]]  # the newest two
+    built = compiler.compiles
+    compiler.matcher_now(small[-1])  # a hit: nothing built
+    assert compiler.compiles == built
+    big = choices(2_000)  # ~45 KB of grammar: ~6 MB reckoned, more than the whole bound
+    compiler.matcher_now(big)
+    assert (big.kind, big.spec) not in compiler._cache and len(compiler._cache) == 2
+    compiler.close()
