@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -237,6 +238,7 @@ async def health(request: web.Request) -> web.Response:
         "role": worker.config.role,
         "model": worker.model_name,
         "instance": worker.instance_id,
+        "pid": os.getpid(),
         "attention_backend": worker.attention_backend,
         "quantization": worker.quantization,
         # compute dtype, linear layers', LM head's, attention: the router pairs equal ones
