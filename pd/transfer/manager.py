@@ -48,6 +48,7 @@ class ManagerState:
     in_flight: int
     polls: int
     backend: BackendCounts
+    peers_lost: int = 0  # links to prefill peers lost (dead, silent, restarted): re-dialed anew
 
 
 class TransferManager(KVManager):
@@ -73,6 +74,9 @@ class TransferManager(KVManager):
         self._connecting: dict[tuple[str, int], asyncio.Future[PeerLink]] = {}
         self._closing: set[asyncio.Task] = set()
         self._reported: set[str] = set()  # prefill engine ids whose runtime format was logged
+        # Links lost to a peer that died, went silent or restarted: that peer's transfers fail
+        # and the next request to it dials again; this worker stays as ready as its pages say.
+        self.peers_lost = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -152,6 +156,7 @@ class TransferManager(KVManager):
             in_flight=self.poller.in_flight,
             polls=self.poller.polls,
             backend=self.backend.counts(),
+            peers_lost=self.peers_lost,
         )
 
     # -- prefill side ----------------------------------------------------------------------
@@ -313,6 +318,13 @@ class TransferManager(KVManager):
 
     def _on_link_lost(self, link: PeerLink, reason: str, quiet: bool = False) -> None:
         """Fail the link's transfers, forget everything about the peer, close the link."""
+        if not quiet:
+            self.peers_lost += 1
+            log.warning(
+                "lost prefill peer %s:%d (engine %s): %s; %d transfers fail, the next request "
+                "dials it again",
+                link.host, link.port, link.engine_id, reason, len(link.clients),
+            )  # fmt: skip
         for client in list(link.clients.values()):
             client.on_peer_lost(reason)
         key = (link.host, link.port)

@@ -189,6 +189,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
             cfg.page_wait_timeout_s,
         )
         role = Decode(decode)
+        metrics.read_peers_lost_from(lambda: decode.manager.peers_lost)
     name = cfg.served_model_name or model.name
     log.info(
         "model %s: %s, %d KV pages of %d tokens, context %d",

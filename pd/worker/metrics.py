@@ -119,6 +119,10 @@ class WorkerMetrics:
         """`stats()` gives (prompt tokens looked up, prompt tokens found) in the prefix cache."""
         self._cache_stats = stats
 
+    def read_peers_lost_from(self, lost: Callable[[], int]) -> None:
+        """pd_kv_peers_lost_total: the transfer manager's lost peer links, read at scrape."""
+        self.registry.register(_PeersLostCollector(lost))
+
     def read_load_from(self, load: Callable[[], WorkerLoad]) -> None:
         """The gauges read `load()` (the engine's current `WorkerLoad`) at scrape time."""
         self._load = load
@@ -143,6 +147,19 @@ class _PrefixCacheCollector(Collector):
         )
         yield CounterMetricFamily(
             "pd_prefix_cache_hits", "prompt tokens found in the prefix cache", hits
+        )
+
+
+class _PeersLostCollector(Collector):
+    def __init__(self, lost: Callable[[], int]) -> None:
+        self._lost = lost
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "pd_kv_peers_lost",
+            "decode: links to prefill peers lost (dead, silent or restarted); their transfers "
+            "failed, the next request dials again",
+            self._lost(),
         )
 
 

@@ -197,6 +197,9 @@ async def test_a_prefill_worker_that_dies_while_d_waits_for_pages_ends_the_wait(
     assert error is not None and error.status == 502
     pair.d.abort(first)
     pair.d.abort(waiting)
+    # The stale peer is forgotten and counted; D itself stays able to admit (ready).
+    assert pair.decode.manager.peers_lost == 1 and pair.decode.manager.state().links == 0
+    assert pair.d.admit_blocker() is None
     await pair.prefill.manager.close()  # P's process is gone: its pins with it
     await pair.assert_settled()
 
@@ -281,3 +284,11 @@ async def test_quarantine_is_bounded_when_the_transport_never_confirms(make_pair
     await until(lambda: pair.d.load().kv_pages_reserved == 0, 2, "quarantine bounded")
     assert pair.d.idle  # a drain waits for this, and finishes
     await pair.assert_settled()
+
+
+def test_lost_peers_are_exported_as_a_counter():
+    metrics = WorkerMetrics()
+    lost = [0]
+    metrics.read_peers_lost_from(lambda: lost[0])
+    lost[0] = 3
+    assert "pd_kv_peers_lost_total 3.0" in metrics.render().decode()
