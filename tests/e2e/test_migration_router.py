@@ -65,31 +65,38 @@ def body(prompt: str, **kw) -> dict:
             "temperature": 0, "stream": True, **kw}  # fmt: skip
 
 
-async def stream(http, url: str, req: dict, at: int | None = None, then=None) -> tuple[str, dict]:
-    """The text of a streamed completion and its last chunk's fields; `then()` is awaited once
-    `at` content chunks have come."""
-    text, chunks, ids, last = [], 0, set(), {}
-    async with http.post(f"{url}/v1/completions", json=req) as resp:
+async def events(http, url: str, path: str, req: dict):
+    """The data events of a streamed answer as a client reads them (no `: pd-` line, no error
+    event among them)."""
+    async with http.post(url + path, json=req) as resp:
         assert resp.status == 200, await resp.text()
         buf = b""
         async for data in resp.content.iter_any():
             buf += data
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
+            *chunks, buf = buf.split(b"\n\n")
+            for event in chunks:
                 assert not event.startswith(b": pd-"), event  # never reaches a client
                 if not event.startswith(b"data: ") or event == b"data: [DONE]":
                     continue
                 obj = orjson.loads(event[6:])
                 assert "error" not in obj, obj
-                ids.add(obj["id"])
-                for c in obj["choices"]:
-                    if c.get("text"):
-                        text.append(c["text"])
-                        chunks += 1
-                        if chunks == at and then is not None:
-                            await then()
-                    if c.get("finish_reason"):
-                        last = c
+                yield obj
+
+
+async def stream(http, url: str, req: dict, at: int | None = None, then=None) -> tuple[str, dict]:
+    """The text of a streamed completion and its last chunk's fields; `then()` is awaited once
+    `at` content chunks have come."""
+    text, chunks, ids, last = [], 0, set(), {}
+    async for obj in events(http, url, "/v1/completions", req):
+        ids.add(obj["id"])
+        for c in obj["choices"]:
+            if c.get("text"):
+                text.append(c["text"])
+                chunks += 1
+                if chunks == at and then is not None:
+                    await then()
+            if c.get("finish_reason"):
+                last = c
     assert len(ids) == 1, ids  # one answer, whatever served it
     return "".join(text), last
 
@@ -169,31 +176,21 @@ async def tool_stream(http, url: str, req: dict, at: int | None = None, then=Non
     and arguments (the pieces joined); `then()` is awaited at the `at`-th arguments piece."""
     calls: dict[int, dict] = {}
     pieces, finish = 0, None
-    async with http.post(f"{url}/v1/chat/completions", json=req) as resp:
-        assert resp.status == 200, await resp.text()
-        buf = b""
-        async for data in resp.content.iter_any():
-            buf += data
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                obj = orjson.loads(event[6:])
-                assert "error" not in obj, obj
-                for c in obj["choices"]:
-                    finish = c.get("finish_reason") or finish
-                    for tc in c["delta"].get("tool_calls") or ():
-                        call = calls.setdefault(tc["index"], {"ids": [], "names": [], "args": ""})
-                        if "id" in tc:
-                            call["ids"].append(tc["id"])
-                        fn = tc.get("function") or {}
-                        if "name" in fn:
-                            call["names"].append(fn["name"])
-                        if fn.get("arguments"):
-                            call["args"] += fn["arguments"]
-                            pieces += 1
-                            if pieces == at and then is not None:
-                                await then()
+    async for obj in events(http, url, "/v1/chat/completions", req):
+        for c in obj["choices"]:
+            finish = c.get("finish_reason") or finish
+            for tc in c["delta"].get("tool_calls") or ():
+                call = calls.setdefault(tc["index"], {"ids": [], "names": [], "args": ""})
+                if "id" in tc:
+                    call["ids"].append(tc["id"])
+                fn = tc.get("function") or {}
+                if "name" in fn:
+                    call["names"].append(fn["name"])
+                if fn.get("arguments"):
+                    call["args"] += fn["arguments"]
+                    pieces += 1
+                    if pieces == at and then is not None:
+                        await then()
     return {"calls": calls, "finish": finish, "pieces": pieces}
 
 
