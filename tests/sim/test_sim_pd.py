@@ -37,9 +37,8 @@ def config(role: str, **kw) -> WorkerConfig:
         time_scale=SCALE,
         role=role,
         port=0,
-        kv_pages=512,  # a walk of every page per check stays quick
         cluster_token=TOKEN,
-        **kw,
+        **{"kv_pages": 512, **kw},  # 512: a walk of every page per check stays quick
     )
 
 
