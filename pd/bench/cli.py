@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "fanout": "n = 8 against 8 separate requests of one prompt through router + P + D",
     "kernels": "every candidate linear kernel timed at the model's shapes on this CPU (issue 24)",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
+    "quality": "greedy agreement with a reference server, perplexity, multiple-choice accuracy",
 }
 
 

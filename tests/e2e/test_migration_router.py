@@ -7,6 +7,7 @@ are free and accounted for afterwards."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -166,9 +167,10 @@ async def test_a_seeded_stream_migrates_with_the_same_tokens(cluster, aiohttp_se
 
 # A tool call whose arguments are 4,331 bytes in ~200 tokens (the tokenizer has tokens of 64-80
 # '#', '-' and '='; the letters vary): long arguments at little decode time.
+LOG_PATTERN = "^(#{80}-{64}={64}[a-z]{8}){20}$"
 LOG_TOOL = [{"type": "function", "function": {"name": "write_log", "parameters": {
     "type": "object", "additionalProperties": False, "required": ["log"],
-    "properties": {"log": {"type": "string", "pattern": "^(#{80}-{64}={64}[a-z]{8}){20}$"}}}}}]  # fmt: skip
+    "properties": {"log": {"type": "string", "pattern": LOG_PATTERN}}}}}]  # fmt: skip
 
 
 async def tool_stream(http, url: str, req: dict, at: int | None = None, then=None) -> dict:
@@ -196,7 +198,10 @@ async def tool_stream(http, url: str, req: dict, at: int | None = None, then=Non
 
 async def test_a_4_kb_tool_call_migrates_exactly(cluster, aiohttp_server):
     """A decode worker killed halfway through a tool call's 4 KB of arguments: the client reads
-    one call, one id and name, and exactly the arguments of an uninterrupted run."""
+    one call, one id and name, and arguments that are whole: the grammar fixes every byte but
+    the letters, so a piece lost, repeated or out of order across the migration would break the
+    pattern or the length (no uninterrupted run to compare with: the other migration tests
+    compare, and this one's 200 tokens would double its time in CI)."""
     (_, p), *decodes = cluster
     alive = [w for w in decodes if w[0].poll() is None]
     assert len(alive) >= 2
@@ -205,20 +210,18 @@ async def test_a_4_kb_tool_call_migrates_exactly(cluster, aiohttp_server):
            "tools": LOG_TOOL, "tool_choice": "required", "max_tokens": 400, "temperature": 0,
            "stream": True}  # fmt: skip
     async with aiohttp.ClientSession() as http:
-        want = await tool_stream(http, url, req)
-        (call,) = want["calls"].values()
-        assert len(call["args"]) >= 4096 and want["finish"] == "tool_calls"
-        assert len(orjson.loads(call["args"])["log"]) == 20 * 216
 
         async def kill() -> None:
             proc, _ = await serving(http, alive[:2])
             proc.send_signal(signal.SIGKILL)
 
-        got = await tool_stream(http, url, req, at=want["pieces"] // 2, then=kill)
+        got = await tool_stream(http, url, req, at=80, then=kill)  # of ~190 pieces
         assert await migrations(http, url) >= 1
         (moved,) = got["calls"].values()
         assert len(moved["ids"]) == 1 and moved["names"] == ["write_log"]
-        assert moved["args"] == call["args"] and got["finish"] == "tool_calls"
+        assert len(moved["args"]) >= 4096 and got["finish"] == "tool_calls"
+        log = orjson.loads(moved["args"])["log"]
+        assert re.fullmatch(LOG_PATTERN, log) and len(log) == 20 * 216, log
         await settled(http, [p] + [u for proc, u in alive if proc.poll() is None])
 
 
