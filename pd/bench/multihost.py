@@ -414,7 +414,8 @@ def start_stack(lab: Lab, o: Options) -> Stack:
             "router",
             "router",
             [sys.executable, "-m", "pd.router.main", *router_flags],
-            {"PYTHONUNBUFFERED": "1"},
+            # The same token: the router signs the continuations of migrated streams with it.
+            {"PYTHONUNBUFFERED": "1", "PD_CLUSTER_TOKEN": env["PD_CLUSTER_TOKEN"]},
         ),
     ]
     ref = [sys.executable, "-c", TCP_REF_SERVER, plan.node_addr("prefill"), str(TCP_REF_PORT)]
