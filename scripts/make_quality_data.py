@@ -211,20 +211,17 @@ for i, (country, city) in enumerate(capitals):
 for i, (a, b) in enumerate(opposites):
     others = [opposites[(i + d) % len(opposites)][j] for d, j in ((5, 1), (11, 0), (23, 1))]
     add("opposite", f'What is the opposite of "{a}"?', b, others)
-for i, d in enumerate(days):
-    add(
-        "sequence",
-        f"Which day of the week comes after {d}?",
-        days[(i + 1) % 7],
-        [days[(i + k) % 7] for k in (3, 5, 6)],
-    )
-for i, m in enumerate(months):
-    add(
-        "sequence",
-        f"Which month comes after {m}?",
-        months[(i + 1) % 12],
-        [months[(i + k) % 12] for k in (4, 7, 10)],
-    )
+
+
+def successors(template: str, ring: list[str], wrong: tuple[int, ...]) -> None:
+    """What comes after each member of a ring (days, months); the wrong ones at `wrong` steps."""
+    for i, x in enumerate(ring):
+        n = len(ring)
+        add("sequence", template.format(x), ring[(i + 1) % n], [ring[(i + k) % n] for k in wrong])
+
+
+successors("Which day of the week comes after {}?", days, (3, 5, 6))
+successors("Which month comes after {}?", months, (4, 7, 10))
 for i in range(12):
     add(
         "sequence",
