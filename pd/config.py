@@ -247,6 +247,16 @@ class WorkerConfig:
         "than the eager one, so one stream decodes otherwise than several. Off by default",
         choices=("on", "off"),
     )
+    deterministic: bool = _flag(
+        False,
+        "batch-invariant answers: a request's token ids and logprobs are the same bits alone or "
+        "among others, in prefill chunks of any size, on a prefix-cache hit and across a "
+        "migration (every row's attention runs as a decode row's, reading the whole sequence; "
+        "the weight format and LM head must compute a row the same in any batch, else the "
+        "worker refuses to start, naming those that do). No --compile, "
+        "--background-compile on or CUDA graphs",
+        boolean=True,
+    )
     cuda_graph_max_batch: int = _flag(
         0,
         "CUDA, --tp 1: replay decode steps of up to this many sequences from CUDA graphs "
@@ -333,6 +343,18 @@ class WorkerConfig:
         check(
             self.attention_backend in ("auto", "flashinfer", "torch"),
             "--attention-backend must be one of auto, flashinfer, torch",
+        )
+        check(
+            not self.deterministic
+            or not (
+                self.compile
+                or self.background_compile == "on"
+                or self.cuda_graph_max_batch
+                or self.attention_backend == "flashinfer"
+            ),
+            "--deterministic runs the eager steps on the torch attention backend: --compile, "
+            "--background-compile on, --cuda-graph-max-batch and --attention-backend flashinfer "
+            "compute a row otherwise in a batch than alone",
         )
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
         check_origins(self.allowed_origins)

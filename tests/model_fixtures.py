@@ -29,6 +29,7 @@ def make_runner(
     group_size: int = 32,
     keep_q4_1: bool = False,
     lm_head_quantization: str = "auto",
+    deterministic: bool = False,
 ) -> ModelRunner:
     ckpt = default_checkpoint(keep_q4_1)
     return ModelRunner(
@@ -43,6 +44,7 @@ def make_runner(
         quantization=quantization,
         group_size=group_size,
         lm_head_quantization=lm_head_quantization,
+        deterministic=deterministic,
     )
 
 

@@ -38,9 +38,11 @@ from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
 from pd.worker.model.torch_thread import TorchThread
+from pd.worker.model.tuning.deterministic import check_row_invariant
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.text import Tokenizer
 from pd.worker.text.stack_threads import GRAMMAR_STACK_BYTES
@@ -251,6 +253,8 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)
+    if cfg.deterministic:
+        _check_deterministic(cfg, device, choice, mcfg, torch_thread)
     one_row_why = None
     if not cfg.compile:  # --compile compiles every decode step at start-up
         one_row_why = one_row.wanted(
@@ -281,6 +285,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         one_row_compile=one_row_why,
         lm_head_quantization=choice.head,
         act_maxima=_calibration(choice.quantization, device, ckpt, torch_thread),
+        deterministic=cfg.deterministic,
     )
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
     runner.start_background_compile(torch_thread.executor)
@@ -302,6 +307,29 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         kernels=_kernels_health(choice, runner.lm_head_quantization),
         one_row_compile=bg.as_dict if bg is not None else None,
     )
+
+
+def _check_deterministic(
+    cfg: WorkerConfig, device: str, choice: Choice, mcfg: ModelConfig, torch_thread: TorchThread
+) -> None:
+    """--deterministic starts only where its formats compute a row the same in any batch."""
+    if device != "cpu":
+        raise ValueError(
+            f"--deterministic runs on CPU (its row-invariance is measured on torch's CPU "
+            f"kernels), not {device}"
+        )
+    took = torch_thread.run(
+        check_row_invariant,
+        dtype=choice.dtype,
+        quantization=choice.quantization,
+        lm_head_quantization=choice.head,
+        config=mcfg,
+        tp=cfg.tp,
+        group_size=cfg.group_size,
+        chunk_size=cfg.chunk_size,
+        max_running=cfg.max_running_requests,
+    )
+    log.info("--deterministic: the formats compute every row the same in any batch (%.1f s)", took)
 
 
 def _calibration(

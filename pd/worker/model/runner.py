@@ -111,6 +111,7 @@ class ModelRunner:
         one_row_compile: str | None = None,  # why a background compile (one_row.py), or None
         lm_head_quantization: str = "auto",  # auto: the layers' rule (quant.head_quantization)
         act_maxima: ActivationMaxima | None = None,  # smooth-int8's calibration (smooth_quant.py)
+        deterministic: bool = False,  # every row's attention as a decode row's (--deterministic)
     ) -> None:
         check_tp(config, tp)
         check_quantization(quantization)
@@ -172,7 +173,7 @@ class ModelRunner:
                         dtype,
                         dev,
                     ),
-                    attn=select_attention_backend(dev, dtype, attention_backend),
+                    attn=select_attention_backend(dev, dtype, attention_backend, deterministic),
                     rotary=Rotary(config, max_model_len, dev),
                     num_heads=config.num_heads // tp,
                     num_kv_heads=config.num_kv_heads // tp,
@@ -204,6 +205,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.num_pages = num_pages
         self.attention_backend = type(ranks[0].attn).__name__  # reported in /health
+        if deterministic:  # a P and a D pair only when theirs are equal (contract.runtime_format)
+            self.attention_backend += "/uniform"
         self.compiled = compile
         if compile:
             compile_decode(self.model, page_size, num_pages)

@@ -202,12 +202,17 @@ ATTENTION_BACKENDS = ("auto", "flashinfer", "torch")
 
 
 def select_attention_backend(
-    device: torch.device | str, dtype: torch.dtype, want: str = "auto"
+    device: torch.device | str, dtype: torch.dtype, want: str = "auto", uniform: bool = False
 ) -> AttentionBackend:
     """`auto`: FlashInfer on CUDA for bf16/fp16, the torch backend otherwise (CPU, or fp32
     anywhere, or FlashInfer not installed, with a warning). `flashinfer` refuses to fall back:
-    a clear error instead. `torch`: the torch backend."""
+    a clear error instead. `torch`: the torch backend. `uniform` (--deterministic): the torch
+    backend with every row computed as a decode row (`TorchAttentionBackend`)."""
     device = torch.device(device)
+    if uniform:
+        if want == "flashinfer":
+            raise ValueError("--deterministic runs the torch attention backend, not flashinfer")
+        return TorchAttentionBackend(uniform=True)
     if want == "torch":
         return TorchAttentionBackend()
     if want == "flashinfer":

@@ -82,7 +82,14 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self) -> None:
+    """`uniform` (`--deterministic`): every row of a chunk runs as a decode row does (its own
+    SDPA batch entry over its sequence's keys, masked past its position), so a token's attention
+    comes out the same bits in a prefill chunk of any size, at any offset, or as a decode step,
+    alone or among others: what makes an answer independent of chunking, of prefix-cache hits
+    and of migration. It reads every key of the sequence for each row (no causal skip)."""
+
+    def __init__(self, uniform: bool = False) -> None:
+        self.uniform = uniform
         self._plan: _Plan | None = None
         self._scratch: torch.Tensor | None = None  # flat; reused by every layer's gather
         self._graph_inputs: dict[int, DecodeInputs] = {}  # by batch size, for `plan_graph`
@@ -222,28 +229,17 @@ class TorchAttentionBackend(AttentionBackend):
             out[seq.start : seq.end] = self._prefill(q, kv, seq, plan, sm_scale)
         return out
 
-    @staticmethod
     def _prefill(
+        self,
         q: torch.Tensor,  # [T, Hq, D]
         kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages
         seq: _PrefillSeq,
         plan: _Plan,
         sm_scale: float,
-    ) -> torch.Tensor:
-        hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
-        pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
-        kv_seq = pages.reshape(2, hkv, seq.num_pages * page_size, d)[:, :, : seq.kv_len]
-        q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        o = F.scaled_dot_product_attention(
-            q_seq,
-            kv_seq[0][None],  # [1, Hkv, L, D]
-            kv_seq[1][None],  # [1, Hkv, L, D]
-            attn_mask=seq.mask,
-            is_causal=seq.mask is None,
-            scale=sm_scale,
-            enable_gqa=plan.num_qo_heads != hkv,
-        )  # [1, Hq, q_len, D], laid out like q_seq: the transpose back is dense
-        return o[0].transpose(0, 1).contiguous()  # [q_len, Hq, D]
+    ) -> torch.Tensor:  # [q_len, Hq, D]
+        if self.uniform:
+            return _rows_as_decodes(q, kv, seq, plan, sm_scale)
+        return _prefill_chunk(q, kv, seq, plan, sm_scale)
 
     @staticmethod
     def _decode(
@@ -291,6 +287,61 @@ class TorchAttentionBackend(AttentionBackend):
         return buffers
 
 
+def _prefill_chunk(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages
+    seq: _PrefillSeq,
+    plan: _Plan,
+    sm_scale: float,
+) -> torch.Tensor:  # [q_len, Hq, D]
+    """A chunk's rows in one causal SDPA call (its kernel blocks the rows: a row's bits depend
+    on the chunk it comes in)."""
+    hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
+    pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
+    kv_seq = pages.reshape(2, hkv, seq.num_pages * page_size, d)[:, :, : seq.kv_len]
+    q_seq = q[seq.start : seq.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    o = F.scaled_dot_product_attention(
+        q_seq,
+        kv_seq[0][None],  # [1, Hkv, L, D]
+        kv_seq[1][None],  # [1, Hkv, L, D]
+        attn_mask=seq.mask,
+        is_causal=seq.mask is None,
+        scale=sm_scale,
+        enable_gqa=plan.num_qo_heads != hkv,
+    )  # [1, Hq, q_len, D], laid out like q_seq: the transpose back is dense
+    return o[0].transpose(0, 1).contiguous()  # [q_len, Hq, D]
+
+
+# Rows of a chunk per SDPA call in `_rows_as_decodes`: bounds its mask ([rows, keys] floats).
+UNIFORM_ROWS = 256
+
+
+def _rows_as_decodes(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages
+    seq: _PrefillSeq,
+    plan: _Plan,
+    sm_scale: float,
+) -> torch.Tensor:  # [q_len, Hq, D]
+    """A chunk's rows as decode rows: `_decode_math` with each row a sequence of its own, all of
+    them reading the chunk's sequence's pages (a stride-0 view, no copy), each masked past its
+    own position, padded to the sequence's pages as a decode step pads to its longest."""
+    hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
+    num_keys = seq.num_pages * page_size
+    pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
+    kv_seq = pages.reshape(2, hkv, 1, num_keys, d)
+    first = seq.kv_len - (seq.end - seq.start)  # the chunk's first position
+    slots = torch.arange(num_keys, device=q.device)  # [L]
+    out = torch.empty_like(q[seq.start : seq.end])  # [q_len, Hq, D]
+    for lo in range(0, seq.end - seq.start, UNIFORM_ROWS):
+        hi = min(lo + UNIFORM_ROWS, seq.end - seq.start)
+        pos = torch.arange(first + lo, first + hi, device=q.device)  # [R]
+        mask = _additive(slots[None, :] <= pos[:, None], plan.dtype)[None, :, None, :]
+        rows = kv_seq.expand(2, hkv, hi - lo, num_keys, d)  # [2, Hkv, R, L, D], a view
+        out[lo:hi] = _decode_rows(q[seq.start + lo : seq.start + hi], rows, mask, sm_scale)
+    return out
+
+
 def _decode_math(
     q: torch.Tensor,  # [Bd, Hq, D]
     kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages, the decode group's first
@@ -298,11 +349,22 @@ def _decode_math(
     mask: torch.Tensor,  # [1, Bd, 1, max_pages * P] additive
     sm_scale: float,
 ) -> torch.Tensor:
-    bd, hq, d = q.shape
+    bd, _, d = q.shape
     _, hkv, _, page_size, _ = kv.shape
-    group = hq // hkv
     # Merging (max_pages, P) is a view.
     kv_dec = kv[:, :, : bd * max_pages].reshape(2, hkv, bd, max_pages * page_size, d)
+    return _decode_rows(q, kv_dec, mask, sm_scale)
+
+
+def _decode_rows(
+    q: torch.Tensor,  # [Bd, Hq, D]
+    kv_dec: torch.Tensor,  # [2, Hkv, Bd, L, D] each row's keys and values
+    mask: torch.Tensor,  # [1, Bd, 1, L] additive
+    sm_scale: float,
+) -> torch.Tensor:  # [Bd, Hq, D]
+    bd, hq, d = q.shape
+    hkv = kv_dec.shape[1]
+    group = hq // hkv
     # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
     q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
     # One path for every batch: a matmul-softmax-matmul path for fp32 from 8 sequences on
