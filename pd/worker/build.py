@@ -42,6 +42,7 @@ from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
 from pd.worker.model.torch_thread import TorchThread
+from pd.worker.model.tuning.answer_judge import prompt_ids
 from pd.worker.model.tuning.deterministic import check_row_invariant
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
 from pd.worker.text import Tokenizer
@@ -233,7 +234,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         keep = (cfg.quantization == "auto" or holds_int4(cfg.quantization)) and cfg.group_size == 32
         path = cfg.model or default_model_path()
         ckpt = torch_thread.run(load_checkpoint, path, torch.float32, keep_q4_1=keep)
-    mcfg = ckpt.config
+    mcfg, tok = ckpt.config, ckpt.tokenizer
     choice = torch_thread.run(
         resolve_kernels,
         dtype=cfg.dtype,
@@ -250,6 +251,7 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         digest=ckpt.digest,
         compile=cfg.compile,
         lm_head_quantization=cfg.lm_head_quantization,
+        judge_prompts=lambda: prompt_ids(tok.encode, tok.apply_chat_template),
     )
     log.info("%s", choice.summary())
     dtype = resolve_dtype(choice.dtype, device)

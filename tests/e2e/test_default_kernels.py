@@ -4,7 +4,8 @@ and D, README's answer, and the same greedy tokens whether a request runs alone 
 co-located and through router + P + D.
 
 Three workers start at once on an empty cache directory: the first to take the search's lock
-measures (~30 s at one thread), the other two wait and read its choice.
+measures and judges (the answer judge on 8 of its prompts), the other two wait and read its
+choice.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ TOKENS = 64
 def deployment(tmp_path_factory):
     """{role: url} of a prefill, a decode and a co-located worker on the default kernels, started
     at once on an empty cache directory."""
-    env = {"PD_KERNEL_SEARCH": "1", "PD_CACHE_DIR": str(tmp_path_factory.mktemp("pd-cache"))}
+    env = {
+        "PD_KERNEL_SEARCH": "1",
+        "PD_CACHE_DIR": str(tmp_path_factory.mktemp("pd-cache")),
+        "PD_ANSWER_JUDGE_PROMPTS": "8",  # the answer judge on 8 of its 64 prompts: CI's minutes
+    }
     roles = ("prefill", "decode", "both")
     procs = start_workers(*(("--role", r, *FLAGS) for r in roles), timeout=600, env=env)
     try:
@@ -63,6 +68,11 @@ async def test_workers_of_one_machine_share_one_search_and_one_format(deployment
     measured = next(h["kernels"] for h in health.values() if h["kernels"]["how"] == "measured")
     chosen = f"{measured['dtype']}/{measured['quantization']}"
     assert measured["row_differs"][chosen] is None  # a row computed the same in every batch
+    # the answer judge ran, and the layers with the chosen head answer like fp32 at least as
+    # well as bf16 without quantization does, less one prompt's worth
+    answers = measured["answers"]
+    runs = measured["lm_head"]["runs"]
+    assert answers["agreement"][f"{chosen}, head {runs}"] >= answers["bar"], answers
     assert "@" not in fmt["linear"] and "@" not in fmt["lm_head"]  # no split by default
     # an explicit --dtype takes the checkpoint's weights as they are: no quantized weights
     proc, url = start_worker("--role", "both", "--dtype", "float32", *FLAGS, env=env)

@@ -414,3 +414,36 @@ def test_a_cached_choice_with_bad_values_is_refused_and_measured_again():
     ]:
         with pytest.raises(ValueError, match=needle):
             _checked(bad, cands, ["none", "int4"], "auto")
+
+
+def test_the_answer_judge_is_asked_last_and_a_candidate_it_refuses_is_passed_over():
+    from pd.worker.model.tuning.autotune import choose_head
+
+    ms = {
+        C(BF16, "int4"): {1: 5.0, 512: 200.0},  # fastest: its answers fail
+        C(F32, "int4"): {1: 6.0, 512: 250.0},
+        C(F32, "none"): {1: 20.0, 512: 300.0},
+    }
+    w = {1: 0.5, 512: 0.5}
+    judged: list[Candidate] = []
+
+    def accepts(c: Candidate) -> bool:
+        judged.append(c)
+        return c != C(BF16, "int4")
+
+    ok = lambda c: 1.0  # noqa: E731
+    over = lambda c: 2.0 if c == C(F32, "int4") else 1.0  # noqa: E731
+    assert choose(ms, w, ok, SAME, accepts=accepts)[0] == C(F32, "int4")
+    assert judged == [C(BF16, "int4"), C(F32, "int4")]  # best first, once each
+    judged.clear()
+    # a candidate over the perplexity bound is never shown to the answer judge
+    assert choose(ms, w, over, SAME, accepts=accepts)[0] == C(F32, "none")
+    assert C(F32, "int4") not in judged
+    # the LM head: the rule's answers fail, so the best head whose answers pass wins
+    rule = C(F32, "int8")
+    heads = {rule: {1: 2.0}, C(F32, "onednn-bf16"): {1: 2.5}, C(F32, "none"): {1: 3.0}}
+    no_rule = lambda c: c != rule  # noqa: E731
+    assert choose_head(heads, {1: 8.0}, {1: 1.0}, ok, rule, SAME, accepts=no_rule)[0] == C(
+        F32, "onednn-bf16"
+    )
+    assert choose_head(heads, {1: 8.0}, {1: 1.0}, ok, rule, SAME)[0] == rule

@@ -124,6 +124,13 @@ class Choice:
     # (row_invariance.py: "down at 33 rows"), or None where it never does.
     row_differs: dict[str, str | None] = field(default_factory=dict)
     head_row_differs: dict[str, str | None] = field(default_factory=dict)
+    # The answer judge (answer_judge.py): each judged configuration's mean leading tokens equal
+    # to fp32's ("float32/int4, head none"), the worse
+    # of alone and all at once; the least accepted (bf16-none's less one prompt's worth); its
+    # seconds. Empty where it did not run.
+    agreement: dict[str, float] = field(default_factory=dict)
+    agreement_bar: float | None = None
+    judge_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -142,6 +149,11 @@ class Choice:
                 "score": _rounded_scores(self.head_scores),
                 "perplexity_ratio": {c: round(p, 4) for c, p in self.head_perplexity_ratio.items()},
                 "row_differs": dict(self.head_row_differs),
+            },
+            "answers": {
+                "agreement": {c: round(a, 3) for c, a in self.agreement.items()},
+                "bar": None if self.agreement_bar is None else round(self.agreement_bar, 3),
+                "judge_s": round(self.judge_s, 2),
             },
         }
 
@@ -162,6 +174,9 @@ class Choice:
             head_perplexity_ratio=dict(head["perplexity_ratio"]),
             row_differs=dict(d["row_differs"]),
             head_row_differs=dict(head["row_differs"]),
+            agreement=dict(d["answers"]["agreement"]),
+            agreement_bar=d["answers"]["bar"],
+            judge_s=d["answers"]["judge_s"],
         )
 
     def summary(self) -> str:
@@ -180,6 +195,7 @@ class Choice:
                 + ("" if differs is None else f"; a row differs in a batch: {differs}")
                 + ")"
             )
+        agreed = ", ".join(f"{name} {a:.2f}" for name, a in self.agreement.items())
         ppl_h = self.head_perplexity_ratio
         heads = [
             f"{name} x{s:.2f}" + (f" (perplexity x{ppl_h[name]:.3f})" if name in ppl_h else "")
@@ -194,6 +210,12 @@ class Choice:
             + "): "
             + ("; ".join(parts) or "nothing timed")
             + (f"; LM heads: {'; '.join(heads)}" if heads else "")
+            + (
+                f"; answers agree with fp32's for {agreed} leading tokens (at least "
+                f"{self.agreement_bar:.2f}, judged in {self.judge_s:.1f} s)"
+                if self.agreement_bar is not None
+                else ""
+            )
         )
 
 
@@ -232,14 +254,17 @@ def choose(
     row_invariant: Callable[[Candidate], bool],
     bound: float = PPL_BOUND,
     prefer_dtype: str | None = None,
+    accepts: Callable[[Candidate], bool] = lambda c: True,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
     """(the choice, the scores, the perplexity ratios measured): the best-scored candidate
     that computes a row the same at any batch (`row_invariant`) and whose perplexity over the
     reference's (`ratio_of`) is within `bound`, or the best of `prefer_dtype` when it scores
-    within `DTYPE_TIE` of it. Each judge is asked only of candidates tried, best first, the
-    cheap one (`row_invariant`) first, and at most once each. Where no candidate computes rows
-    the same at every batch, the best within the bound (the caller says so). Refuses
-    (ValueError) when no candidate passes the bound."""
+    within `DTYPE_TIE` of it; `accepts` (the answer judge, answer_judge.py) must pass too. Each
+    judge is asked only of candidates tried, best first, the cheap ones first (`row_invariant`,
+    then the perplexity, then the answers), and at most once each. Where no candidate computes
+    rows the same at every batch, the best within the bound whose answers pass, else the best
+    within the bound (the caller says so). Refuses (ValueError) when no candidate passes the
+    bound."""
     ratios: dict[Candidate, float] = {}
 
     def within_bound(c: Candidate) -> bool:
@@ -251,19 +276,31 @@ def choose(
             ratios[c] = ratio_of(c)
         return ratios[c] <= bound
 
+    answers: dict[Candidate, bool] = {}
+
+    def answers_pass(c: Candidate) -> bool:
+        if c not in answers:
+            answers[c] = accepts(c)
+        return answers[c]
+
     def passes(c: Candidate) -> bool:
-        return row_invariant(c) and within_bound(c)
+        return row_invariant(c) and within_bound(c) and answers_pass(c)
+
+    def judged(c: Candidate) -> bool:
+        return within_bound(c) and answers_pass(c)
 
     score = scores(ms, weights)
     pool = [c for c in ms if not c.is_split] or list(ms)  # a split only where pinned
-    chosen = _best(pool, score, passes) or _best(pool, score, within_bound)
+    chosen = (
+        _best(pool, score, passes) or _best(pool, score, judged) or _best(pool, score, within_bound)
+    )
     if chosen is None:
         raise ValueError(
             "no kernel configuration keeps the perplexity within "
             f"{bound}x of fp32's: pin --dtype float32 --quantization none"
         )
     if prefer_dtype is not None and prefer_dtype != chosen.dtype:
-        same = passes if passes(chosen) else within_bound
+        same = passes if passes(chosen) else judged if judged(chosen) else within_bound
         alt = _best([c for c in pool if c.dtype == prefer_dtype], score, same)
         if alt is not None and score[alt] <= score[chosen] * DTYPE_TIE:
             chosen = alt
@@ -278,6 +315,7 @@ def choose_head(
     rule: Candidate,
     row_invariant: Callable[[Candidate], bool],
     bound: float = PPL_BOUND,
+    accepts: Callable[[Candidate], bool] = lambda c: True,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
     """The LM head for layers already chosen (with `rule`'s head, which passed the bound with
     them): (the head, the scores at `weights`, the perplexity ratios measured). `ms` holds each
@@ -286,20 +324,26 @@ def choose_head(
     own), so a head's share of a prefill chunk counts for what it is. `ratio_of` gives the
     perplexity of the chosen layers with that head. The best head that computes a row the same
     at every batch (`row_invariant`) and passes the bound; the rule unless another beats it by
-    HEAD_GAIN (or the rule itself computes rows otherwise in a batch); the rule where no head
-    computes rows the same. At a co-located worker's batches half the weight is the prefill
+    HEAD_GAIN (or the rule itself fails); the rule where no head passes. Passing is computing
+    rows the same at any batch, the perplexity bound and `accepts` (the answer judge), asked in
+    that order. At a co-located worker's batches half the weight is the prefill
     chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a ~9 ms
     step) scores ~3% better."""
     ratios: dict[Candidate, float] = {}
 
+    answers: dict[Candidate, bool] = {}
+
     def passes(c: Candidate) -> bool:
         if c.is_split or not row_invariant(c):
             return False
-        if c == rule:
-            return True
-        if c not in ratios:
-            ratios[c] = ratio_of(c)
-        return ratios[c] <= bound
+        if c != rule:
+            if c not in ratios:
+                ratios[c] = ratio_of(c)
+            if ratios[c] > bound:
+                return False
+        if c not in answers:
+            answers[c] = accepts(c)
+        return answers[c]
 
     body = {r: max(step_ms[r] - ms[rule][r], 0.0) for r in weights}
     steps = {c: {r: body[r] + t[r] for r in weights if r in t} for c, t in ms.items()}

@@ -23,6 +23,7 @@ from pd.worker.model.kernels import DYNAMIC_INT8
 from pd.worker.model.quant import Weight, head_quantization
 from pd.worker.model.smooth_quant import SMOOTH_INT8
 from pd.worker.model.tuning import kernel_cache
+from pd.worker.model.tuning.answer_judge import AnswerJudge
 from pd.worker.model.tuning.autotune import (
     REFERENCE,
     Candidate,
@@ -94,11 +95,13 @@ def resolve_kernels(
     digest: str,
     compile: bool = False,
     lm_head_quantization: str = "auto",
+    judge_prompts: Callable[[], list[list[int]]] | None = None,
 ) -> Choice:
     """The worker's (dtype, quantization, LM head), with the figures behind it. Runs torch ops:
     call it on the worker's torch thread, with `threads` its thread count. The head is measured
     when the layers are (`--quantization auto`) and it is not pinned; else it is the pinned one,
-    or the layers' rule ("auto")."""
+    or the layers' rule ("auto"). `judge_prompts`: the answer judge's prompts as token ids
+    (answer_judge.py; None: no answer judge, the perplexity bound alone)."""
     head = lm_head_quantization
     if dtype != "auto" and quantization != "auto":
         return Choice(dtype, quantization, "pinned", head=head)
@@ -140,7 +143,8 @@ def resolve_kernels(
                 log.warning("a kernel choice in the cache is unusable (%s): measured again", e)
         choice = _search(
             cands, formats, config, tp, group_size, chunk_size, max_running, weights, encode,
-            measure_head=head == "auto" and quantization == "auto",
+            measure_head=head == "auto" and quantization == "auto", judge_prompts=judge_prompts,
+            head=head,
         )  # fmt: skip
         kernel_cache.store(key, choice.as_dict())
     return choice
@@ -173,6 +177,8 @@ def _search(
     weights: Mapping[str, Weight],
     encode: Callable[[str], list[int]],
     measure_head: bool,
+    judge_prompts: Callable[[], list[list[int]]] | None = None,
+    head: str = "auto",
 ) -> Choice:
     """Judge `cands` for computing a row the same in every batch (row_invariance.py), time
     those that do (all where none does), judge their perplexity best first and choose
@@ -203,10 +209,19 @@ def _search(
     judge = PerplexityJudge(config, weights, encode(shipped_text()), tp, group_size, encode)
 
     def row_invariant(c: Candidate) -> bool:
-        return differs[c] is None
+        return differs.get(c, "not measured") is None
+
+    answers = None
+    if judge_prompts is not None:
+        answers = AnswerJudge(judge_prompts(), judge, chunk_size, row_invariant)
+
+    def accepts(c: Candidate) -> bool:
+        """The layers' answers, with a dense head in their dtype when the head is chosen next
+        (a lossy head's answers are its own judgement), else with the head they will run."""
+        return answers is None or answers.accepts(c, "none" if measure_head else head)
 
     chosen, scores, ratios = choose(
-        ms, batches, judge.ratio, row_invariant, prefer_dtype=REFERENCE[0]
+        ms, batches, judge.ratio, row_invariant, prefer_dtype=REFERENCE[0], accepts=accepts
     )
     if differs.get(chosen) is not None:
         log.warning(
@@ -225,7 +240,15 @@ def _search(
         row_differs={c.name: d for c, d in differs.items()},
     )
     if measure_head:
-        _measured_head(choice, chosen, ms[chosen], formats, config, chunk_size, max_running, judge)
+        _measured_head(
+            choice, chosen, ms[chosen], formats, config, chunk_size, max_running, judge, answers
+        )
+    if answers is not None and answers.agreements:
+        choice.agreement = {
+            f"{c.name}, head {h}": a.counted for (c, h), a in answers.agreements.items()
+        }
+        choice.agreement_bar = answers.bar()
+        choice.judge_s = answers.seconds
     choice.search_s = time.perf_counter() - start
     return choice
 
@@ -239,6 +262,7 @@ def _measured_head(
     chunk_size: int,
     max_running: int,
     judge: PerplexityJudge,
+    answers: AnswerJudge | None = None,
 ) -> None:
     """The LM head for the chosen layers (`autotune.choose_head`), into `choice`: every format
     in the layers' dtype, the head alone timed at the search's batches, scored by the step it
@@ -258,9 +282,13 @@ def _measured_head(
     def row_invariant(c: Candidate) -> bool:
         return differs[c.quantization] is None
 
+    def accepts(h: Candidate) -> bool:
+        return answers is None or answers.accepts(layers, h.quantization)
+
     head, scores, ratios = choose_head(
-        ms, step_ms, batches, lambda h: judge.head_ratio(layers, h), rule, row_invariant
-    )
+        ms, step_ms, batches, lambda h: judge.head_ratio(layers, h), rule, row_invariant,
+        accepts=accepts,
+    )  # fmt: skip
     if differs[head.quantization] is not None:
         log.warning(
             "no LM head computes a row the same in every batch here: %s",

@@ -395,19 +395,33 @@ class PerplexityJudge:
         return self._maxima
 
     def _runner(self, c: Candidate) -> ModelRunner:
+        return self.runner(c, "auto", pages_for(len(self.ids), 16) + 1, len(self.ids) + 16)
+
+    def runner(
+        self, c: Candidate, head: str, num_pages: int, max_len: int | None = None
+    ) -> ModelRunner:
+        """A model of `c` with the LM head `head` (auto: its rule), `num_pages` pages of 16,
+        for sequences of up to `max_len` tokens (default: all its pages')."""
         return ModelRunner(
             self.config,
             self.weights,
             tp=self.tp,
             dtype=DTYPES[c.dtype],
             device="cpu",
-            num_pages=pages_for(len(self.ids), 16) + 1,
+            num_pages=num_pages,
             page_size=16,
-            max_model_len=len(self.ids) + 16,
+            max_model_len=max_len or num_pages * 16,
             quantization=c.quantization,
             group_size=self.group_size,
+            lm_head_quantization=head,
             act_maxima=self._act_maxima(c.quantization),
         )
+
+    def head(self, dtype: str, fmt: str) -> quant.Linear:
+        """The LM head in `fmt` for layers in `dtype`."""
+        t = DTYPES[dtype]
+        w = lm_head_weight(self.config, self.weights, t)
+        return quant.make_linear(w, None, fmt, self.group_size, t, torch.device("cpu"))
 
     def perplexity(self, c: Candidate) -> float:
         t = time.perf_counter()
@@ -455,11 +469,7 @@ class PerplexityJudge:
             if key not in self._head_ratios:
                 t = time.perf_counter()
                 hidden = self._hidden(Candidate(layers.dtype, lq))
-                dtype = DTYPES[layers.dtype]
-                w = lm_head_weight(self.config, self.weights, dtype)
-                layer: quant.Linear = quant.make_linear(
-                    w, None, fmt, self.group_size, dtype, torch.device("cpu")
-                )
+                layer: quant.Linear = self.head(layers.dtype, fmt)
                 if rows is not None:
                     layer = ChunkedLinear(layer, rows)
                 with torch.inference_mode():
