@@ -5,6 +5,7 @@ bad constraints are 400s. Every page is free after each scenario."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -98,8 +99,11 @@ def schema_format(schema: dict) -> dict:
 
 
 async def test_json_schema_samples_parse_and_validate(route):
+    """Every seed's sample at once: each constrained among the others (a seeded draw is the
+    same whatever shares its batch)."""
     url, http = route
-    for seed in SEEDS:
+
+    async def one(seed: int) -> None:
         answer = await chat(
             http, url, PERSON, temperature=1.0, seed=seed, max_tokens=160,
             response_format=schema_format(SCHEMA),
@@ -108,10 +112,13 @@ async def test_json_schema_samples_parse_and_validate(route):
         assert choice["finish_reason"] == "stop", choice
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
+    await asyncio.gather(*(one(seed) for seed in SEEDS))
+
 
 async def test_regex_and_choice_match_exactly(route):
     url, http = route
-    for seed in SEEDS:
+
+    async def one(seed: int) -> None:
         answer = await chat(
             http, url, "Give me a phone number.", temperature=1.0, seed=seed, max_tokens=20,
             structured_outputs={"regex": r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"},
@@ -123,6 +130,8 @@ async def test_regex_and_choice_match_exactly(route):
             max_tokens=10, guided_choice=["Paris", "London", "Berlin"],
         )  # fmt: skip
         assert answer["choices"][0]["message"]["content"] in ("Paris", "London", "Berlin")
+
+    await asyncio.gather(*(one(seed) for seed in SEEDS))
 
 
 async def test_the_first_token_is_constrained_where_it_is_sampled(route):

@@ -144,23 +144,27 @@ def without_ids(message: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_required_and_named_calls_validate_over_seeds(client):
-    for seed in SEEDS:
-        stream = seed % 2 == 0
-        parallel = seed % 4 < 2
-        message, finish = await ask(
-            client, stream, tool_choice="required", parallel_tool_calls=parallel,
-            temperature=1.0, seed=seed, max_tokens=200,
-        )  # fmt: skip
-        assert finish == "tool_calls", (seed, message)
-        calls = valid_calls(message)
-        assert calls and (parallel or len(calls) == 1), (seed, message)
-        assert message.get("content") is None, message
-        message, finish = await ask(
-            client, not stream, temperature=1.0, seed=seed, max_tokens=100,
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-        )  # fmt: skip
-        assert finish == "tool_calls", (seed, message)
-        assert [name for name, _ in valid_calls(message)] == ["get_time"], message
+    """Every seed at once (a seeded draw is the same whatever shares its batch)."""
+    await asyncio.gather(*(_required_and_named(client, seed) for seed in SEEDS))
+
+
+async def _required_and_named(client, seed: int) -> None:
+    stream = seed % 2 == 0
+    parallel = seed % 4 < 2
+    message, finish = await ask(
+        client, stream, tool_choice="required", parallel_tool_calls=parallel,
+        temperature=1.0, seed=seed, max_tokens=200,
+    )  # fmt: skip
+    assert finish == "tool_calls", (seed, message)
+    calls = valid_calls(message)
+    assert calls and (parallel or len(calls) == 1), (seed, message)
+    assert message.get("content") is None, message
+    message, finish = await ask(
+        client, not stream, temperature=1.0, seed=seed, max_tokens=100,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    assert finish == "tool_calls", (seed, message)
+    assert [name for name, _ in valid_calls(message)] == ["get_time"], message
 
 
 async def test_an_open_schema_admits_only_its_declared_keys_over_20_seeds(client):
