@@ -5,8 +5,9 @@
 HND cache into a scratch buffer laid out [2, Hkv, pages, page_size, D], so each sequence's K/V
 is a dense view. Sequences that append one token (decode) then run as one padded batch through
 SDPA (`_decode_math`), one path for any number of sequences: each sequence's row comes out the
-same bits alone or among others, padded or not (tested); sequences that append a chunk (prefill) run one SDPA call each. SDPA accumulates bf16/fp16 in
-fp32 itself.
+same bits alone or among others, padded or not (tested); sequences that append a chunk (prefill) run one SDPA call each
+(`uniform`, `--deterministic`: each row of a chunk as a decode row instead). SDPA accumulates
+bf16/fp16 in fp32 itself.
 
 NOTE: the scratch buffer is kept and reused across layers and steps (it only grows): a fresh
 multi-MB tensor per layer costs more in page faults than the gather itself.
