@@ -37,7 +37,7 @@ def _logits(runner: ModelRunner, chunk: int, others: int) -> torch.Tensor:
     for start in range(0, N, chunk):
         tokens = seq[start : start + chunk]
         batch = [
-            (list(range(2 + OTHER_PAGES * i, 2 + OTHER_PAGES * (i + 1))), cached[i], [seq[i]])
+            (list(range(2 + OTHER_PAGES * i, 2 + OTHER_PAGES * (i + 1))), cached[i], [seq[i % N]])
             for i in range(others)
         ] + [(PAGES, start, tokens)]
         meta = build_paged_metadata([(p, c, len(t)) for p, c, t in batch], runner.page_size, "cpu")
