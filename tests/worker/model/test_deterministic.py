@@ -28,18 +28,24 @@ def runner() -> ModelRunner:
     )  # fmt: skip
 
 
-def _logits(runner: ModelRunner, chunk: int, others: int) -> torch.Tensor:
-    """[N, V]: the sequence's logits, prefilled `chunk` tokens a step, with `others` sequences
+def _logits(runner: ModelRunner, chunk: int, others: int, n: int = N) -> torch.Tensor:
+    """[n, V]: the sequence's logits, prefilled `chunk` tokens a step, with `others` sequences
     decoding a token each step (their rows before its own)."""
-    seq = torch.randint(100, 40000, (N,), generator=torch.Generator().manual_seed(0)).tolist()
+    seq = torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     cached = [20 + i for i in range(others)]  # at most 74 tokens: 5 pages
     rows = []
-    for start in range(0, N, chunk):
+    pages = list(range(-(-n // 16))) if n > N else PAGES
+    base = len(pages)  # the others' pages follow its own
+    for start in range(0, n, chunk):
         tokens = seq[start : start + chunk]
         batch = [
-            (list(range(2 + OTHER_PAGES * i, 2 + OTHER_PAGES * (i + 1))), cached[i], [seq[i % N]])
+            (
+                list(range(base + OTHER_PAGES * i, base + OTHER_PAGES * (i + 1))),
+                cached[i],
+                [seq[i % n]],
+            )
             for i in range(others)
-        ] + [(PAGES, start, tokens)]
+        ] + [(pages, start, tokens)]
         meta = build_paged_metadata([(p, c, len(t)) for p, c, t in batch], runner.page_size, "cpu")
         ids = torch.tensor([x for *_, t in batch for x in t])
         rows.append(runner.model.forward(ids, meta, torch.arange(len(ids)))[-len(tokens) :])
@@ -54,6 +60,11 @@ def test_a_sequences_logits_are_the_same_bits_in_any_step(runner):
         got = _logits(runner, chunk, others)
         same = int((got == reference).all(dim=1).sum())
         assert same == N, f"chunks of {chunk} beside {others}: {same} of {N} rows the same"
+    # longer than a block of rows (UNIFORM_ROWS: each block reads the keys up to its last row)
+    reference = _logits(runner, 150, 0, n=150)
+    for chunk in (70, 33):
+        same = int((_logits(runner, chunk, 3, n=150) == reference).all(dim=1).sum())
+        assert same == 150, f"150 tokens in chunks of {chunk}: {same} rows the same"
 
 
 @pytest.mark.slow

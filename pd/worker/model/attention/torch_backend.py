@@ -313,8 +313,9 @@ def _prefill_chunk(
     return o[0].transpose(0, 1).contiguous()  # [q_len, Hq, D]
 
 
-# Rows of a chunk per SDPA call in `_rows_as_decodes`: bounds its mask ([rows, keys] floats).
-UNIFORM_ROWS = 256
+# Rows of a chunk per SDPA call in `_rows_as_decodes`: each call reads the keys up to its last
+# row's position, so smaller blocks skip more of the masked keys (a causal chunk's saving).
+UNIFORM_ROWS = 64
 
 
 def _rows_as_decodes(
@@ -328,17 +329,19 @@ def _rows_as_decodes(
     them reading the chunk's sequence's pages (a stride-0 view, no copy), each masked past its
     own position, padded to the sequence's pages as a decode step pads to its longest."""
     hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
-    num_keys = seq.num_pages * page_size
     pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
-    kv_seq = pages.reshape(2, hkv, 1, num_keys, d)
+    kv_seq = pages.reshape(2, hkv, 1, seq.num_pages * page_size, d)
     first = seq.kv_len - (seq.end - seq.start)  # the chunk's first position
-    slots = torch.arange(num_keys, device=q.device)  # [L]
     out = torch.empty_like(q[seq.start : seq.end])  # [q_len, Hq, D]
     for lo in range(0, seq.end - seq.start, UNIFORM_ROWS):
         hi = min(lo + UNIFORM_ROWS, seq.end - seq.start)
+        # the pages up to the block's last position: a decode row's padding, as a decode step
+        # pads a sequence to its batch's longest (masked keys add exact zeros)
+        num_keys = -(-(first + hi) // page_size) * page_size
+        slots = torch.arange(num_keys, device=q.device)  # [L]
         pos = torch.arange(first + lo, first + hi, device=q.device)  # [R]
         mask = _additive(slots[None, :] <= pos[:, None], plan.dtype)[None, :, None, :]
-        rows = kv_seq.expand(2, hkv, hi - lo, num_keys, d)  # [2, Hkv, R, L, D], a view
+        rows = kv_seq[:, :, :, :num_keys].expand(2, hkv, hi - lo, num_keys, d)  # a view
         out[lo:hi] = _decode_rows(q[seq.start + lo : seq.start + hi], rows, mask, sm_scale)
     return out
 
