@@ -87,7 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
     SDPA batch entry over its sequence's keys, masked past its position), so a token's attention
     comes out the same bits in a prefill chunk of any size, at any offset, or as a decode step,
     alone or among others: what makes an answer independent of chunking, of prefix-cache hits
-    and of migration. It reads every key of the sequence for each row (no causal skip)."""
+    and of migration."""
 
     def __init__(self, uniform: bool = False) -> None:
         self.uniform = uniform
