@@ -327,7 +327,8 @@ def _rows_as_decodes(
 ) -> torch.Tensor:  # [q_len, Hq, D]
     """A chunk's rows as decode rows: `_decode_math` with each row a sequence of its own, all of
     them reading the chunk's sequence's pages (a stride-0 view, no copy), each masked past its
-    own position, padded to the sequence's pages as a decode step pads to its longest."""
+    own position; a block of rows reads the pages up to its last row, padded as a decode step
+    pads a sequence to its batch's longest."""
     hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
     pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
     kv_seq = pages.reshape(2, hkv, 1, seq.num_pages * page_size, d)
