@@ -60,6 +60,18 @@ class _PrefillSeq:
     num_pages: int
     kv_len: int  # num_cached + num_new
     mask: torch.Tensor | None  # [q_len, kv_len] additive, bottom-right causal; None: is_causal
+    # `uniform`: its rows in blocks (`_row_blocks`), each block's mask made once a step
+    blocks: tuple[_RowBlock, ...] = ()
+
+
+@dataclass(frozen=True)
+class _RowBlock:
+    """Rows lo:hi of a chunk run as decode rows over the first `num_keys` keys."""
+
+    lo: int
+    hi: int
+    num_keys: int  # the pages up to the block's last row's position
+    mask: torch.Tensor  # [1, hi - lo, 1, num_keys] additive: 0 where key <= the row's position
 
 
 @dataclass(frozen=True)
@@ -129,15 +141,20 @@ class TorchAttentionBackend(AttentionBackend):
             if q_len == 1:
                 continue
             num_cached = kv_len - q_len
-            mask = None
-            if num_cached > 0:
+            mask: torch.Tensor | None = None
+            blocks: tuple[_RowBlock, ...] = ()
+            if self.uniform:
+                blocks = _row_blocks(num_cached, q_len, meta.page_size, dtype, device)
+            elif num_cached > 0:
                 query_pos = torch.arange(num_cached, kv_len, device=device)  # [q_len]
                 key_pos = torch.arange(kv_len, device=device)  # [kv_len]
                 mask = _additive(key_pos[None, :] <= query_pos[:, None], dtype)  # [q_len, L]
             num_pages = kv_indptr[b + 1] - kv_indptr[b]
             gather.append(kv_indices[kv_indptr[b] : kv_indptr[b + 1]])
             prefills.append(
-                _PrefillSeq(qo_indptr[b], qo_indptr[b + 1], num_gathered, num_pages, kv_len, mask)
+                _PrefillSeq(
+                    qo_indptr[b], qo_indptr[b + 1], num_gathered, num_pages, kv_len, mask, blocks
+                )
             )
             num_gathered += num_pages
 
@@ -318,6 +335,23 @@ def _prefill_chunk(
 UNIFORM_ROWS = 64
 
 
+def _row_blocks(
+    first: int, rows: int, page_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[_RowBlock, ...]:
+    """A chunk of `rows` rows from position `first`, in blocks of UNIFORM_ROWS: each reads the
+    pages up to its last row's position, padded as a decode step pads a sequence to its batch's
+    longest (masked keys add exact zeros). Planned once a step; every layer reuses them."""
+    blocks = []
+    for lo in range(0, rows, UNIFORM_ROWS):
+        hi = min(lo + UNIFORM_ROWS, rows)
+        num_keys = -(-(first + hi) // page_size) * page_size
+        slots = torch.arange(num_keys, device=device)  # [L]
+        pos = torch.arange(first + lo, first + hi, device=device)  # [R]
+        mask = _additive(slots[None, :] <= pos[:, None], dtype)[None, :, None, :]
+        blocks.append(_RowBlock(lo, hi, num_keys, mask))
+    return tuple(blocks)
+
+
 def _rows_as_decodes(
     q: torch.Tensor,  # [T, Hq, D]
     kv: torch.Tensor,  # [2, Hkv, G, P, D] gathered pages
@@ -327,23 +361,15 @@ def _rows_as_decodes(
 ) -> torch.Tensor:  # [q_len, Hq, D]
     """A chunk's rows as decode rows: `_decode_math` with each row a sequence of its own, all of
     them reading the chunk's sequence's pages (a stride-0 view, no copy), each masked past its
-    own position; a block of rows reads the pages up to its last row, padded as a decode step
-    pads a sequence to its batch's longest."""
+    own position, block by block (`_row_blocks`)."""
     hkv, d, page_size = plan.num_kv_heads, plan.head_dim, plan.page_size
     pages = kv[:, :, seq.first_page : seq.first_page + seq.num_pages]  # [2, Hkv, n, P, D]
     kv_seq = pages.reshape(2, hkv, 1, seq.num_pages * page_size, d)
-    first = seq.kv_len - (seq.end - seq.start)  # the chunk's first position
     out = torch.empty_like(q[seq.start : seq.end])  # [q_len, Hq, D]
-    for lo in range(0, seq.end - seq.start, UNIFORM_ROWS):
-        hi = min(lo + UNIFORM_ROWS, seq.end - seq.start)
-        # the pages up to the block's last position: a decode row's padding, as a decode step
-        # pads a sequence to its batch's longest (masked keys add exact zeros)
-        num_keys = -(-(first + hi) // page_size) * page_size
-        slots = torch.arange(num_keys, device=q.device)  # [L]
-        pos = torch.arange(first + lo, first + hi, device=q.device)  # [R]
-        mask = _additive(slots[None, :] <= pos[:, None], plan.dtype)[None, :, None, :]
-        rows = kv_seq[:, :, :, :num_keys].expand(2, hkv, hi - lo, num_keys, d)  # a view
-        out[lo:hi] = _decode_rows(q[seq.start + lo : seq.start + hi], rows, mask, sm_scale)
+    for b in seq.blocks:
+        rows = kv_seq[:, :, :, : b.num_keys].expand(2, hkv, b.hi - b.lo, b.num_keys, d)  # a view
+        q_rows = q[seq.start + b.lo : seq.start + b.hi]
+        out[b.lo : b.hi] = _decode_rows(q_rows, rows, b.mask, sm_scale)
     return out
 
 
