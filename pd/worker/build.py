@@ -41,7 +41,7 @@ from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype,
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
-from pd.worker.model.torch_thread import TorchThread
+from pd.worker.model.torch_thread import DEFAULT_THREADS, TorchThread
 from pd.worker.model.tuning.answer_judge import prompt_ids
 from pd.worker.model.tuning.deterministic import check_row_invariant
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
@@ -226,7 +226,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
 def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
     device = resolve_device(cfg.device)
     # Every torch op of this worker runs on one thread, loading included (see torch_thread.py).
-    threads = cfg.threads or torch.get_num_threads()
+    threads = cfg.threads or DEFAULT_THREADS
     torch_thread = TorchThread(threads, GRAMMAR_STACK_BYTES)  # it fills grammar masks
     if ckpt is None:
         # int4 in groups of 32 packs a GGUF's Q4_1 blocks as they are (no float round trip);

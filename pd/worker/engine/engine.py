@@ -34,6 +34,7 @@ from pd.worker.engine.scheduler import Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.runner import StepBatch
 from pd.worker.model.sampler import SampleOutput
+from pd.worker.model.torch_thread import DEFAULT_THREADS
 from pd.worker.text.detokenizer import IncrementalDetokenizer
 from pd.worker.text.stop import StopChecker
 from pd.worker.text.token_rules import TokenRules
@@ -421,12 +422,12 @@ class Engine:
     def start(self) -> None:
         """Start the loop task on the running event loop (again after `stop`, e.g. in tests)."""
         self._wakeup = asyncio.Event()
-        # Without a torch thread, the forward thread uses as many torch threads as the process.
+        # Without a torch thread, the forward thread uses torch's default count (one per core).
         self._executor = self._given_executor or ThreadPoolExecutor(
             1,
             thread_name_prefix="pd-forward",
             initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initargs=(DEFAULT_THREADS,),
         )
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pd-engine")
 

@@ -21,6 +21,11 @@ import torch
 
 T = TypeVar("T")
 
+# torch's own default (one thread per core), read at import, before a TorchThread drops its
+# caller to one thread: what `--threads 0` means for every worker a process builds, not only
+# for the first (a second one read 1 from its caller, and ran at half speed in the tests).
+DEFAULT_THREADS = torch.get_num_threads()
+
 
 class TorchThread:
     def __init__(self, threads: int, stack_bytes: int | None = None) -> None:
