@@ -224,6 +224,7 @@ def test_multihost_scenario(tmp_path):
         cut_prompt_tokens=600,
         post_requests=2,
         kv_pages=256,
+        lease_ttl_s=5.0,  # P's pins of the cut pull go within a lease: half the default's wait
         workdir=str(tmp_path),
     )
     report = run_scenario(options, say=lambda s: None)

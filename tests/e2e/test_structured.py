@@ -19,7 +19,7 @@ from pd.router import make_app as make_router
 from pd.transfer import nixl_available
 from tests.e2e.conftest import assert_all_pages_free, make_worker, wait_idle
 from tests.e2e.processes import wait_pages_free
-from tests.e2e.test_pd import pair, start_router  # noqa: F401 (pair: a fixture)
+from tests.e2e.test_pd import start_router
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,6 +49,11 @@ SCHEMA = {
 }
 PERSON = "Describe a made-up person as JSON with name, age, pet, friends and home."
 SEEDS = range(int(os.environ.get("PD_STRUCTURED_SEEDS", "5")))  # 20 in the reported run
+
+
+@pytest.fixture(scope="module")
+def pair(fp32_pair):
+    return fp32_pair  # the session's fp32 P and D (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")
