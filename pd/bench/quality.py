@@ -112,8 +112,10 @@ class Client:
         """The first `tokens` tokens of a greedy answer, as the logprobs name them."""
         common = {"max_tokens": self.tokens, "temperature": 0}
         if prompt["kind"] == "chat":
+            # top_logprobs 1: llama-cpp-python's server sends no logprobs without it
             data = await self.post("/v1/chat/completions",
-                                   {**common, "messages": prompt["messages"], "logprobs": True})  # fmt: skip
+                                   {**common, "messages": prompt["messages"], "logprobs": True,
+                                    "top_logprobs": 1})  # fmt: skip
             content = data["choices"][0]["logprobs"]["content"] or []
             return [t["token"] for t in content]
         data = await self.post(
