@@ -20,6 +20,7 @@ QUANTIZATION_CHOICES = (
     "onednn-bf16",
     "onednn-fp32",
     "smooth-int8",
+    "int4-fp32",
 )
 
 
@@ -200,7 +201,8 @@ class WorkerConfig:
         "layers are packed as they are), fbgemm-int8 / onednn-int8 (int8 weights, activations "
         "quantized per call: quantized.linear_dynamic), onednn-bf16 / onednn-fp32 (bf16 or fp32 "
         "weights reordered for oneDNN), smooth-int8 (fbgemm-int8 with the activations scaled per row and "
-        "smoothed per channel, calibrated at load); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
+        "smoothed per channel, calibrated at load), int4-fp32 (int4 groups multiplied in fp32 by pd's kernel, "
+        "compiled at first use; one sum per row at any batch); all on the CPU kernels; or SMALL@ROWS+LARGE, the weights in two of these, "
         "batches of up to ROWS rows on the first (e.g. int4@8+onednn-bf16: it changes answers "
         "with the load)",
     )

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from pd.worker.model.cpu_info import CpuInfo
+from pd.worker.model.int4_fp32 import Int4Fp32Linear
 from pd.worker.model.kernels import (
     linear_dynamic,
     linear_onednn,
@@ -88,6 +89,14 @@ def _int8pack_fp32(w: torch.Tensor, rows: int) -> Layer:
 
 def _pd_int4(w: torch.Tensor, rows: int) -> Layer:
     return Int4Linear(quantize_groups(w, GROUP), None, torch.float32)
+
+
+def _pd_int4_fp32(w: torch.Tensor, rows: int) -> Layer:
+    g = quantize_groups(w, GROUP)
+    try:
+        return Int4Fp32Linear(g.q, g.scale, g.low, None)
+    except ValueError as e:  # no AVX2 or no C compiler here: try_build reports it
+        raise RuntimeError(str(e)) from e
 
 
 def _int4pack_fp32(w: torch.Tensor, rows: int) -> Layer:
@@ -180,6 +189,8 @@ CANDIDATES: tuple[Candidate, ...] = (
               "inside", 0.15, _pd_int4, "--quantization int4"),
     Candidate("int4pack-fp32", f32, "int4/g32", 5, "aten._weight_int4pack_mm_for_cpu", 0.15,
               _int4pack_fp32),
+    Candidate("int4-fp32", f32, "int4/g32", 5, "pd's int4_fp32.c (fp32 sums, one a row)", 0.15,
+              _pd_int4_fp32, "--quantization int4-fp32"),
     Candidate("kleidiai-int4", f32, "int4/g32 sym", 4.5, "aten._dyn_quant_matmul_4bit", 0.25,
               _kleidiai_int4, skip_unless=_arm_only),
 )  # fmt: skip

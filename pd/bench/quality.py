@@ -8,12 +8,14 @@ answers are (issue 40, item 5), from three measures:
   counts. Tokens are compared as the logprobs name them (their text), so any server can be read.
   Without a reference, the server's batched answers are compared with its own solo ones (how
   much its answers move with load);
-- **perplexity** on shipped text (`data/perplexity.txt`), by `echo` + `logprobs` with
-  `max_tokens` 0, as lm-eval's `loglikelihood_rolling` asks;
+- **perplexity** on shipped text (`data/perplexity.txt`), by `echo` + `logprobs`, one prompt a
+  request with `max_tokens` 1 and only the prompt's tokens kept, as lm-eval's `gguf` backend asks
+  (llama-cpp-python's server refuses a list of prompts with `echo` and reads `max_tokens` 0 as
+  "until the context ends");
 - **multiple-choice accuracy** by log-likelihood on 200 items the project wrote
   (`data/quality_mc.json`, CC0-1.0: capitals, opposites, sequences, colours, animals, plurals,
   sums), each choice scored as lm-eval scores it: the sum of the logprobs of its tokens after
-  "Question: ...\\nAnswer:" (one request per item, the four choices as a list of prompts).
+  "Question: ...\\nAnswer:" (one request per choice).
 
 It prints a table (and `--json`). `--prompts` and `--items` take the first N of each set
 (small runs, tests). A measure the server does not support (no `echo`) is reported as missing.
@@ -61,6 +63,13 @@ def continuation_logprob(
         for off, lp in zip(text_offsets, logprobs, strict=True)
         if off >= start and lp is not None
     )
+
+
+def prompt_part(logprobs: dict[str, Any], prompt_chars: int) -> dict[str, list[Any]]:
+    """The echoed prompt's tokens of a `logprobs` object (those beginning before character
+    `prompt_chars`), without what the server generated after it."""
+    keep = [i for i, off in enumerate(logprobs["text_offset"]) if off < prompt_chars]
+    return {k: [logprobs[k][i] for i in keep] for k in ("tokens", "token_logprobs", "text_offset")}
 
 
 def perplexity(logprobs: list[float | None]) -> float:
@@ -128,16 +137,17 @@ class Client:
             return list(await asyncio.gather(*(self.greedy_tokens(p) for p in prompts)))
         return [await self.greedy_tokens(p) for p in prompts]
 
-    async def echo_logprobs(self, prompts: list[str]) -> list[dict[str, Any]]:
-        """Each prompt's tokens scored, nothing generated (lm-eval's log-likelihood request)."""
-        data = await self.post("/v1/completions", {"prompt": prompts, "max_tokens": 0,
+    async def echo_logprobs(self, prompt: str) -> dict[str, list[Any]]:
+        """The prompt's tokens scored (lm-eval's log-likelihood request, in the one-prompt,
+        one-token form every server here takes): the generated token is dropped, by its text
+        offset (at or after the prompt's end)."""
+        data = await self.post("/v1/completions", {"prompt": prompt, "max_tokens": 1,
                                                    "echo": True, "logprobs": 0, "temperature": 0})  # fmt: skip
-        choices = sorted(data["choices"], key=lambda c: c["index"])
-        return [c["logprobs"] for c in choices]
+        return prompt_part(data["choices"][0]["logprobs"], len(prompt))
 
     async def mc_choice(self, item: dict[str, Any]) -> int:
         context = f"Question: {item['question']}\nAnswer:"
-        scored = await self.echo_logprobs([f"{context} {c}" for c in item["choices"]])
+        scored = [await self.echo_logprobs(f"{context} {c}") for c in item["choices"]]
         sums = [
             continuation_logprob(lp["text_offset"], lp["token_logprobs"], len(context))
             for lp in scored
@@ -176,7 +186,7 @@ async def measure(
             )
             report.agreement = min(report.agreement_solo, report.agreement_batched)
         try:
-            (lp,) = await client.echo_logprobs([shipped("perplexity.txt")])
+            lp = await client.echo_logprobs(shipped("perplexity.txt"))
             report.perplexity = perplexity(lp["token_logprobs"])
             right: dict[str, list[bool]] = {}
             for item in items:

@@ -10,6 +10,7 @@ from pd.bench.quality import (
     continuation_logprob,
     leading_equal,
     perplexity,
+    prompt_part,
     shipped,
 )
 
@@ -27,6 +28,21 @@ def test_a_choice_is_scored_by_the_tokens_after_the_context():
     offsets, logprobs = [0, 9, 18, 19, 24], [None, -1.0, -0.5, -2.0, -0.25]
     assert continuation_logprob(offsets, logprobs, 18) == -2.75
     assert math.isclose(perplexity(logprobs), math.exp((1.0 + 0.5 + 2.0 + 0.25) / 4))
+
+
+def test_the_echoed_prompt_is_kept_and_the_generated_token_dropped():
+    # "Hello world" echoed, then " again" generated (max_tokens 1): its offset is the prompt's end.
+    lp = {
+        "tokens": ["Hello", " world", " again"],
+        "token_logprobs": [None, -1.5, -0.5],
+        "text_offset": [0, 5, 11],
+        "top_logprobs": [None, {}, {}],
+    }
+    assert prompt_part(lp, len("Hello world")) == {
+        "tokens": ["Hello", " world"],
+        "token_logprobs": [None, -1.5],
+        "text_offset": [0, 5],
+    }
 
 
 def test_the_shipped_sets_are_as_the_issue_asks():

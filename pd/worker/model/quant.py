@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from pd.config import QUANTIZATION_CHOICES, quantization_error, split_quantization
 from pd.worker.model.config import ModelConfig
+from pd.worker.model.int4_fp32 import INT4_FP32, Int4Fp32Linear
 from pd.worker.model.kernels import (
     DYNAMIC_INT8,
     ONEDNN_DTYPES,
@@ -45,14 +46,19 @@ from pd.worker.model.smooth_quant import SMOOTH_INT8, SmoothInt8Linear
 # (aten._weight_int8pack_mm, bf16 activations inside); int4: groups of --group-size; fbgemm-int8
 # and onednn-int8: int8 weights with activations quantized to 8 (or 7) bits per call; onednn-bf16
 # and onednn-fp32: bf16 or fp32 weights reordered for oneDNN; smooth-int8: fbgemm-int8 with the
-# activations scaled per row and smoothed per channel (smooth_quant.py).
+# activations scaled per row and smoothed per channel (smooth_quant.py); int4-fp32: int4 groups
+# multiplied in fp32 by pd's own kernel, one sum per row at every batch (int4_fp32.py).
 QUANTIZATIONS = QUANTIZATION_CHOICES  # defined beside the flag (the config loads without torch)
+
+
+INT4_FORMATS = ("int4", INT4_FP32)  # the formats that keep int4 groups (a GGUF's Q4_1 as stored)
 
 
 def holds_int4(quantization: str) -> bool:
     """Whether a `--quantization` value packs int4 groups (alone or as half of a split)."""
     split = split_quantization(quantization)
-    return quantization == "int4" or (split is not None and "int4" in (split[0], split[2]))
+    parts = (quantization,) if split is None else (split[0], split[2])
+    return any(q in INT4_FORMATS for q in parts)
 
 
 @dataclass(frozen=True)
@@ -236,10 +242,12 @@ def make_linear(
             rows,
         )
     b = None if bias is None else bias.to(device=device, dtype=dtype).contiguous()
-    if quantization == "int4":
+    if quantization in INT4_FORMATS:
         if not isinstance(weight, GroupQuant) or weight.group != group_size:
             dense = weight.dequantize() if isinstance(weight, GroupQuant) else weight
             weight = quantize_groups(dense, group_size)
+        if quantization == INT4_FP32:
+            return Int4Fp32Linear(weight.q, weight.scale, weight.low, b)
         return Int4Linear(weight, b, dtype)
     dense = weight.dequantize() if isinstance(weight, GroupQuant) else weight
     if quantization == "int8":

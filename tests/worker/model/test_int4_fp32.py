@@ -1,0 +1,73 @@
+"""int4-fp32 (issue 40, item 2): pd's own int4 kernel computes the weights' exact fp32
+dequantization in fp32, and one row's bits are the same at every batch size and thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd.worker.model.int4_fp32 import Int4Fp32Linear, int4_fp32_refusal, pack
+from pd.worker.model.quant import make_linear, quantize_groups
+
+pytestmark = pytest.mark.skipif(bool(int4_fp32_refusal()), reason=int4_fp32_refusal() or "-")
+
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (192, 576), (48, 64)]
+
+
+def _layer(out: int, inp: int, seed: int = 0) -> tuple[Int4Fp32Linear, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gq = quantize_groups(torch.randn(out, inp, generator=gen), 32)
+    return Int4Fp32Linear(gq.q, gq.scale, gq.low, None), gq.dequantize()
+
+
+@pytest.mark.parametrize("out,inp", SHAPES)
+def test_it_computes_the_dequantized_weights_in_fp32(out, inp):
+    layer, w = _layer(out, inp)
+    x = torch.randn(37, inp, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ w.double().T
+    err = (layer(x).double() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5  # fp32 sums of the exact weights (bf16 activations would give ~1e-3)
+
+
+@pytest.mark.parametrize("out,inp", SHAPES[:3])
+def test_a_row_has_the_same_bits_in_any_batch_and_at_any_thread_count(out, inp):
+    layer, _ = _layer(out, inp)
+    x = torch.randn(300, inp, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        everything = layer(x)  # passes of 96 rows, micro-kernels of 6 (the C file)
+        for start, rows in [(0, 1), (5, 1), (7, 2), (11, 6), (20, 7), (33, 95), (40, 130)]:
+            assert torch.equal(layer(x[start : start + rows]), everything[start : start + rows])
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x[3:4]), everything[3:4])
+        assert torch.equal(layer(x[100:300]), everything[100:300])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_layout_holds_each_block_of_16_outputs_per_input():
+    q = torch.arange(32 * 64).remainder(16).view(32, 64).to(torch.uint8)
+    scale, low = torch.rand(32, 2), torch.rand(32, 2)
+    packed, scales, lows = pack(q, scale, low)
+    assert packed.shape == (2, 64, 8) and scales.shape == (2, 2, 16) == lows.shape
+    # block 1, input 5, byte 3: output 16 + 3 low, output 16 + 3 + 8 high
+    assert packed[1, 5, 3] == q[19, 5] | (q[27, 5] << 4)
+    assert scales[1, 1, 4] == scale[20, 1] and lows[0, 0, 15] == low[15, 0]
+    with pytest.raises(ValueError, match="blocks of 16"):
+        pack(q[:24], scale[:24], low[:24])
+
+
+def test_make_linear_packs_a_ggufs_groups_as_they_are_and_other_dtypes_convert():
+    gq = quantize_groups(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)), 32)
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(4))
+    cpu = torch.device("cpu")
+    layer = make_linear(gq, None, "int4-fp32", 32, torch.float32, cpu)
+    assert torch.equal(layer(x), Int4Fp32Linear(gq.q, gq.scale, gq.low, None)(x))
+    bias = torch.randn(64)
+    bf = make_linear(gq, bias.bfloat16(), "int4-fp32", 32, torch.bfloat16, cpu)
+    y = bf(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    ref = x.bfloat16().float() @ gq.dequantize().T + bias.bfloat16().float()
+    assert torch.allclose(y.float(), ref, rtol=0.02, atol=0.05)
+    assert make_linear(gq, None, "int4-fp32", 32, torch.float32, cpu)(x[:0]).shape == (0, 64)
