@@ -267,7 +267,9 @@ def head_quantization(quantization: str, dtype: torch.dtype) -> str:
     """The LM head's format for the layers' `quantization` in `dtype`: the same kernel, except
     int4 layers get an int8 head (the largest matrix a step reads, kept at 8 bits), and
     smooth-int8 ones (no calibration for the head: scaled per row alone it was 1.045x fp32's
-    perplexity under the AVX2 cap) an exact one, in oneDNN's layout where it runs; a split's
+    perplexity under the AVX2 cap) an exact one, in oneDNN's layout where it runs, and int4-fp32
+    ones the exact fp32 head (the GGUF's head is not Q4_1: int4 groups made from it again were
+    1.078x fp32's perplexity); a split's
     halves each so (the head stays a split unless both halves come out the same)."""
     split = split_quantization(quantization)
     if split is not None:
@@ -276,6 +278,8 @@ def head_quantization(quantization: str, dtype: torch.dtype) -> str:
     if quantization == SMOOTH_INT8:
         exact = [q for q, t in ONEDNN_DTYPES.items() if t == dtype] + [ONEDNN_FP32]
         return next((q for q in exact if not onednn_refusal(q)), "none")
+    if quantization == INT4_FP32:  # fp32 arithmetic: the head's exact fp32 weights
+        return "none" if onednn_refusal(ONEDNN_FP32) else ONEDNN_FP32
     return "int8" if quantization == "int4" else quantization
 
 

@@ -71,3 +71,29 @@ def test_make_linear_packs_a_ggufs_groups_as_they_are_and_other_dtypes_convert()
     ref = x.bfloat16().float() @ gq.dequantize().T + bias.bfloat16().float()
     assert torch.allclose(y.float(), ref, rtol=0.02, atol=0.05)
     assert make_linear(gq, None, "int4-fp32", 32, torch.float32, cpu)(x[:0]).shape == (0, 64)
+
+
+def test_the_row_judge_finds_no_batch_where_it_differs():
+    from pd.worker.model.config import ModelConfig
+    from pd.worker.model.tuning.row_invariance import batch_rows, layers_differ
+
+    cfg = ModelConfig("t", "llama", 256, 64, 128, 2, 4, 2, 16, 1e4, 1e-5, 128, True)
+    rows = batch_rows(200, (100,))  # the micro-kernel's 6 rows and the pass's 96 straddled
+    assert layers_differ("float32", "int4-fp32", cfg, 1, 32, rows) is None
+
+
+def test_the_search_offers_it_with_the_exact_fp32_head_of_its_rule():
+    from pd.worker.model.config import ModelConfig
+    from pd.worker.model.kernels import onednn_refusal
+    from pd.worker.model.quant import head_quantization, holds_int4
+    from pd.worker.model.tuning.kernel_search import formats_here
+
+    smollm = ModelConfig("m", "llama", 49152, 576, 1536, 30, 9, 3, 64, 1e4, 1e-5, 8192, True)
+    assert "int4-fp32" in formats_here(smollm, 1, 32)
+    odd_vocab = ModelConfig("t", "llama", 250, 64, 128, 2, 4, 2, 16, 1e4, 1e-5, 128, True)
+    assert "int4" in formats_here(odd_vocab, 1, 32)  # its outputs in blocks of 16 or not at all
+    assert "int4-fp32" not in formats_here(odd_vocab, 1, 32)
+    assert holds_int4("int4-fp32") and holds_int4("int4-fp32@1+none") and not holds_int4("none")
+    # the GGUF's head is Q8_0, not Q4_1: int4 groups made from it again are a new model
+    exact = "none" if onednn_refusal("onednn-fp32") else "onednn-fp32"
+    assert head_quantization("int4-fp32", torch.float32) == exact

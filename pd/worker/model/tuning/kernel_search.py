@@ -39,7 +39,7 @@ from pd.config import format_at, split_quantization
 from pd.worker.model import quant
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
-from pd.worker.model.int4_fp32 import INT4_FP32, int4_fp32_refusal
+from pd.worker.model.int4_fp32 import BLOCK, INT4_FP32, int4_fp32_refusal
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
 from pd.worker.model.runner import ModelRunner, lm_head_weight
 from pd.worker.model.smooth_quant import (
@@ -99,7 +99,7 @@ def formats_here(config: ModelConfig, tp: int, group_size: int) -> list[str]:
     try:
         quant.check_group_size(config, tp, group_size)
         out.append("int4")
-        if not int4_fp32_refusal():
+        if not int4_fp32_refusal() and all(s.out % BLOCK == 0 for s in linear_shapes(config, tp)):
             out.append(INT4_FP32)
     except ValueError:
         pass
