@@ -11,7 +11,9 @@ model's own weights, fp32 arithmetic, and one row's bits equal at every batch si
 and blocking included (tests/worker/model/test_int4_fp32.py).
 
 The C file is compiled at first use with the machine's C compiler (`$CC`, else `cc`;
-`-O3 -mavx2 -mfma -fopenmp`) into `$PD_CACHE_DIR/kernels/` and loaded with ctypes; its OpenMP
+`-O3 -fopenmp` and `-mavx2 -mfma`, with `-mavx512f` where the CPU has it: one source, each
+lane's operations the same in both builds, so the same bits) into `$PD_CACHE_DIR/kernels/` and
+loaded with ctypes; its OpenMP
 is the libgomp torch loaded (one pool), and a call uses torch's thread count. Where it cannot
 run (not x86-64 with AVX2 and FMA, no compiler, a failed build) `int4_fp32_refusal()` says why,
 and the kernel search leaves it out.
@@ -38,7 +40,9 @@ from pd.worker.model.tuning.kernel_cache import cache_dir
 
 INT4_FP32 = "int4-fp32"
 BLOCK = 16  # outputs per block (the C file's NB)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# The builds, by the instructions they use: the same lanes' operations, the same bits.
+VARIANTS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # x
     ctypes.c_int64,  # M
@@ -61,11 +65,11 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _build(source: str, compiler: str) -> Path:
+def _build(source: str, compiler: str, flags: tuple[str, ...]) -> Path:
     """The shared library for `source`, compiled once per source and flags (a file named by
     their hash; a worker beside that builds it at the same moment writes its own temporary
     file and renames it: the last rename wins, both are whole)."""
-    tag = hashlib.sha256((source + " ".join(CFLAGS) + compiler).encode()).hexdigest()[:16]
+    tag = hashlib.sha256((source + " ".join(flags) + compiler).encode()).hexdigest()[:16]
     out = cache_dir() / f"int4_fp32-{tag}.so"
     if out.exists():
         return out
@@ -75,7 +79,7 @@ def _build(source: str, compiler: str) -> Path:
         src.write_text(source)
         lib = Path(tmp) / "int4_fp32.so"
         done = subprocess.run(
-            [compiler, *CFLAGS, "-o", str(lib), str(src)], capture_output=True, text=True
+            [compiler, *flags, "-o", str(lib), str(src)], capture_output=True, text=True
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
@@ -85,9 +89,15 @@ def _build(source: str, compiler: str) -> Path:
     return out
 
 
+def variant() -> str:
+    """The build this CPU runs (as `scripts/as_avx2.sh` caps it: cpu_info's flags)."""
+    return "avx512" if "avx512f" in read_cpu_info().flags else "avx2"
+
+
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded kernel, "") or (None, why it cannot run here)."""
+def _library(build: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded kernel, "") or (None, why it cannot run here); `build`: a key of VARIANTS
+    (default: this CPU's)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"{INT4_FP32} is an x86-64 kernel (this machine: {platform.machine()})"
     flags = read_cpu_info().flags
@@ -98,7 +108,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, f"{INT4_FP32} is compiled at first use and no C compiler (cc, gcc) is here"
     try:
-        lib = ctypes.CDLL(str(_build(_source(), compiler)))
+        path = _build(_source(), compiler, (*CFLAGS, *VARIANTS[build or variant()]))
+        lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError) as e:
         return None, f"{INT4_FP32}: its kernel could not be built or loaded ({e})"
     fn = lib.pd_int4_fp32_linear
@@ -133,9 +144,14 @@ class Int4Fp32Linear:
     activations of another dtype are converted to fp32 and back."""
 
     def __init__(
-        self, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        low: torch.Tensor,
+        bias: torch.Tensor | None,
+        build: str | None = None,  # a key of VARIANTS (default: this CPU's)
     ) -> None:
-        lib, why = _library()
+        lib, why = _library(build)
         if lib is None:
             raise ValueError(why)
         self._fn = lib.pd_int4_fp32_linear

@@ -97,3 +97,16 @@ def test_the_search_offers_it_with_the_exact_fp32_head_of_its_rule():
     # the GGUF's head is Q8_0, not Q4_1: int4 groups made from it again are a new model
     exact = "none" if onednn_refusal("onednn-fp32") else "onednn-fp32"
     assert head_quantization("int4-fp32", torch.float32) == exact
+
+
+def test_the_avx512_build_gives_the_avx2_builds_bits():
+    from pd.worker.model.cpu_info import read_cpu_info
+
+    if "avx512f" not in read_cpu_info().flags:
+        pytest.skip("no AVX-512 here (or capped): only the AVX2 build runs")
+    gq = quantize_groups(torch.randn(576, 1536, generator=torch.Generator().manual_seed(5)), 32)
+    wide = Int4Fp32Linear(gq.q, gq.scale, gq.low, None, build="avx512")
+    narrow = Int4Fp32Linear(gq.q, gq.scale, gq.low, None, build="avx2")
+    for rows in (1, 5, 40, 200):
+        x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(wide(x), narrow(x)), rows

@@ -7,6 +7,9 @@
  * the batch size change which outputs are computed together, never an output's sum: one row
  * alone and the same row among 511 others give the same bits.
  *
+ * One source, two builds: with AVX-512 a block of 16 outputs is one register, with AVX2 two
+ * (`v16` below); each lane's operations are the same, so the two give the same bits.
+ *
  * Layout (int4_fp32.py packs it): outputs in blocks of 16; per block, per input k, 8 bytes, byte
  * j holding output j (low nibble) and output j + 8 (high nibble); scales and lows per block, per
  * group, 16 floats each.
@@ -15,91 +18,100 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define NB 16        /* outputs per block */
-#define MR 6         /* rows per micro-kernel */
-#define MC 96        /* rows per pass over the weights (x's chunk stays in cache) */
+#define NB 16 /* outputs per block */
+#define MR 6  /* rows per micro-kernel */
+#define MC 96 /* rows per pass over the weights (x's chunk stays in cache) */
 
-static inline void dequant16(const uint8_t *q, __m256 d0, __m256 d1, __m256 l0, __m256 l1,
-                             __m256 *w0, __m256 *w1) {
-    __m128i b = _mm_loadl_epi64((const __m128i *)q);
-    __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i lo = _mm_and_si128(b, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d0, l0);
-    *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d1, l1);
+#ifdef __AVX512F__
+typedef __m512 v16;
+static inline v16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 v_bcast(const float *p) { return _mm512_set1_ps(*p); }
+static inline v16 v_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v_codes(const uint8_t *q) { /* the 16 outputs' codes, in order */
+    __m128i b = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
 }
+#else
+typedef struct {
+    __m256 a, b; /* outputs 0-7 and 8-15 */
+} v16;
+static inline v16 v_zero(void) { return (v16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline v16 v_load(const float *p) { return (v16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v_store(float *p, v16 v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+}
+static inline v16 v_bcast(const float *p) {
+    __m256 x = _mm256_broadcast_ss(p);
+    return (v16){x, x};
+}
+static inline v16 v_fma(v16 a, v16 b, v16 c) {
+    return (v16){_mm256_fmadd_ps(a.a, b.a, c.a), _mm256_fmadd_ps(a.b, b.b, c.b)};
+}
+static inline v16 v_codes(const uint8_t *q) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)q), mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    return (v16){_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))};
+}
+#endif
+
+/* The 16 weights of input k: fma(q, scale, low), their exact fp32 values. */
+static inline v16 weights(const uint8_t *q, v16 d, v16 l) { return v_fma(v_codes(q), d, l); }
 
 /* Rows [0, R) of x against one block's weights dequantized on the fly (small batches). */
 #define DIRECT(R)                                                                              \
-    static void direct_##R(const float *x, int64_t ldx, int64_t K, int64_t g, const uint8_t *q,   \
-                           const float *sc, const float *lw, float *y, int64_t ldy) {           \
-        __m256 acc[R][2];                                                                      \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();               \
+    static void direct_##R(const float *x, int64_t ldx, int64_t K, int64_t g, const uint8_t *q, \
+                           const float *sc, const float *lw, float *y, int64_t ldy) {         \
+        v16 acc[R];                                                                            \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r] = v_zero();                 \
         for (int64_t k0 = 0; k0 < K; k0 += g) {                                                \
-            const float *s = sc + (k0 / g) * NB, *l = lw + (k0 / g) * NB;                       \
-            __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);                       \
-            __m256 l0 = _mm256_loadu_ps(l), l1 = _mm256_loadu_ps(l + 8);                       \
+            v16 d = v_load(sc + (k0 / g) * NB), l = v_load(lw + (k0 / g) * NB);                \
             for (int64_t k = k0; k < k0 + g; k++) {                                            \
-                __m256 w0, w1;                                                                 \
-                dequant16(q + k * 8, d0, d1, l0, l1, &w0, &w1);                                \
-                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                  \
-                    __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                          \
-                    acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);                            \
-                    acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);                            \
-                }                                                                              \
+                v16 w = weights(q + k * 8, d, l);                                              \
+                _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                            \
+                    acc[r] = v_fma(v_bcast(x + r * ldx + k), w, acc[r]);                       \
             }                                                                                  \
         }                                                                                      \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                          \
-            _mm256_storeu_ps(y + r * ldy, acc[r][0]);                                          \
-            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);                                      \
-        }                                                                                      \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) v_store(y + r * ldy, acc[r]);      \
     }
 
 /* Rows [0, R) of x against one block's weights already dequantized into a K x 16 panel. */
 #define PANEL(R)                                                                               \
-    static void panel_##R(const float *x, int64_t ldx, int64_t K, const float *w, float *y,     \
+    static void panel_##R(const float *x, int64_t ldx, int64_t K, const float *w, float *y,   \
                           int64_t ldy) {                                                       \
-        __m256 acc[R][2];                                                                      \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();               \
+        v16 acc[R];                                                                            \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) acc[r] = v_zero();                 \
         for (int64_t k = 0; k < K; k++) {                                                      \
-            __m256 w0 = _mm256_load_ps(w + k * NB), w1 = _mm256_load_ps(w + k * NB + 8);       \
-            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                      \
-                __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);                              \
-                acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);                                \
-                acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);                                \
-            }                                                                                  \
+            v16 wk = v_load(w + k * NB);                                                       \
+            _Pragma("GCC unroll 6") for (int r = 0; r < R; r++)                                \
+                acc[r] = v_fma(v_bcast(x + r * ldx + k), wk, acc[r]);                          \
         }                                                                                      \
-        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) {                                                          \
-            _mm256_storeu_ps(y + r * ldy, acc[r][0]);                                          \
-            _mm256_storeu_ps(y + r * ldy + 8, acc[r][1]);                                      \
-        }                                                                                      \
+        _Pragma("GCC unroll 6") for (int r = 0; r < R; r++) v_store(y + r * ldy, acc[r]);      \
     }
 
 /* One row against WIDE blocks at once (their accumulators hide the FMA's latency, which one
- * block's two do not); the same sums as direct_1. */
+ * block's do not); the same sums as direct_1. */
 #define WIDE 4
 static void direct_wide(const float *x, int64_t K, int64_t g, const uint8_t *q, int64_t qstride,
                         const float *sc, const float *lw, int64_t sstride, float *y) {
-    __m256 acc[WIDE][2];
-    _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    v16 acc[WIDE];
+    _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) acc[b] = v_zero();
     for (int64_t k0 = 0; k0 < K; k0 += g) {
         int64_t off = (k0 / g) * NB;
         for (int64_t k = k0; k < k0 + g; k++) {
-            __m256 xb = _mm256_broadcast_ss(x + k);
+            v16 xb = v_bcast(x + k);
             _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) {
-                const float *s = sc + b * sstride + off, *l = lw + b * sstride + off;
-                __m256 w0, w1;
-                dequant16(q + b * qstride + k * 8, _mm256_loadu_ps(s), _mm256_loadu_ps(s + 8),
-                          _mm256_loadu_ps(l), _mm256_loadu_ps(l + 8), &w0, &w1);
-                acc[b][0] = _mm256_fmadd_ps(xb, w0, acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(xb, w1, acc[b][1]);
+                v16 w = weights(q + b * qstride + k * 8, v_load(sc + b * sstride + off),
+                                v_load(lw + b * sstride + off));
+                acc[b] = v_fma(xb, w, acc[b]);
             }
         }
     }
-    _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) {
-        _mm256_storeu_ps(y + b * NB, acc[b][0]);
-        _mm256_storeu_ps(y + b * NB + 8, acc[b][1]);
-    }
+    _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) v_store(y + b * NB, acc[b]);
 }
 
 DIRECT(1) DIRECT(2) DIRECT(3) DIRECT(4) DIRECT(5) DIRECT(6)
@@ -115,15 +127,8 @@ static const panel_fn PANEL_FN[MR + 1] = {0, panel_1, panel_2, panel_3, panel_4,
 static void dequant_panel(int64_t K, int64_t g, const uint8_t *q, const float *sc,
                           const float *lw, float *w) {
     for (int64_t k0 = 0; k0 < K; k0 += g) {
-        const float *s = sc + (k0 / g) * NB, *l = lw + (k0 / g) * NB;
-        __m256 d0 = _mm256_loadu_ps(s), d1 = _mm256_loadu_ps(s + 8);
-        __m256 l0 = _mm256_loadu_ps(l), l1 = _mm256_loadu_ps(l + 8);
-        for (int64_t k = k0; k < k0 + g; k++) {
-            __m256 w0, w1;
-            dequant16(q + k * 8, d0, d1, l0, l1, &w0, &w1);
-            _mm256_store_ps(w + k * NB, w0);
-            _mm256_store_ps(w + k * NB + 8, w1);
-        }
+        v16 d = v_load(sc + (k0 / g) * NB), l = v_load(lw + (k0 / g) * NB);
+        for (int64_t k = k0; k < k0 + g; k++) v_store(w + k * NB, weights(q + k * 8, d, l));
     }
 }
 
@@ -156,7 +161,7 @@ int pd_int4_fp32_linear(const float *x, int64_t M, int64_t K, int64_t N, const u
     }
 #pragma omp parallel num_threads(threads)
     {
-        float *w = aligned_alloc(32, (size_t)K * NB * sizeof(float));
+        float *w = aligned_alloc(64, (size_t)K * NB * sizeof(float));
         if (!w) {
 #pragma omp atomic write
             failed = 1;
