@@ -447,3 +447,31 @@ def test_the_answer_judge_is_asked_last_and_a_candidate_it_refuses_is_passed_ove
         F32, "onednn-bf16"
     )
     assert choose_head(heads, {1: 8.0}, {1: 1.0}, ok, rule, SAME)[0] == rule
+
+
+def test_within_the_faithful_tie_the_answers_closest_to_fp32s_win():
+    ms = {
+        C(F32, "int4"): {1: 10.0, 512: 300.0},  # fastest
+        C(F32, "int4-fp32"): {1: 12.0, 512: 270.0},  # 4% behind: fp32's own answers
+        C(F32, "onednn-fp32"): {1: 30.0, 512: 250.0},  # 58% behind: out of the tie
+        C(F32, "int8"): {1: 9.0, 512: 400.0},  # within the tie, refused by the judge
+    }
+    w = {1: 0.5, 512: 0.5}
+    agree = {C(F32, "int4"): 28.0, C(F32, "int4-fp32"): 32.0, C(F32, "onednn-fp32"): 32.0}
+    asked: list[Candidate] = []
+
+    def agreement(c: Candidate) -> float:
+        asked.append(c)
+        return agree[c]
+
+    def accepts(c: Candidate) -> bool:
+        return c != C(F32, "int8")
+
+    ok = lambda c: 1.0  # noqa: E731
+    assert choose(ms, w, ok, SAME, accepts=accepts)[0] == C(F32, "int4")
+    chosen = choose(ms, w, ok, SAME, accepts=accepts, agreement=agreement)[0]
+    assert chosen == C(F32, "int4-fp32")
+    assert C(F32, "onednn-fp32") not in asked and C(F32, "int8") not in asked
+    # equal agreement: the better score
+    agree[C(F32, "int4")] = 32.0
+    assert choose(ms, w, ok, SAME, accepts=accepts, agreement=agreement)[0] == C(F32, "int4")

@@ -94,21 +94,27 @@ static inline v16 weights(const uint8_t *q, v16 d, v16 l) { return v_fma(v_codes
     }
 
 /* One row against WIDE blocks at once (their accumulators hide the FMA's latency, which one
- * block's do not); the same sums as direct_1. */
+ * block's do not; each block's scales and lows held for its group); the same sums as
+ * direct_1. AVX-512 has the registers for four blocks, AVX2 for two. */
+#ifdef __AVX512F__
 #define WIDE 4
+#else
+#define WIDE 2
+#endif
 static void direct_wide(const float *x, int64_t K, int64_t g, const uint8_t *q, int64_t qstride,
                         const float *sc, const float *lw, int64_t sstride, float *y) {
-    v16 acc[WIDE];
+    v16 acc[WIDE], d[WIDE], l[WIDE];
     _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) acc[b] = v_zero();
     for (int64_t k0 = 0; k0 < K; k0 += g) {
         int64_t off = (k0 / g) * NB;
+        _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) {
+            d[b] = v_load(sc + b * sstride + off);
+            l[b] = v_load(lw + b * sstride + off);
+        }
         for (int64_t k = k0; k < k0 + g; k++) {
             v16 xb = v_bcast(x + k);
-            _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) {
-                v16 w = weights(q + b * qstride + k * 8, v_load(sc + b * sstride + off),
-                                v_load(lw + b * sstride + off));
-                acc[b] = v_fma(xb, w, acc[b]);
-            }
+            _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++)
+                acc[b] = v_fma(xb, weights(q + b * qstride + k * 8, d[b], l[b]), acc[b]);
         }
     }
     _Pragma("GCC unroll 4") for (int b = 0; b < WIDE; b++) v_store(y + b * NB, acc[b]);

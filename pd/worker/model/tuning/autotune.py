@@ -43,6 +43,11 @@ HEAD_GAIN = 1.01  # an LM head other than the layers' own must score this much b
 # same int4 weights (21.4 against 25.4 of 32, issue 40). 1.10: issue 40's "within 10% of the
 # fastest"; float32/int4 scored 1.05x bfloat16/int4 on a Xeon (AMX), mostly at a prefill chunk.
 DTYPE_TIE = 1.10
+# Faithful before fast: among the candidates that pass every judge and score within this of the
+# choice, the one whose greedy answers agree best with fp32's (the answer judge's figure) wins.
+# 1.10: issue 40's "within 10% of the fastest configuration that passes"; on a Xeon with AMX
+# float32/int4 scored 1.272 and float32/int4-fp32 (fp32's own answers, 32 of 32) 1.318.
+FAITHFUL_TIE = 1.10
 
 
 @dataclass(frozen=True, order=True)
@@ -255,11 +260,15 @@ def choose(
     bound: float = PPL_BOUND,
     prefer_dtype: str | None = None,
     accepts: Callable[[Candidate], bool] = lambda c: True,
+    agreement: Callable[[Candidate], float] | None = None,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
     """(the choice, the scores, the perplexity ratios measured): the best-scored candidate
     that computes a row the same at any batch (`row_invariant`) and whose perplexity over the
     reference's (`ratio_of`) is within `bound`, or the best of `prefer_dtype` when it scores
-    within `DTYPE_TIE` of it; `accepts` (the answer judge, answer_judge.py) must pass too. Each
+    within `DTYPE_TIE` of it; `accepts` (the answer judge, answer_judge.py) must pass too. With
+    `agreement` (the answer judge's figure), the passing candidate within `FAITHFUL_TIE` of the
+    choice's score that agrees best with fp32's answers is taken instead (the better score
+    breaks a tie). Each
     judge is asked only of candidates tried, best first, the cheap ones first (`row_invariant`,
     then the perplexity, then the answers), and at most once each. Where no candidate computes
     rows the same at every batch, the best within the bound whose answers pass, else the best
@@ -304,6 +313,9 @@ def choose(
         alt = _best([c for c in pool if c.dtype == prefer_dtype], score, same)
         if alt is not None and score[alt] <= score[chosen] * DTYPE_TIE:
             chosen = alt
+    if agreement is not None and passes(chosen):
+        near = [c for c in pool if score[c] <= score[chosen] * FAITHFUL_TIE and passes(c)]
+        chosen = max(near, key=lambda c: (agreement(c), -score[c]))
     return chosen, score, ratios
 
 

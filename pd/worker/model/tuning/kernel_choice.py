@@ -220,9 +220,14 @@ def _search(
         (a lossy head's answers are its own judgement), else with the head they will run."""
         return answers is None or answers.accepts(c, "none" if measure_head else head)
 
+    def agreement(c: Candidate) -> float:
+        assert answers is not None
+        return answers.agreement(c, "none" if measure_head else head).counted
+
     chosen, scores, ratios = choose(
-        ms, batches, judge.ratio, row_invariant, prefer_dtype=REFERENCE[0], accepts=accepts
-    )
+        ms, batches, judge.ratio, row_invariant, prefer_dtype=REFERENCE[0], accepts=accepts,
+        agreement=None if answers is None else agreement,
+    )  # fmt: skip
     if differs.get(chosen) is not None:
         log.warning(
             "no kernel configuration within the perplexity bound computes a row the same in "
