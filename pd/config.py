@@ -195,7 +195,7 @@ class WorkerConfig:
         "auto",
         "weights and kernel of the linear layers: auto (measured at start on a CPU, with --dtype "
         "auto: the fastest single format that computes each row the same in a batch of any size, "
-        "within 1.02x fp32's perplexity, answering like fp32 (within 10% of the fastest, the closest "
+        "within 1.02x fp32's perplexity, answering like fp32 (within 10 percent of the fastest, the closest "
         "to fp32's answers); none with an explicit --dtype, elsewhere or with "
         "PD_KERNEL_SEARCH=0), none (dense in the dtype), int8 (weight-only, "
         "per channel, aten._weight_int8pack_mm), int4 (groups of --group-size; a GGUF's Q4_1 "
