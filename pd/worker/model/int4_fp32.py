@@ -10,13 +10,16 @@ fp32 dequantization), and each output is one fp32 accumulator over the inputs in
 model's own weights, fp32 arithmetic, and one row's bits equal at every batch size, threads
 and blocking included (tests/worker/model/test_int4_fp32.py).
 
+The weights are read as stored: 4 bits a weight, the two codes of a pair of inputs in one
+byte, so that one widening load gives a block's 16 outputs for two inputs; the scales and lows in
+fp16 where they are fp16 values (a GGUF's Q4_1 blocks store them so), else fp32.
+
 The C file is compiled at first use with the machine's C compiler (`$CC`, else `cc`;
-`-O3 -fopenmp` and `-mavx2 -mfma`, with `-mavx512f` where the CPU has it: one source, each
-lane's operations the same in both builds, so the same bits) into `$PD_CACHE_DIR/kernels/` and
-loaded with ctypes; its OpenMP
-is the libgomp torch loaded (one pool), and a call uses torch's thread count. Where it cannot
-run (not x86-64 with AVX2 and FMA, no compiler, a failed build) `int4_fp32_refusal()` says why,
-and the kernel search leaves it out.
+`-O3 -fopenmp` and `-mavx2 -mfma -mf16c`, with `-mavx512f` where the CPU has it: one source,
+each lane's operations the same in both builds, so the same bits) into `$PD_CACHE_DIR/kernels/`
+and loaded with ctypes; its OpenMP is the libgomp torch loaded (one pool), and a call uses
+torch's thread count. Where it cannot run (not x86-64 with AVX2, FMA and F16C, no compiler, a
+failed build) `int4_fp32_refusal()` says why, and the kernel search leaves it out.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ INT4_FP32 = "int4-fp32"
 BLOCK = 16  # outputs per block (the C file's NB)
 CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 # The builds, by the instructions they use: the same lanes' operations, the same bits.
-VARIANTS = {"avx512": ("-mavx512f", "-mavx2", "-mfma"), "avx2": ("-mavx2", "-mfma")}
+VARIANTS = {
+    "avx512": ("-mavx512f", "-mavx2", "-mfma", "-mf16c"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+}
 _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # x
     ctypes.c_int64,  # M
@@ -51,6 +57,7 @@ _ARGTYPES: list[Any] = [
     ctypes.c_void_p,  # packed q
     ctypes.c_void_p,  # scales
     ctypes.c_void_p,  # lows
+    ctypes.c_int,  # half: scales and lows in fp16
     ctypes.c_int64,  # group
     ctypes.c_void_p,  # y
     ctypes.c_int,  # threads
@@ -101,7 +108,7 @@ def _library(build: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"{INT4_FP32} is an x86-64 kernel (this machine: {platform.machine()})"
     flags = read_cpu_info().flags
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     if missing:
         return None, f"{INT4_FP32} needs {' and '.join(missing)}, which this CPU lacks"
     compiler = _compiler()
@@ -122,19 +129,31 @@ def int4_fp32_refusal() -> str:
     return _library()[1]
 
 
+def exactly_half(t: torch.Tensor) -> bool:
+    """Whether every value of `t` is an fp16 value (a GGUF's Q4_1 scales and lows are)."""
+    return bool(torch.equal(t.float().half().float(), t.float()))
+
+
 def pack(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(bytes [N/16, K, 8], scales and lows [N/16, K/group, 16]) from q [N, K] (0..15) and the
-    groups' scale and low [N, K/group]: per block of 16 outputs and per input, byte j holds
-    output j in its low nibble and output j + 8 in its high one (the C file's layout)."""
+    """(bytes [N/16, K/2, 16], scales and lows [N/16, K/group, 16]) from q [N, K] (0..15) and
+    the groups' scale and low [N, K/group]: per block of 16 outputs and per pair of inputs,
+    byte j holds output j's code for the first input in its low nibble and for the second in its
+    high one (the C file's layout). Scales and lows are fp16 where each is exactly an fp16
+    value, else fp32."""
     n, k = q.shape
     if n % BLOCK:
         raise ValueError(f"{INT4_FP32} needs a layer's outputs in blocks of {BLOCK} (got {n})")
-    halves = q.to(torch.uint8).view(n // BLOCK, 2, BLOCK // 2, k)
-    packed = (halves[:, 0] | (halves[:, 1] << 4)).permute(0, 2, 1).contiguous()
     groups = scale.shape[1]
+    if k % 2 or (k // groups) % 2:
+        raise ValueError(
+            f"{INT4_FP32} needs an even input width and group (got {k}, {k // groups})"
+        )
+    pairs = q.to(torch.uint8).view(n // BLOCK, BLOCK, k // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 1).contiguous()
+    dtype = torch.float16 if exactly_half(scale) and exactly_half(low) else torch.float32
 
     def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.float().view(n // BLOCK, BLOCK, groups).permute(0, 2, 1).contiguous()
+        return t.float().view(n // BLOCK, BLOCK, groups).permute(0, 2, 1).to(dtype).contiguous()
 
     return packed, per_block(scale), per_block(low)
 
@@ -158,6 +177,7 @@ class Int4Fp32Linear:
         self.out, self.inp = q.shape
         self.group = self.inp // scale.shape[1]
         self.packed, self.scales, self.lows = pack(q, scale, low)
+        self.half = int(self.scales.dtype == torch.float16)
         self.bias = bias
         self.nbytes = sum(
             t.numel() * t.element_size()
@@ -171,7 +191,7 @@ class Int4Fp32Linear:
         y = torch.empty(m, self.out, dtype=torch.float32)
         if m:
             rc = self._fn(xf.data_ptr(), m, self.inp, self.out, self.packed.data_ptr(),
-                          self.scales.data_ptr(), self.lows.data_ptr(), self.group,
+                          self.scales.data_ptr(), self.lows.data_ptr(), self.half, self.group,
                           y.data_ptr(), torch.get_num_threads())  # fmt: skip
             if rc != 0:
                 raise MemoryError(f"{INT4_FP32}: no memory for a weight panel")

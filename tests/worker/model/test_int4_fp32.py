@@ -46,16 +46,39 @@ def test_a_row_has_the_same_bits_in_any_batch_and_at_any_thread_count(out, inp):
         torch.set_num_threads(before)
 
 
-def test_the_layout_holds_each_block_of_16_outputs_per_input():
+def test_the_layout_holds_each_block_of_16_outputs_per_pair_of_inputs():
     q = torch.arange(32 * 64).remainder(16).view(32, 64).to(torch.uint8)
     scale, low = torch.rand(32, 2), torch.rand(32, 2)
     packed, scales, lows = pack(q, scale, low)
-    assert packed.shape == (2, 64, 8) and scales.shape == (2, 2, 16) == lows.shape
-    # block 1, input 5, byte 3: output 16 + 3 low, output 16 + 3 + 8 high
-    assert packed[1, 5, 3] == q[19, 5] | (q[27, 5] << 4)
+    assert packed.shape == (2, 32, 16) and scales.shape == (2, 2, 16) == lows.shape
+    # block 1, inputs 10 and 11, byte 3: output 16 + 3's code for input 10 low, for 11 high
+    assert packed[1, 5, 3] == q[19, 10] | (q[19, 11] << 4)
     assert scales[1, 1, 4] == scale[20, 1] and lows[0, 0, 15] == low[15, 0]
+    assert scales.dtype == torch.float32  # rand's values are not all fp16 ones
+    halves = pack(q, scale.half().float(), low.half().float())
+    assert halves[1].dtype == torch.float16 == halves[2].dtype  # a GGUF's Q4_1: exactly fp16
+    assert torch.equal(halves[1].float(), pack(q, scale.half().float(), low)[1])
     with pytest.raises(ValueError, match="blocks of 16"):
         pack(q[:24], scale[:24], low[:24])
+    with pytest.raises(ValueError, match="even"):
+        pack(q[:, :63], scale, low)
+
+
+@pytest.mark.parametrize("out,inp", SHAPES[:2])
+def test_fp16_scales_give_the_same_bits_as_the_same_values_in_fp32(out, inp):
+    gen = torch.Generator().manual_seed(7)
+    gq = quantize_groups(torch.randn(out, inp, generator=gen), 32)
+    scale, low = gq.scale.half().float(), gq.low.half().float()  # as a GGUF stores them
+    halves = Int4Fp32Linear(gq.q, scale, low, None)
+    floats = Int4Fp32Linear(gq.q, scale, low, None)
+    floats.scales, floats.lows, floats.half = floats.scales.float(), floats.lows.float(), 0
+    assert halves.half == 1 and Int4Fp32Linear(gq.q, gq.scale, gq.low, None).half == 0
+    x = torch.randn(40, inp, generator=gen)
+    for rows in (1, 3, 40):
+        assert torch.equal(halves(x[:rows]), floats(x[:rows]))
+    w = (gq.q.float().view(out, -1, 32) * scale.unsqueeze(-1) + low.unsqueeze(-1)).view(out, inp)
+    ref = x.double() @ w.double().T
+    assert (halves(x).double() - ref).abs().max() / ref.abs().max() < 1e-5
 
 
 def test_make_linear_packs_a_ggufs_groups_as_they_are_and_other_dtypes_convert():

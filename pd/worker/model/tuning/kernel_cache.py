@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 # 6: candidates timed side by side in rounds, nothing dropped under 32 rows; 7: smooth-int8,
 # the plain dynamic int8 layers out where it runs, a compiled one-row step counted; 8: single
 # formats that compute a row the same in every batch, the same batches for every role, no
-# one-row compile credit; 9: the answer judge; 10: int4-fp32, the faithful tie).
-VERSION = 10
+# one-row compile credit; 9: the answer judge; 10: int4-fp32, the faithful tie; 11: int4-fp32's
+# codes in pairs of inputs and its scales in fp16, a faster kernel to time).
+VERSION = 11
 
 
 def cache_root() -> Path:
