@@ -1,4 +1,4 @@
-"""Property-based tests of the parsers router and workers share (pd/protocol.py,
+"""Property-based tests of the parsers router and workers share (pd/protocol/,
 pd/signing.py): JSON nested to any depth (in the body and in strings parsed again), lists of any
 length around their bounds, and odd bytes. Each input parses or is a 400 (an APIError), never
 another exception, and a list is refused exactly when it is past its bound."""

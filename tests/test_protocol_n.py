@@ -1,4 +1,4 @@
-"""`n` and lists of prompts at the edge (pd/protocol.py)."""
+"""`n` and lists of prompts at the edge (pd/protocol/requests.py)."""
 
 from __future__ import annotations
 

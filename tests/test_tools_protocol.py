@@ -1,5 +1,5 @@
 """`tools`, `tool_choice`, `parallel_tool_calls` and the history's tool messages as the router and
-the workers parse them (`pd.tools_protocol` through `parse_request`): 400s as OpenAI error objects,
+the workers parse them (`pd.protocol.tools` through `parse_request`): 400s as OpenAI error objects,
 and the constraint `required` and a named function ask for."""
 
 from __future__ import annotations

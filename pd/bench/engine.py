@@ -190,7 +190,8 @@ def step_bytes_and_linear_ms(
     from pd.worker.checkpoint.loader import load_checkpoint
     from pd.worker.model.quant import holds_int4
     from pd.worker.model.runner import ModelRunner
-    from pd.worker.model.smooth_quant import activation_maxima, holds_smooth
+    from pd.worker.model.smooth_quant import holds_smooth
+    from pd.worker.model.tuning.calibration import activation_maxima
 
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(

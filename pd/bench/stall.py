@@ -35,7 +35,7 @@ from pd.protocol import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENIZE_CHARS,
 )
-from pd.tools_protocol import MAX_TOOLS
+from pd.protocol.tools import MAX_TOOLS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

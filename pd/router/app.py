@@ -30,12 +30,13 @@ from pd.protocol import (
 from pd.router import admin, fanout, tokenize
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
+from pd.router.exchange import Exchange
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
 from pd.router.migrate import CONTINUATION
 from pd.router.prefix_index import PromptKey, prompt_bytes
-from pd.router.proxy import KV, Exchange, Proxy, json_response
+from pd.router.proxy import KV, Proxy, json_response
 from pd.router.registry import Registry
 
 log = logging.getLogger("pd.router")

@@ -22,8 +22,9 @@ import orjson
 from aiohttp import web
 
 from pd.protocol import error_body
+from pd.router.exchange import Exchange
 from pd.router.failure import json_response
-from pd.router.proxy import SSE_HEADERS, Exchange, Proxy, _SSEResponse
+from pd.router.proxy import SSE_HEADERS, Proxy, _SSEResponse
 
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens")
 

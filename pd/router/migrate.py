@@ -1,14 +1,5 @@
-"""Migration of a broken stream (docs/migration.md §4): what the router reads of every stream it
-relays (`Tracker`), and how it continues the unfinished choices elsewhere (`resume`).
-
-Every stream worker is asked for `X-PD-Token-Ids: 1`, so its events carry `: pd-ids` comment
-lines. The relay hands each chunk to `Tracker.feed`, which returns what goes to the client: whole
-events only (a trailing partial event waits for the rest, so that a break never leaves half an
-event with the client), without the `: pd-` lines. Per chunk that is a suffix check, one split at
-the `: pd-` lines (a chunk with none goes out as it came), a partition per ids line and one scan
-for a finish reason. Nothing is parsed unless the stream migrates: the ids lines are kept as
-bytes, and so are the first data line (its `id`, `created`) and those with a finish reason or,
-after one, the usage.
+"""Migration of a broken stream (docs/migration.md §4): how the router continues the unfinished
+choices of a stream elsewhere (`resume`), from what its `Tracker` (tracker.py) read.
 
 On a break (connection error, EOF without [DONE], the worker ejected, silence past
 --stream-idle-timeout-s, or `: pd-migrate`) `resume` continues each unfinished choice, one after
@@ -16,6 +7,7 @@ the other, on another worker by the usual plan, with the client's body for that 
 `pd_continuation`. A continuation leg's relay writes into a `_Leg` instead of the client: it
 drops the chat role chunk, rewrites `id`, `created` and `index` to the first leg's, and keeps the
 usage and [DONE] for the end (usage summed: prompt tokens once, completion tokens of every leg).
+What it needs of the router is a `Relay` (the proxy is one).
 """
 
 from __future__ import annotations
@@ -24,182 +16,23 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import aiohttp
 import orjson
 
 from pd.protocol import APIError
+from pd.router.exchange import Exchange
+from pd.router.tracker import Tracker
 from pd.signing import CONTINUATION, sign_continuation
 
 if TYPE_CHECKING:
-    from pd.router.proxy import Exchange, Proxy
+    from pd.router.config import RouterConfig
+    from pd.router.metrics import RouterMetrics
+    from pd.router.registry import Registry
     from pd.router.worker import Worker
 
 log = logging.getLogger("pd.router")
-
-TOKEN_IDS_HEADER = "X-PD-Token-Ids"
-_PD = b": pd-"
-_IDS = b": pd-ids "
-_AT_PD = b"\n: pd-"  # a `: pd-` line (at a line's start: JSON has no raw newline)
-_AT_IDS = b"\n: pd-ids "
-_FINISH = b'"finish_reason":"'
-_USAGE = b'"usage":{'
-
-
-class Tracker:
-    """What the router reads of one relayed stream, chunk by chunk (see the module's doc)."""
-
-    __slots__ = ("worker", "on_drain", "carry", "head", "lines", "ends", "migrate")
-
-    def __init__(self, worker: Worker, on_drain: Callable[[], None] | None = None) -> None:
-        self.worker = worker
-        self.on_drain = on_drain  # called once, when `: pd-migrate` comes
-        self.carry = b""  # a trailing partial event, held back
-        self.head: bytes | None = None  # the first data line
-        # The `: pd-ids` lines as they came, from their "ids <choice> <id> ..." on at least.
-        self.lines: list[bytes] = []
-        # The data lines that carried a finish reason or, after one, the usage (parsed only on
-        # a migration: `finished`, `usage`).
-        self.ends: list[bytes] = []
-        self.migrate = False  # `: pd-migrate` came
-
-    def feed(self, chunk: bytes) -> bytes:
-        """The next chunk read; returns the bytes to relay (whole events, no `: pd-` line)."""
-        # NOTE: per chunk, no `x in chunk` and few startswith/find. In CPython 3.11 `x in
-        # chunk` first tries x as an int (a TypeError raised and cleared): ~1,600 instructions
-        # more than `chunk.partition(x)[1]`; find and startswith parse their arguments by a
-        # format string: ~600 more; partition, split and slices take theirs directly. The usual
-        # chunk (one event) costs ~6,500 instructions here (callgrind: `pd-bench tracker`).
-        if self.carry or chunk[-2:] != b"\n\n":
-            chunk = self._whole(chunk)
-        parts = chunk.split(_AT_PD)
-        if len(parts) > 1:
-            chunk = self._strip(chunk, parts)
-        elif chunk[:9] == _IDS:  # the usual chunk: one event, its ids line first
-            line, _, rest = chunk.partition(b"\n")
-            if rest[0] == 10:  # (a newline: an ids line alone in its event)
-                chunk = self._strip_lines(chunk)
-            else:
-                self.lines.append(line)
-                chunk = rest
-        elif chunk[:5] == _PD:
-            chunk = self._strip_lines(chunk)
-        if self.head is None:
-            at = chunk.find(b"data: {")
-            if at >= 0:
-                self.head = chunk[at + 6 : chunk.find(b"\n", at)]
-        if chunk.partition(_FINISH)[1] or (self.ends and chunk.partition(_USAGE)[1]):
-            self._keep_ends(chunk)
-        return chunk
-
-    def _whole(self, chunk: bytes) -> bytes:
-        """Hold back a trailing partial event; returns the whole events, with any held before."""
-        if self.carry:
-            chunk, self.carry = self.carry + chunk, b""
-        cut = chunk.rfind(b"\n\n") + 2
-        cut = 0 if cut == 1 else cut  # no event boundary at all: hold it all
-        chunk, self.carry = chunk[:cut], chunk[cut:]
-        return chunk
-
-    def _strip(self, chunk: bytes, parts: list[bytes]) -> bytes:
-        """Whole events less their `: pd-` lines, given `chunk.split(_AT_PD)`. The usual shape
-        (each such line an ids line before its data line) by a partition of each part; any
-        other by `_strip_lines`."""
-        if chunk.count(_AT_IDS) != len(parts) - 1:  # a `: pd-` line of another kind
-            return self._strip_lines(chunk)
-        lines = self.lines
-        before = len(lines)
-        if parts[0][:5] == _PD:  # the chunk's first line is one
-            line, _, rest = parts[0].partition(b"\n")
-            if line[:9] != _IDS or not rest or rest[0] == 10:
-                return self._strip_lines(chunk)
-            lines.append(line)
-            parts[0] = rest
-        # Each other part: "ids <choice> <id> ...\ndata: ...": what follows its ids line is
-        # kept, joined to the part before by the newline the split took.
-        for i in range(1, len(parts)):
-            line, _, rest = parts[i].partition(b"\n")
-            if not rest or rest[0] == 10:  # an ids line with no data line after it
-                del lines[before:]
-                return self._strip_lines(chunk)
-            lines.append(line)
-            parts[i] = rest
-        return b"\n".join(parts)
-
-    def _strip_lines(self, chunk: bytes) -> bytes:
-        """Any shape, line by line: an event left with no line at all is dropped whole."""
-        out = []
-        for event in chunk.split(b"\n\n")[:-1]:  # (whole events: the last part is empty)
-            kept = []
-            for line in event.split(b"\n"):
-                if not line.startswith(_PD):
-                    kept.append(line)
-                elif line.startswith(_IDS):
-                    self.lines.append(line)
-                elif line.split(b" ", 2)[1] == b"pd-migrate" and not self.migrate:
-                    self.migrate = True
-                    if self.on_drain is not None:
-                        self.on_drain()
-            if kept:
-                out.append(b"\n".join(kept))
-        return b"\n\n".join(out) + b"\n\n" if out else b""
-
-    def _keep_ends(self, chunk: bytes) -> None:
-        """Keep the data lines with a finish reason and, once one came, with the usage."""
-        for marker in (_FINISH, _USAGE):
-            at = chunk.find(marker)
-            while at >= 0:
-                begin = chunk.rfind(b"\n", 0, at) + 1
-                end = chunk.find(b"\n", at)  # (whole events: a newline follows)
-                self.ends.append(chunk[begin:end])
-                at = chunk.find(marker, end)
-            if not self.ends:  # no finish reason yet: a usage is not the stream's end
-                return
-
-    @property
-    def finished(self) -> set[int]:
-        """The choices whose finish reason was relayed."""
-        out: set[int] = set()
-        for obj in map(_data, self.ends):
-            for c in (obj or {}).get("choices") or ():
-                if isinstance(c, dict) and c.get("finish_reason") is not None:
-                    index = c.get("index", 0)
-                    out.add(index if type(index) is int else 0)
-        return out
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        """The usage relayed after a finish reason (the last one), or None."""
-        for obj in map(_data, reversed(self.ends)):
-            if obj is not None and isinstance(obj.get("usage"), dict):
-                return obj["usage"]
-        return None
-
-    def ids_of(self, index: int) -> list[int]:
-        """The token ids relayed for choice `index` (parsed only now: on a migration)."""
-        out: list[int] = []
-        for line in self.lines:
-            words = line.partition(b"ids ")[2].split()
-            if words and words[0].isdigit() and int(words[0]) == index:
-                out += map(int, words[1:])
-        return out
-
-    def count(self) -> int:
-        """Tokens relayed, every choice together."""
-        return sum(len(line.partition(b"ids ")[2].split()) - 1 for line in self.lines)
-
-
-def _data(line: bytes) -> dict[str, Any] | None:
-    """The JSON object of a data line, or None."""
-    if not line.startswith(b"data:"):
-        return None
-    try:
-        obj = orjson.loads(line[5:])
-    except orjson.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
 
 Emit = Callable[[bytes], Awaitable[None]]
 
@@ -308,7 +141,21 @@ def request_id(ex: Exchange, head: dict[str, Any]) -> str:
     return ex.request.headers.get("X-Request-Id") or str(head.get("id"))
 
 
-async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
+class Relay(Protocol):
+    """What a migration needs of the router (`Proxy` is one): its settings, metrics and
+    workers, the cluster token that signs a continuation, and a way to run a leg."""
+
+    cfg: RouterConfig
+    metrics: RouterMetrics
+    registry: Registry
+    token: bytes | None
+    session: aiohttp.ClientSession | None
+    release_timeout: aiohttp.ClientTimeout
+
+    async def handle(self, ex: Exchange, route: str) -> Any: ...
+
+
+async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
     """Continue every unfinished choice of `ex` after its stream (read by `track`) broke for
     `reason`; their events go out through `emit`. At most --migration-limit legs a choice."""
     t_break = perf_counter()
@@ -411,8 +258,6 @@ async def resume(proxy: Proxy, ex: Exchange, track: Tracker, emit: Emit, reason:
 def _leg_exchange(
     ex: Exchange, i: int, ids: list[int], exclude: list[Worker], sink: _Leg, token: bytes | None
 ) -> Exchange:
-    from pd.router.proxy import Exchange
-
     body = {
         **ex.body,
         "n": 1,
@@ -443,7 +288,7 @@ def _leg_exchange(
 
 
 async def _probe_usage(
-    proxy: Proxy, ex: Exchange, ids: list[int], exclude: list[Worker]
+    proxy: Relay, ex: Exchange, ids: list[int], exclude: list[Worker]
 ) -> dict[str, Any] | None:
     """Every choice finished but the usage never came: ask a worker (P, or a co-located one)
     for choice 0's continuation with no budget left (it ends at once, no token) and take its

@@ -62,15 +62,17 @@ from pd._compat import asyncio_timeout
 from pd.protocol import error_body
 from pd.router.answer_size import too_large
 from pd.router.config import RouterConfig
+from pd.router.exchange import Exchange
 from pd.router.failure import JSON, Failure, error_response, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
-from pd.router.migrate import TOKEN_IDS_HEADER, Tracker, resume
+from pd.router.migrate import resume
 from pd.router.pairing import describe, same_format
-from pd.router.prefix_index import PromptKey, answer_bytes
+from pd.router.prefix_index import answer_bytes
 from pd.router.registry import Pool, Registry
 from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
+from pd.router.tracker import TOKEN_IDS_HEADER, Tracker
 from pd.router.worker import Worker
 from pd.signing import optional_token
 
@@ -86,43 +88,6 @@ class _SSEResponse(web.StreamResponse):
     # NOTE: aiohttp's own knob (web.Response sets it too): the headers leave with the first
     # chunk in one write instead of a write of their own. Syscalls are the relay's main cost.
     _send_headers_immediately = False
-
-
-@dataclass(slots=True, eq=False)
-class Exchange:
-    """One client request on its way through the router."""
-
-    request: web.Request
-    path: str  # the OpenAI path, the same on the workers
-    body: dict[str, Any]  # the client's body, without kv_transfer_params
-    chat: bool
-    stream: bool  # the client's stream flag
-    include_usage: bool
-    max_tokens: int | None  # the client's
-    key: str | None  # room key for sticky-to-room
-    prompt: PromptKey  # the prompt as the prefix index sees it
-    tokens: int  # estimated prompt tokens (P is charged those it lacks while it works)
-    headers: dict[str, str]  # to send to workers
-    t0: float
-    route: str | None = None  # "local" when served decode-local (else the registry's route)
-    ttft: float | None = None
-    status: str | None = None  # overrides the response status in metrics ("stream_error")
-    reads: int = 0  # chunks read from the upstream stream (for the idle watch)
-    timed_out: bool = False  # the idle watch closed the upstream
-    ejected: bool = False  # the worker streaming the answer was ejected meanwhile
-    track: Tracker | None = None  # what was read of the stream being relayed (migrate.py)
-    leg: bool = False  # a continuation leg of a migration: a break ends it, `broken` says why
-    broken: str | None = None
-    exclude: tuple[Worker, ...] = ()  # workers whose stream broke: not chosen again
-    # Workers that disconnected before their first byte and then passed a health check: not
-    # chosen again; a second one ends the request (`Proxy.retry`).
-    disconnected: tuple[Worker, ...] = ()
-    # A fan-out's sub-exchange (fanout.py): its stream goes here (prepare/write/write_eof), not
-    # to the client.
-    sink: Any = None
-    # Most bytes of the answer the router assembles when the client does not stream (0: the
-    # whole --max-answer-bytes; a list of prompts shares it out: answer_size.py)
-    answer_limit: int = 0
 
 
 @dataclass(slots=True, eq=False)

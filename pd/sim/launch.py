@@ -1,5 +1,5 @@
 """Starts a simulated cluster's workers for the benchmarks: hosts of several simulated workers
-each (pd/sim/host.py), on free ports, and reads back how honest their clock was.
+each (pd/worker/simulated/host.py), on free ports, and reads back how honest their clock was.
 
 The clock check (issue 23, item 3): every simulated step sleeps until its modeled time (times the
 time scale K) is up; a step whose real duration runs past that overshoots. Over a run, a worker's
@@ -85,7 +85,7 @@ def start_sim_workers(
     env = {**os.environ, "PD_CLUSTER_TOKEN": os.environ.get("PD_CLUSTER_TOKEN", "pd-sim")}
     for n, group in enumerate(host_groups(roles, per_process)):
         cmd = [
-            sys.executable, "-m", "pd.sim.host",
+            sys.executable, "-m", "pd.worker.simulated.host",
             "--roles", ",".join(roles[i] for i in group),
             "--ports", ",".join(str(ports[i]) for i in group),
             "--simulate", profile, "--time-scale", str(time_scale), *worker_args,

@@ -27,7 +27,7 @@ from pd.transfer.pools import PoolDesc
 
 if TYPE_CHECKING:
     from pd.transfer.backend import Backend
-    from pd.transfer.bootstrap import Session
+    from pd.transfer.session import Session
     from pd.transfer.config import TransferConfig
     from pd.transfer.messages import Message
     from pd.transfer.peer import LinkClient

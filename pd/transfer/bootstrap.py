@@ -21,6 +21,7 @@ from pd.transfer import auth
 from pd.transfer.base import KVBootstrapServer
 from pd.transfer.errors import ProtocolError
 from pd.transfer.messages import Auth, Challenge, Hello, Message, Refused, Welcome, decode, encode
+from pd.transfer.session import Session
 
 log = logging.getLogger(__name__)
 WireTap = Callable[[bytes], None]  # sees every frame sent, for tests
@@ -33,14 +34,6 @@ class _Pending:
     d_nonce: bytes
     p_nonce: bytes
     started: float
-
-
-@dataclass
-class Session:
-    identity: bytes
-    d_engine: str
-    key: bytes
-    last_seen: float
 
 
 SessionHandler = Callable[[Session, Message], Message | None]

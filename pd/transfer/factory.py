@@ -7,7 +7,9 @@ from collections.abc import Callable
 from pd.transfer.auth import resolve_token
 from pd.transfer.backend import Backend
 from pd.transfer.config import TransferConfig
+from pd.transfer.fake_backend import FakeBackend
 from pd.transfer.manager import TransferManager
+from pd.transfer.sim_backend import SimBackend
 
 BACKENDS = ("nixl", "fake", "sim")
 
@@ -22,6 +24,7 @@ def make_backend(
 ) -> Backend:
     """`sim_link`: the sim backend's (bandwidth, latency_s, time_scale)."""
     if name == "nixl":
+        # Only when asked for: NIXL is an optional package (pip install pd[nixl]).
         from pd.transfer.nixl_backend import NixlBackend
 
         return NixlBackend(
@@ -30,12 +33,8 @@ def make_backend(
             progress_delay_us=nixl_progress_delay_us,
         )
     if name == "fake":
-        from pd.transfer.fake_backend import FakeBackend
-
         return FakeBackend(agent_name)
     if name == "sim":
-        from pd.transfer.sim_backend import SimBackend
-
         bandwidth, latency_s, time_scale = sim_link
         return SimBackend(
             agent_name, bandwidth=bandwidth, latency_s=latency_s, time_scale=time_scale

@@ -20,7 +20,7 @@ import zmq.asyncio
 from pd.transfer.auth import resolve_token
 from pd.transfer.backend import Backend, BackendCounts, MemRegion
 from pd.transfer.base import KVManager, KVReceiver, KVSender, ReleaseCallback, SlotIds
-from pd.transfer.bootstrap import BootstrapServer, Session
+from pd.transfer.bootstrap import BootstrapServer
 from pd.transfer.config import TransferConfig
 from pd.transfer.errors import HandshakeError, PoolError, TransferError
 from pd.transfer.messages import Abort, Done, Heartbeat, HeartbeatAck, Message, Welcome, b64
@@ -31,6 +31,7 @@ from pd.transfer.poller import Poller
 from pd.transfer.pools import PoolDesc
 from pd.transfer.receiver import Receiver
 from pd.transfer.sender import Sender
+from pd.transfer.session import Session
 
 log = logging.getLogger(__name__)
 

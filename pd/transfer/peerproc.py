@@ -26,6 +26,7 @@ import orjson
 import torch
 
 from pd.transfer.config import TransferConfig
+from pd.transfer.factory import create_manager
 from pd.transfer.messages import b64
 from pd.transfer.pools import PoolDesc, kv_pool_from_tensors, whole_pool_from_tensors
 
@@ -112,8 +113,6 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 async def _main(spec: dict[str, Any]) -> None:
-    from pd.transfer.factory import create_manager
-
     cfg = TransferConfig(**spec.get("config", {}))
     mgr = create_manager(cfg)
     await mgr.start()

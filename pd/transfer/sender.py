@@ -23,7 +23,7 @@ from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll, PollState
 
 if TYPE_CHECKING:
-    from pd.transfer.bootstrap import Session
+    from pd.transfer.session import Session
 
 log = logging.getLogger(__name__)
 # Aborts being sent to decode peers: asyncio keeps only weak references to tasks.

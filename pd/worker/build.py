@@ -10,13 +10,14 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.signing import Guard, optional_token
+from pd.sim.profile import parse_profile
 from pd.worker.checkpoint import (
     LoadedCheckpoint,
     default_model_path,
@@ -40,16 +41,15 @@ from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import holds_int4
-from pd.worker.model.smooth_quant import ActivationMaxima, activation_maxima, holds_smooth
+from pd.worker.model.smooth_quant import ActivationMaxima, holds_smooth
 from pd.worker.model.torch_thread import DEFAULT_THREADS, TorchThread
 from pd.worker.model.tuning.answer_judge import prompt_ids
+from pd.worker.model.tuning.calibration import activation_maxima
 from pd.worker.model.tuning.deterministic import check_row_invariant
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
+from pd.worker.simulated.runner import SimulatedRunner
 from pd.worker.text import Tokenizer
 from pd.worker.text.stack_threads import GRAMMAR_STACK_BYTES
-
-if TYPE_CHECKING:
-    from pd.sim.runner import SimulatedRunner
 
 log = logging.getLogger(__name__)
 
@@ -357,9 +357,6 @@ def _kernels_health(choice: Choice, head_runs: str) -> dict:
 def _simulated_model(cfg: WorkerConfig) -> _Model:
     """A simulated device: no weights, no KV tensors; only a tokenizer (the default model's, or
     --model's) for the text. KV pages from the profile's memory unless --kv-pages gives them."""
-    from pd.sim.profile import parse_profile
-    from pd.sim.runner import SimulatedRunner
-
     assert cfg.simulate is not None
     profile = parse_profile(cfg.simulate)  # a bad profile: ValueError, said at start
     if cfg.tp not in (1, profile.tp):

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.config import WorkerConfig
+from pd.sim.profile import list_presets, parse_profile
 
 log = logging.getLogger("pd.worker")
 SWITCH_INTERVAL_S = 0.0005  # the GIL hand-over the event loop waits for at most (default 5 ms)
@@ -32,8 +33,6 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     except ValueError as e:
         parser.error(str(e))
     if cfg.simulate is not None and cfg.simulate != "list":
-        from pd.sim.profile import parse_profile
-
         try:  # a bad profile, or a model the profile's GPUs cannot hold, is refused here
             profile = parse_profile(cfg.simulate)
             if not cfg.kv_pages:
@@ -45,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, or until `stop` is set when given (then the caller owns the
-    signals: several workers in one process, pd/sim/host.py), then drain."""
+    signals: several workers in one process, pd/worker/simulated/host.py), then drain."""
+    # Here, not at the top: they import torch and the model, which `pd-worker --help` and a
+    # refused flag never need.
     from pd.worker.api.server import make_app
     from pd.worker.build import build_worker
 
@@ -110,6 +111,7 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
 
     assert cfg.register_with is not None
 
+    # Only with --register-with: the worker otherwise never touches the router's package.
     from pd.router.register import RegistrationError, deregister_from_router, register_with_router
 
     async with aiohttp.ClientSession() as session:
@@ -128,8 +130,6 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     if cfg.simulate == "list":
-        from pd.sim.profile import list_presets
-
         print(list_presets())
         return 0
     return run_until_stopped(serve(cfg), "pd-worker")

@@ -345,7 +345,7 @@ def _event(i: int, finish: str | None = None, index: int = 0) -> bytes:
 
 
 def test_the_tracker_relays_whole_events_without_pd_lines_however_the_bytes_are_cut():
-    from pd.router.migrate import Tracker
+    from pd.router.tracker import Tracker
 
     stream = b"".join([_event(0), _event(1, index=1), b": pd-migrate draining\n\n"])
     want = b"".join(e[e.index(b"data: ") :] for e in (_event(0), _event(1, index=1)))
@@ -422,7 +422,7 @@ _EVENTS = st.one_of(
 )
 @settings(max_examples=200, deadline=None)
 def test_the_tracker_matches_a_line_by_line_reading(events, cuts, tail):
-    from pd.router.migrate import Tracker
+    from pd.router.tracker import Tracker
 
     stream = b"".join(events) + tail
     whole = stream[: stream.rfind(b"\n\n") + 2] if b"\n\n" in stream else b""

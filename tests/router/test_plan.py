@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 
 from pd.router.config import RouterConfig
+from pd.router.exchange import Exchange
 from pd.router.failure import Failure
 from pd.router.metrics import RouterMetrics
 from pd.router.prefix_index import PromptKey
-from pd.router.proxy import KV, Exchange, Plan, Proxy
+from pd.router.proxy import KV, Plan, Proxy
 from pd.router.registry import Registry
 from pd.router.worker import Worker
 

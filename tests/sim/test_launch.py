@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd.sim.host import worker_configs
+from pd.worker.simulated.host import worker_configs
 from pd.sim.launch import host_groups, overshoot
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from pd.protocol import GenerationOptions
 from pd.sim import CostModel, parse_profile
-from pd.sim.runner import SimulatedRunner
-from pd.sim.tokens import CHOSEN_LOGPROB
+from pd.worker.simulated.runner import SimulatedRunner
+from pd.worker.simulated.tokens import CHOSEN_LOGPROB
 from pd.worker.checkpoint import default_model_path, load_tokenizer
 from pd.worker.disagg.contract import KVContract, kv_pool_of, runtime_format, runtime_report
 from pd.worker.engine.batch import ScheduledBatch

@@ -10,7 +10,7 @@ import pytest
 from transfer_helpers import eventually
 
 from pd.transfer.base import KVSender, SenderHost
-from pd.transfer.bootstrap import Session
+from pd.transfer.session import Session
 from pd.transfer.messages import Abort, Message
 from pd.transfer.poll import KVPoll
 from pd.transfer.sender import Sender

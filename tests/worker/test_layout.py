@@ -40,7 +40,6 @@ FORBIDDEN = {
     "checkpoint": ["pd.transfer", "pd.worker.engine", "pd.worker.api", "pd.worker.disagg"],
     "disagg": ["pd.worker.api", "pd.worker.build", "pd.worker.checkpoint"],
 }
-PROTOCOL_MODULES = ("protocol.py", "tools_protocol.py")  # what the router parses requests with
 # A sub-package may import itself (text's own modules import each other).
 OWN = {name: f"pd.worker.{name}" for name in FORBIDDEN}
 
@@ -98,7 +97,7 @@ def test_each_subpackage_exports_its_names(sub: str):
 
 def test_router_and_protocol_stay_free_of_torch_and_the_worker():
     """The router imports pd.protocol (GenerationOptions included) without torch."""
-    paths = modules(ROOT / "pd" / "router") + [ROOT / "pd" / n for n in PROTOCOL_MODULES]
+    paths = modules(ROOT / "pd" / "router") + modules(ROOT / "pd" / "protocol")
     bad = [
         f"{p.relative_to(ROOT)} imports {m}"
         for p in paths

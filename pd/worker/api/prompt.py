@@ -19,7 +19,7 @@ from pd.protocol import (
     parse_json_body,
     parse_request,
 )
-from pd.tools_protocol import ToolRequest
+from pd.protocol.tools import ToolRequest
 from pd.worker.text import Tokenizer
 from pd.worker.tools import template_inputs
 from pd.worker.tools.prompt import renders_tools

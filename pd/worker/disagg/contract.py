@@ -23,6 +23,7 @@ from typing import Any, Protocol, cast, runtime_checkable
 import torch
 
 from pd.config import WorkerConfig
+from pd.sim.profile import parse_profile
 from pd.transfer import (
     PoolDesc,
     TransferConfig,
@@ -129,8 +130,6 @@ def make_transfer_manager(cfg: WorkerConfig) -> TransferManager:
 
 
 def _sim_link(cfg: WorkerConfig) -> dict[str, Any]:
-    from pd.sim.profile import parse_profile
-
     assert cfg.simulate is not None
     link = parse_profile(cfg.simulate).link
     return {

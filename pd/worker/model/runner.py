@@ -123,7 +123,7 @@ class ModelRunner:
         if holds_smooth(quantization) and act_maxima is None and device == "cpu":
             raise ValueError(
                 f"--quantization {quantization} needs the calibration's activation maxima "
-                "(smooth_quant.activation_maxima)"
+                "(tuning/calibration.py's activation_maxima)"
             )
         if compile and quantization not in ("none", "int8", "int4"):
             raise ValueError(

@@ -22,7 +22,8 @@ rescalings that leave the product unchanged fix that:
 Under the AVX2 cap (7 bits), the four kinds of layer (q/k/v, o, gate/up, down) together:
 1.0035x fp32's perplexity; smoothed alone (whole tensor) q/k/v and gate/up 1.032x, all four
 1.049x; per row alone o and down 1.021x (docs/EXPERIMENTS.md section 14). The calibration text
-(`data/calibration.txt`: a chat, code, minutes, prose) is not the one the bound is judged on.
+(`data/calibration.txt`: a chat, code, minutes, prose; read by tuning/calibration.py) is not the
+one the bound is judged on.
 
 Both rescalings are a multiply of the call's activations (folding 1/s into the norm's weight
 would save one, but ties every other format of the layer to the scaled weights; o and down have
@@ -31,14 +32,11 @@ no norm before them) and one of its output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 
 import torch
 
 from pd.config import quantization_formats
-from pd.worker.model.config import ModelConfig
 from pd.worker.model.kernels import DynamicInt8Linear
 
 SMOOTH_INT8 = "smooth-int8"
@@ -51,10 +49,6 @@ def holds_smooth(quantization: str) -> bool:
     return SMOOTH_INT8 in quantization_formats(quantization)
 
 
-def calibration_text() -> str:
-    return resources.files("pd.worker.model").joinpath("data/calibration.txt").read_text()
-
-
 @dataclass(frozen=True)
 class ActivationMaxima:
     """Each decoder layer's largest |input| per channel of each of its linear layers (`KINDS`),
@@ -64,51 +58,6 @@ class ActivationMaxima:
 
     def at(self, layer: int) -> dict[str, torch.Tensor]:
         return self.layers[layer]
-
-
-class _Recording:
-    """A linear layer that keeps the largest |input| per channel of every call."""
-
-    def __init__(self, layer: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.layer = layer
-        self.max: torch.Tensor | None = None
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.detach().abs().amax(0).float()
-        self.max = m if self.max is None else torch.maximum(self.max, m)
-        return self.layer(x)
-
-
-@torch.inference_mode()
-def activation_maxima(
-    config: ModelConfig,
-    weights: Mapping,
-    encode: Callable[[str], Sequence[int]],
-) -> ActivationMaxima:
-    """The maxima, from one prefill of the calibration text by the fp32 dense model on one rank
-    (built for it and dropped after; ~1 s for the default model on two cores)."""
-    from pd.worker.model.runner import ModelRunner
-    from pd.worker.model.tuning.perplexity import final_hidden, pages_for
-
-    ids = list(encode(calibration_text()))
-    runner = ModelRunner(
-        config, weights, tp=1, dtype=torch.float32, device="cpu",
-        num_pages=pages_for(len(ids), 16) + 1, page_size=16, max_model_len=len(ids) + 16,
-    )  # fmt: skip
-    recorded = []
-    for shard in runner.model.ranks[0].layers:
-        rec = {kind: _Recording(getattr(shard, kind)) for kind in KINDS}
-        for kind, r in rec.items():
-            setattr(shard, kind, r)
-        recorded.append(rec)
-    final_hidden(runner, ids)
-    out = []
-    for i, rec in enumerate(recorded):
-        maxima = {kind: r.max for kind, r in rec.items() if r.max is not None}
-        if len(maxima) != len(KINDS):
-            raise RuntimeError(f"the calibration's prefill did not call layer {i}'s linear layers")
-        out.append(maxima)
-    return ActivationMaxima(out)
 
 
 def smoothing_scales(act_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

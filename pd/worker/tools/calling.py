@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from pd.config import TOOL_CALL_PARSERS
 from pd.protocol import GenerationOptions
-from pd.tools_protocol import ToolRequest
+from pd.protocol.tools import ToolRequest
 from pd.worker.tools.prompt import renders_tools
 from pd.worker.tools.segments import segmenter
 from pd.worker.tools.stream import ToolStream

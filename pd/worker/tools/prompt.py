@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from pd.tools_protocol import ToolRequest
+from pd.protocol.tools import ToolRequest
 
 _MENTIONS_TOOLS = re.compile(r"\btools\b")
 
@@ -54,7 +54,7 @@ def _call(call: dict[str, Any]) -> dict[str, Any]:
     fn = call["function"]
     args = fn.get("arguments")
     if isinstance(args, str):
-        args = json.loads(args)  # checked by pd.tools_protocol: valid JSON
+        args = json.loads(args)  # checked by pd.protocol.tools: valid JSON
     return {**call, "function": {**fn, "arguments": args if args is not None else {}}}
 
 

@@ -8,12 +8,8 @@ import torch
 
 from pd.worker.model.kernels import DynamicInt8Linear, onednn_refusal
 from pd.worker.model.quant import SplitLinear, make_linear
-from pd.worker.model.smooth_quant import (
-    SmoothInt8Linear,
-    activation_maxima,
-    holds_smooth,
-    smoothing_scales,
-)
+from pd.worker.model.smooth_quant import SmoothInt8Linear, holds_smooth, smoothing_scales
+from pd.worker.model.tuning.calibration import activation_maxima
 
 CPU = torch.device("cpu")
 needs_fbgemm = pytest.mark.skipif(
@@ -86,7 +82,7 @@ def test_the_head_of_smooth_int8_layers_is_exact():
 
 def test_the_calibration_records_each_norms_largest_output():
     from pd.worker.model.llama import RMSNorm
-    from pd.worker.model.smooth_quant import calibration_text
+    from pd.worker.model.tuning.calibration import calibration_text
     from tests.model_fixtures import default_checkpoint
 
     ckpt = default_checkpoint()

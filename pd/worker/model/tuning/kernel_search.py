@@ -46,10 +46,10 @@ from pd.worker.model.smooth_quant import (
     KINDS,
     SMOOTH_INT8,
     ActivationMaxima,
-    activation_maxima,
     holds_smooth,
 )
 from pd.worker.model.tuning.autotune import REFERENCE, Candidate
+from pd.worker.model.tuning.calibration import activation_maxima
 from pd.worker.model.tuning.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 
 log = logging.getLogger(__name__)

@@ -24,12 +24,12 @@ import torch
 from pd.sim.clock import OVERSHOOT_WINDOW, ClockStats, StepClock
 from pd.sim.cost import CostModel
 from pd.sim.profile import ModelSpec, Profile
-from pd.sim.tokens import CHOSEN_LOGPROB, TokenPicker, prompt_key
 from pd.transfer.pools import PoolDesc, RankRegion, TpSplit
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.prompt_logprobs import PromptLogprob
 from pd.worker.model.runner import StepBatch, StepRequest
 from pd.worker.model.sampler import SampleOutput
+from pd.worker.simulated.tokens import CHOSEN_LOGPROB, TokenPicker, prompt_key
 from pd.worker.text.tokenizer import Tokenizer
 
 ATTENTION_BACKEND = "simulated"
@@ -66,7 +66,7 @@ def sim_digest(spec: ModelSpec) -> str:
 
 class _FakeAddresses:
     """Base addresses that hold nothing, never overlapping within a process (several simulated
-    workers may share one: pd/sim/host.py)."""
+    workers may share one: pd/worker/simulated/host.py)."""
 
     ALIGN = 1 << 30
 

@@ -2,7 +2,7 @@
 app, scheduler, KV cache manager, role, transfer manager) on one shared event loop, so that 32 of
 them fit on a small machine. A process of real workers would hold one each.
 
-    python -m pd.sim.host --roles prefill,decode,decode --port 9100 --simulate llama-3.1-8b:h100 ...
+    python -m pd.worker.simulated.host --roles prefill,decode,decode --port 9100 --simulate llama-3.1-8b:h100 ...
 
 Every other flag is a `pd-worker` flag given to each worker; worker i listens on the i-th of
 `--ports` when given, else on `--port + i` (a free port each with `--port 0`), and prints its own
@@ -22,7 +22,7 @@ import sys
 from pd.config import ROLES, WorkerConfig
 from pd.worker.main import parse_args, run_until_stopped, serve
 
-log = logging.getLogger("pd.sim.host")
+log = logging.getLogger("pd.worker.simulated.host")
 
 
 def worker_configs(
@@ -32,7 +32,7 @@ def worker_configs(
     from --port."""
     base = parse_args(worker_argv)
     if base.simulate is None:
-        raise ValueError("pd.sim.host serves simulated workers only: give --simulate PROFILE")
+        raise ValueError("pd.worker.simulated.host serves simulated workers only: give --simulate PROFILE")
     bad = [r for r in roles if r not in ROLES]
     if bad or not roles:
         raise ValueError(f"--roles takes a comma-separated list of {', '.join(ROLES)}")
@@ -62,7 +62,7 @@ async def serve_all(cfgs: list[WorkerConfig]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pd.sim.host", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pd.worker.simulated.host", description=__doc__)
     parser.add_argument("--roles", required=True, help="e.g. prefill,decode,decode")
     parser.add_argument("--ports", help="one port per role, comma-separated")
     args, rest = parser.parse_known_args(argv)
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         ports = [int(p) for p in args.ports.split(",")] if args.ports else None
         cfgs = worker_configs(args.roles.split(","), rest, ports)
     except ValueError as e:
-        print(f"pd.sim.host: {e}", file=sys.stderr)
+        print(f"pd.worker.simulated.host: {e}", file=sys.stderr)
         return 2
-    return run_until_stopped(serve_all(cfgs), "pd.sim.host")
+    return run_until_stopped(serve_all(cfgs), "pd.worker.simulated.host")
 
 
 if __name__ == "__main__":

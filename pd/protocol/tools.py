@@ -1,7 +1,7 @@
 """Tool calling on the wire: `tools`, `tool_choice` and `parallel_tool_calls` validated, the
 history's tool messages checked, and the constraint a `required` or named `tool_choice` asks for.
 
-Torch-free and called from `pd.protocol`'s parsers, so the router, P and D derive the same
+Torch-free and called from the request parsers (requests.py), so the router, P and D derive the same
 `ToolRequest` and the same constraint from one body (P samples the first token under it, D
 replays that token into its own matcher). As vLLM does it: a named function constrains the whole
 output to that function's `parameters` schema (the output is the call's arguments); `required`
@@ -18,7 +18,9 @@ from typing import Any
 
 import orjson
 
-from pd.protocol import MAX_JSON_DEPTH, Constraint, bad_request, json_too_deep
+from pd.protocol.body import MAX_JSON_DEPTH, json_too_deep
+from pd.protocol.constraints import Constraint
+from pd.protocol.errors import bad_request
 
 MAX_TOOLS = 128  # as OpenAI
 # OpenAI's rule for a function name (letters, digits, underscores, dashes, at most 64), plus the
