@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _serve_stubs(p_port: int, d_port: int, chunks: int) -> None:
     from aiohttp import web
 
-    from pd.router.stub import StubWorker
+    from pd.bench.stub_worker import StubWorker
 
     async def main() -> None:
         runners = []

@@ -22,7 +22,7 @@ import sys
 import time
 
 from pd.router.migrate import Tracker
-from pd.router.stub import StubWorker
+from pd.bench.stub_worker import StubWorker
 
 SHAPES = ("one", "coalesced", "whole")
 KINDS = ("cmpl", "cmpl+usage", "chat", "chat+usage")

@@ -20,6 +20,7 @@ from pd.protocol import header_bytes
 from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey
 
 if TYPE_CHECKING:
+    from pd.router.config import RouterConfig
     from pd.router.worker import Worker
 
 
@@ -298,25 +299,26 @@ class CacheAware(Policy):
         return self.fallback.choose(cands, key, (), prompt)
 
 
-def make_policy(
-    name: str,
-    load_factor: float = 1.25,
-    room_ttl_s: float = 3600.0,
-    slack: int = 4,
-    index: PrefixIndex | None = None,
-    balance_abs: int = 64,
-    balance_rel: float = 1.5,
-    cache_threshold: float = 0.3,
-    room_table_bytes: int = 24 << 20,
-) -> Policy:
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "load-aware":
-        return LoadAware()
-    if name == "sticky-to-room":
-        return StickyToRoom(
-            load_factor, room_ttl_s=room_ttl_s, slack=slack, max_bytes=room_table_bytes
-        )
-    if name == "cache-aware":
-        return CacheAware(index or PrefixIndex(), balance_abs, balance_rel, cache_threshold)
-    raise ValueError(f"unknown policy {name!r}")
+# The registry of policies: name -> how a pool's policy is built from the router's flags and the
+# pool's prefix index (config.POLICIES names them for --policy; a test keeps the two equal).
+BUILDERS: dict[str, Callable[[RouterConfig, PrefixIndex], Policy]] = {
+    RoundRobin.name: lambda cfg, index: RoundRobin(),
+    LoadAware.name: lambda cfg, index: LoadAware(),
+    StickyToRoom.name: lambda cfg, index: StickyToRoom(
+        cfg.sticky_load_factor,
+        room_ttl_s=cfg.sticky_room_ttl_s,
+        slack=cfg.sticky_slack,
+        max_bytes=cfg.sticky_room_table_bytes,
+    ),
+    CacheAware.name: lambda cfg, index: CacheAware(
+        index, cfg.cache_balance_abs, cfg.cache_balance_rel, cfg.cache_threshold
+    ),
+}
+
+
+def make_policy(name: str, cfg: RouterConfig, index: PrefixIndex) -> Policy:
+    """The policy `name` (a key of BUILDERS) of one pool."""
+    build = BUILDERS.get(name)
+    if build is None:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(BUILDERS)})")
+    return build(cfg, index)

@@ -140,17 +140,7 @@ class Registry:
         self.pools = {}
         for name in POOLS:
             index = PrefixIndex(cfg.prefix_index_blocks, cfg.prefix_index_ttl_s)
-            policy = make_policy(
-                cfg.policy_of(name),
-                cfg.sticky_load_factor,
-                cfg.sticky_room_ttl_s,
-                cfg.sticky_slack,
-                index,
-                cfg.cache_balance_abs,
-                cfg.cache_balance_rel,
-                cfg.cache_threshold,
-                cfg.sticky_room_table_bytes,
-            )
+            policy = make_policy(cfg.policy_of(name), cfg, index)
             self.pools[name] = Pool(name, policy, index, self.estimate)
         self.prefill = self.pools["prefill"]
         self.decode = self.pools["decode"]

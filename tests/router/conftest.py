@@ -10,7 +10,7 @@ import pytest
 from pd.router import RouterConfig, make_app
 from pd.router.keys import REGISTRY
 from pd.router.registry import Registry
-from pd.router.stub import StubWorker
+from pd.bench.stub_worker import StubWorker
 
 # Decode-local prefill is off unless a test turns it on: the flow tests exercise P then D.
 FAST = dict(

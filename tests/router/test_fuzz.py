@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from pd.router import RouterConfig, make_app
-from pd.router.stub import StubWorker
+from pd.bench.stub_worker import StubWorker
 from tests.api_bodies import fuzz
 
 

@@ -267,3 +267,24 @@ def test_cache_aware_balances_when_load_is_imbalanced():
         ws[0].acquire(1)
         ws[1].acquire(1)  # 25 vs 22: far apart in absolute terms, but within 1.5x
     assert ca.choose(ws, None, (), prompt) is ws[0]
+
+
+def test_every_policy_flag_has_a_builder_and_each_builds_its_own_kind():
+    from pd.router.config import POLICIES, RouterConfig
+    from pd.router.policies import BUILDERS, make_policy
+
+    assert set(BUILDERS) == set(POLICIES)
+    cfg = RouterConfig(sticky_load_factor=1.5, sticky_slack=7, cache_threshold=0.6)
+    index = PrefixIndex()
+    for name in POLICIES:
+        assert make_policy(name, cfg, index).name == name
+    sticky = make_policy("sticky-to-room", cfg, index)
+    assert isinstance(sticky, StickyToRoom) and (sticky.load_factor, sticky.slack) == (1.5, 7)
+    cache = make_policy("cache-aware", cfg, index)
+    assert isinstance(cache, CacheAware) and cache.index is index and cache.cache_threshold == 0.6
+    try:
+        make_policy("random", cfg, index)
+    except ValueError as e:
+        assert "unknown policy 'random'" in str(e)
+    else:
+        raise AssertionError("an unknown policy was built")

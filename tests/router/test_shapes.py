@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from pd.router.stub import merged
+from pd.bench.stub_worker import merged
 from tests.router.conftest import CHAT, COMPLETION, sse_events
 
 
