@@ -4,7 +4,10 @@
   function, under `if TYPE_CHECKING:`. `from P import name` is an arrow to the module P.name
   where there is one, else to P itself (its `__init__`), so a cycle through a package's
   `__init__` is a cycle too.
-- pd/sim is a library below the worker: it imports nothing from pd.worker, pd.router or pd.bench.
+- Packages in layers, arrows only downward: pd's own modules, pd.protocol, pd.kvcache and pd.sim
+  at the bottom; pd.transfer; pd.worker and pd.router (neither imports the other); pd.bench on
+  top. So pd/sim is a library below the worker: it imports nothing from pd.worker, pd.router or
+  pd.bench.
 - A function-level `pd.*` import is for an optional or heavy module: at most 10 in the runtime
   (pd/ without pd/bench/), each with a comment on the line above or its own line saying why.
 """
@@ -124,6 +127,26 @@ def test_sim_is_a_library_below_the_worker():
         if module.startswith("pd.sim")
         for target in targets
         if target.startswith(("pd.worker", "pd.router", "pd.bench"))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+# package -> its layer; a package imports only from lower layers (and itself)
+LAYERS = {"base": 0, "pd.transfer": 1, "pd.worker": 2, "pd.router": 2, "pd.bench": 3}
+
+
+def _package(module: str) -> str:
+    top = ".".join(module.split(".")[:2])
+    return top if top in LAYERS else "base"
+
+
+def test_packages_import_only_from_lower_layers():
+    bad = [
+        f"{module} imports {target}"
+        for module, targets in import_graph().items()
+        for target in targets
+        if _package(target) != _package(module)
+        and LAYERS[_package(target)] >= LAYERS[_package(module)]
     ]
     assert not bad, "\n".join(bad)
 

@@ -8,20 +8,10 @@ from dataclasses import dataclass
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.cli_args import flag as _flag
 from pd.cors import ORIGINS_HELP, check_origins
+from pd.registration import normalize_url
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
-
-
-def normalize_url(url: str) -> str:
-    """'host:port' or 'http://host:port/' -> 'http://host:port'; raises ValueError if unusable."""
-    url = url.strip().rstrip("/")
-    if "://" not in url:
-        url = "http://" + url
-    scheme, _, rest = url.partition("://")
-    if scheme not in ("http", "https") or not rest or " " in rest:
-        raise ValueError(f"not a worker URL: {url!r} (want http://host:port)")
-    return url
 
 
 @dataclass(frozen=True)

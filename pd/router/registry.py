@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pd.protocol import APIError
-from pd.router.config import POOLS, RouterConfig, normalize_url
+from pd.registration import normalize_url
+from pd.router.config import POOLS, RouterConfig
 from pd.router.hist import DECISION_BUCKETS, Hist
 from pd.router.policies import Policy, make_policy
 from pd.router.prefix_index import BLOCK_BYTES, PrefixIndex, PromptKey, TokenEstimate

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.config import WorkerConfig
+from pd.registration import RegistrationError, deregister_from_router, register_with_router
 from pd.sim.profile import list_presets, parse_profile
 
 log = logging.getLogger("pd.worker")
@@ -111,8 +112,6 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
 
     assert cfg.register_with is not None
 
-    # Only with --register-with: the worker otherwise never touches the router's package.
-    from pd.router.register import RegistrationError, deregister_from_router, register_with_router
 
     async with aiohttp.ClientSession() as session:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from pd.router import deregister_from_router, register_with_router
-from pd.router.register import RegistrationError
+from pd.registration import RegistrationError
 from tests.router.conftest import COMPLETION, registry_of, wait_for
 
 ADMIN = {"Authorization": "Bearer admin-secret"}

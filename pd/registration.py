@@ -1,4 +1,6 @@
-"""Client side of the admin API: how a worker registers itself with a router (and leaves).
+"""Client side of the router's admin API: how a worker registers itself with a router (and
+leaves), and what a worker URL is (`normalize_url`, which the router's flags use too). Below
+both the router and the worker: the worker calls it, the router's package re-exports it.
 
 `pd-worker --register-with ROUTER_URL` calls `register_with_router` once it serves, and
 `deregister_from_router` when it drains.
@@ -12,7 +14,16 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 
-from pd.router.config import normalize_url
+
+def normalize_url(url: str) -> str:
+    """'host:port' or 'http://host:port/' -> 'http://host:port'; raises ValueError if unusable."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest or " " in rest:
+        raise ValueError(f"not a worker URL: {url!r} (want http://host:port)")
+    return url
 
 
 class RegistrationError(RuntimeError):
