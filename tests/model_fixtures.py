@@ -10,6 +10,7 @@ from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.checkpoint.default_model import default_model_path
 from pd.worker.checkpoint.loader import LoadedCheckpoint, load_checkpoint
 from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import RunnerConfig
 
 
 @functools.cache
@@ -32,9 +33,7 @@ def make_runner(
     deterministic: bool = False,
 ) -> ModelRunner:
     ckpt = default_checkpoint(keep_q4_1)
-    return ModelRunner(
-        ckpt.config,
-        ckpt.weights,
+    rc = RunnerConfig(
         tp=tp,
         dtype=dtype,
         device="cpu",
@@ -46,6 +45,7 @@ def make_runner(
         lm_head_quantization=lm_head_quantization,
         deterministic=deterministic,
     )
+    return ModelRunner(ckpt.config, ckpt.weights, rc)
 
 
 def forward_chunk(

@@ -190,6 +190,7 @@ def step_bytes_and_linear_ms(
     from pd.worker.checkpoint.loader import load_checkpoint
     from pd.worker.model.quant import holds_int4
     from pd.worker.model.runner import ModelRunner
+    from pd.worker.model.runner_config import RunnerConfig
     from pd.worker.model.smooth_quant import holds_smooth
     from pd.worker.model.tuning.calibration import activation_maxima
 
@@ -200,11 +201,11 @@ def step_bytes_and_linear_ms(
     maxima = None
     if holds_smooth(quantization):
         maxima = activation_maxima(ckpt.config, ckpt.weights, ckpt.tokenizer.encode)
-    runner = ModelRunner(
-        ckpt.config, ckpt.weights, tp=1, dtype=dtype, device="cpu", num_pages=4,
-        page_size=16, max_model_len=context + 16, quantization=quantization,
-        lm_head_quantization=lm_head, act_maxima=maxima,
+    rc = RunnerConfig(
+        tp=1, dtype=dtype, device="cpu", num_pages=4, page_size=16,
+        max_model_len=context + 16, quantization=quantization, lm_head_quantization=lm_head,
     )  # fmt: skip
+    runner = ModelRunner(ckpt.config, ckpt.weights, rc, maxima)
     model = runner.model
     layers = model.ranks[0].layers
     cfg = ckpt.config

@@ -18,6 +18,7 @@ from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import Weight
 from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import RunnerConfig
 
 CONTEXT = 80  # tokens per stream: about pd-bench engine's mean (16 of prompt + 64 of 128 out)
 PAGE = 16
@@ -32,10 +33,11 @@ def time_decode_step(
     reps: int = 15,
 ) -> list[dict]:
     pages_per_seq = -(-(CONTEXT + 1) // PAGE)
-    runner = ModelRunner(
-        config, weights, tp=1, dtype=dtype, device="cpu",
+    rc = RunnerConfig(
+        tp=1, dtype=dtype, device="cpu",
         num_pages=max(rows_list) * pages_per_seq, page_size=PAGE, max_model_len=CONTEXT + PAGE,
     )  # fmt: skip
+    runner = ModelRunner(config, weights, rc)
     with torch.inference_mode():
         return [_step(runner, config, r, pages_per_seq, dtype, clock, reps) for r in rows_list]
 

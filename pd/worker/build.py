@@ -38,7 +38,15 @@ from pd.worker.disagg.contract import KVRunner, make_transfer_manager, runtime_f
 from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
-from pd.worker.model import ModelRunner, one_row, resolve_device, resolve_dtype, size_kv_pages
+from pd.worker.model import (
+    Accelerator,
+    ModelRunner,
+    RunnerConfig,
+    one_row,
+    resolve_device,
+    resolve_dtype,
+    size_kv_pages,
+)
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.quant import holds_int4
 from pd.worker.model.smooth_quant import ActivationMaxima, holds_smooth
@@ -234,61 +242,13 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         keep = (cfg.quantization == "auto" or holds_int4(cfg.quantization)) and cfg.group_size == 32
         path = cfg.model or default_model_path()
         ckpt = torch_thread.run(load_checkpoint, path, torch.float32, keep_q4_1=keep)
-    mcfg, tok = ckpt.config, ckpt.tokenizer
-    choice = torch_thread.run(
-        resolve_kernels,
-        dtype=cfg.dtype,
-        quantization=cfg.quantization,
-        device=device,
-        chunk_size=cfg.chunk_size,
-        max_running=cfg.max_running_requests,
-        threads=threads,
-        tp=cfg.tp,
-        group_size=cfg.group_size,
-        config=mcfg,
-        weights=ckpt.weights,
-        encode=ckpt.tokenizer.encode,
-        digest=ckpt.digest,
-        compile=cfg.compile,
-        lm_head_quantization=cfg.lm_head_quantization,
-        judge_prompts=lambda: prompt_ids(tok.encode, tok.apply_chat_template),
-    )
-    log.info("%s", choice.summary())
+    mcfg = ckpt.config
+    choice = _choose_kernels(cfg, device, threads, ckpt, torch_thread)
     dtype = resolve_dtype(choice.dtype, device)
-    if cfg.deterministic:
-        _check_deterministic(cfg, device, choice, mcfg, torch_thread)
-    one_row_why = None
-    if not cfg.compile:  # --compile compiles every decode step at start-up
-        one_row_why = one_row.wanted(
-            cfg.background_compile, device=device, quantization=choice.quantization
-        )
-    max_model_len = cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT)
-    num_pages = size_kv_pages(
-        mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
-    )
-    runner = torch_thread.run(
-        ModelRunner,
-        mcfg,
-        ckpt.weights,
-        tp=cfg.tp,
-        dtype=dtype,
-        device=device,
-        num_pages=num_pages,
-        page_size=cfg.page_size,
-        max_model_len=max_model_len,
-        seed=cfg.seed,
-        quantization=choice.quantization,
-        group_size=cfg.group_size,
-        attention_backend=cfg.attention_backend,
-        compile=cfg.compile,
-        # No batch grows past --max-running-requests: larger buckets would never replay.
-        cuda_graph_max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests),
-        checkpoint_digest=ckpt.digest,
-        one_row_compile=one_row_why,
-        lm_head_quantization=choice.head,
-        act_maxima=_calibration(choice.quantization, device, ckpt, torch_thread),
-        deterministic=cfg.deterministic,
-    )
+    rc = _runner_config(cfg, ckpt, choice, device)
+    max_model_len, num_pages = rc.max_model_len, rc.num_pages
+    maxima = _calibration(choice.quantization, device, ckpt, torch_thread)
+    runner = torch_thread.run(ModelRunner, mcfg, ckpt.weights, rc, maxima)
     # Compiles while the worker serves (one_row.py): started now, installed between steps.
     runner.start_background_compile(torch_thread.executor)
     bg = runner.background_compile
@@ -308,6 +268,71 @@ def _loaded_model(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None) -> _Model:
         quantization=choice.quantization,
         kernels=_kernels_health(choice, runner.lm_head_quantization),
         one_row_compile=bg.as_dict if bg is not None else None,
+    )
+
+
+def _choose_kernels(
+    cfg: WorkerConfig,
+    device: str,
+    threads: int,
+    ckpt: LoadedCheckpoint,
+    torch_thread: TorchThread,
+) -> Choice:
+    """The dtype and formats the flags ask for, `auto` resolved (tuning/kernel_choice.py)."""
+    tok = ckpt.tokenizer
+    choice = torch_thread.run(
+        resolve_kernels,
+        dtype=cfg.dtype,
+        quantization=cfg.quantization,
+        device=device,
+        chunk_size=cfg.chunk_size,
+        max_running=cfg.max_running_requests,
+        threads=threads,
+        tp=cfg.tp,
+        group_size=cfg.group_size,
+        config=ckpt.config,
+        weights=ckpt.weights,
+        encode=tok.encode,
+        digest=ckpt.digest,
+        compile=cfg.compile,
+        lm_head_quantization=cfg.lm_head_quantization,
+        judge_prompts=lambda: prompt_ids(tok.encode, tok.apply_chat_template),
+    )
+    log.info("%s", choice.summary())
+    if cfg.deterministic:
+        _check_deterministic(cfg, device, choice, ckpt.config, torch_thread)
+    return choice
+
+
+def _runner_config(
+    cfg: WorkerConfig, ckpt: LoadedCheckpoint, choice: Choice, device: str
+) -> RunnerConfig:
+    """The runner's config: the flags, the kernel choice and the KV pages that fit."""
+    mcfg = ckpt.config
+    dtype = resolve_dtype(choice.dtype, device)
+    one_row_why = None
+    if not cfg.compile:  # --compile compiles every decode step at start-up
+        one_row_why = one_row.wanted(
+            cfg.background_compile, device=device, quantization=choice.quantization
+        )
+    return RunnerConfig(
+        tp=cfg.tp,
+        dtype=dtype,
+        device=device,
+        num_pages=size_kv_pages(
+            mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
+        ),
+        page_size=cfg.page_size,
+        max_model_len=cfg.max_model_len
+        or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
+        seed=cfg.seed,
+        quantization=choice.quantization,
+        lm_head_quantization=choice.head,
+        group_size=cfg.group_size,
+        attention_backend=cfg.attention_backend,
+        deterministic=cfg.deterministic,
+        checkpoint_digest=ckpt.digest,
+        accelerator=_accelerator(cfg, one_row_why),
     )
 
 
@@ -332,6 +357,23 @@ def _check_deterministic(
         max_running=cfg.max_running_requests,
     )
     log.info("--deterministic: the formats compute every row the same in any batch (%.1f s)", took)
+
+
+def _accelerator(cfg: WorkerConfig, one_row_why: str | None) -> Accelerator:
+    """The runner's one decode accelerator, as the flags ask. (--compile needs the torch
+    attention backend and CUDA graphs FlashInfer's: the two never ran together.)"""
+    if cfg.compile and cfg.cuda_graph_max_batch:
+        raise ValueError(
+            "--compile and --cuda-graph-max-batch are two decode accelerators: give one"
+        )
+    if cfg.compile:
+        return Accelerator("compile")
+    if cfg.cuda_graph_max_batch:
+        # No batch grows past --max-running-requests: larger buckets would never replay.
+        return Accelerator(
+            "cuda-graphs", max_batch=min(cfg.cuda_graph_max_batch, cfg.max_running_requests)
+        )
+    return Accelerator("one-row", why=one_row_why) if one_row_why else Accelerator()
 
 
 def _calibration(

@@ -19,26 +19,19 @@ import torch
 from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import SeqSpec, build_paged_metadata
 from pd.protocol import GenerationOptions
-from pd.worker.model.attention import select_attention_backend
+from pd.worker.model.assemble import build_model
 from pd.worker.model.attention.flashinfer_backend import FlashInferAttentionBackend
-from pd.worker.model.communicator import make_communicator
 from pd.worker.model.compiled_decode import check_compilable, compile_decode
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.decode_graphs import DecodeGraphs
-from pd.worker.model.llama import LlamaModel, RankState, Rotary, check_tp, shard_layer
-from pd.worker.model.one_row import SCRATCH_PAGES, BackgroundCompile
+from pd.worker.model.one_row import BackgroundCompile
 from pd.worker.model.prompt_logprobs import prompt_logprobs
 from pd.worker.model.quant import (
-    GroupQuant,
     Weight,
-    check_group_size,
-    check_quantization,
-    head_quantization,
-    holds_int4,
-    make_linear,
 )
+from pd.worker.model.runner_config import RunnerConfig
 from pd.worker.model.sampler import SampleOutput, Sampler
-from pd.worker.model.smooth_quant import ActivationMaxima, holds_smooth
+from pd.worker.model.smooth_quant import ActivationMaxima
 
 log = logging.getLogger(__name__)
 
@@ -80,154 +73,61 @@ class StepBatch(Protocol):
     def riders(self) -> Sequence[tuple[int, StepRequest]]: ...  # (sampled row, a fork child)
 
 
-def lm_head_weight(
-    config: ModelConfig, weights: Mapping[str, Weight], dtype: torch.dtype
-) -> torch.Tensor:
-    """The LM head's weights [V, hidden] as the runner builds its head from them: dense, in the
-    compute dtype (the embedding's when tied)."""
-    w = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    return (w.dequantize() if isinstance(w, GroupQuant) else w).to(dtype)
-
-
 class ModelRunner:
     def __init__(
         self,
         config: ModelConfig,
         weights: Mapping[str, Weight],
-        *,
-        tp: int,
-        dtype: torch.dtype,
-        device: str,
-        num_pages: int,
-        page_size: int,
-        max_model_len: int,
-        seed: int = 0,
-        quantization: str = "none",
-        group_size: int = 32,
-        attention_backend: str = "auto",
-        compile: bool = False,
-        cuda_graph_max_batch: int = 0,
-        checkpoint_digest: str = "",
-        one_row_compile: str | None = None,  # why a background compile (one_row.py), or None
-        lm_head_quantization: str = "auto",  # auto: the layers' rule (quant.head_quantization)
+        rc: RunnerConfig,
         act_maxima: ActivationMaxima | None = None,  # smooth-int8's calibration (smooth_quant.py)
-        deterministic: bool = False,  # every row's attention as a decode row's (--deterministic)
     ) -> None:
-        check_tp(config, tp)
-        check_quantization(quantization)
-        if lm_head_quantization == "auto":
-            lm_head_quantization = head_quantization(quantization, dtype)
-        check_quantization(lm_head_quantization)
-        if holds_int4(quantization) or holds_int4(lm_head_quantization):
-            check_group_size(config, tp, group_size)
-        if holds_smooth(quantization) and act_maxima is None and device == "cpu":
-            raise ValueError(
-                f"--quantization {quantization} needs the calibration's activation maxima "
-                "(tuning/calibration.py's activation_maxima)"
-            )
-        if compile and quantization not in ("none", "int8", "int4"):
-            raise ValueError(
-                f"--compile runs --quantization none, int8 or int4, not {quantization}: "
-                "torch.compile has not been tried on the oneDNN/FBGEMM kernels"
-            )
-        self.quantization = quantization
-        self.lm_head_quantization = lm_head_quantization
-        self.checkpoint_digest = checkpoint_digest  # LoadedCheckpoint.digest: see KVContract
-        if device == "cuda" and torch.cuda.device_count() < tp:
-            raise ValueError(
-                f"--tp {tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}"
-            )
+        rc = rc.checked(config, act_maxima)
+        self.rc = rc
         self.config = config
-        self.dtype = dtype
-        self.page_size = page_size
-        self.max_model_len = max_model_len
-        devices = [
-            torch.device("cuda", r) if device == "cuda" else torch.device("cpu") for r in range(tp)
-        ]
-        self.device = devices[0]
-        if cuda_graph_max_batch and (device != "cuda" or tp != 1):
-            raise ValueError("--cuda-graph-max-batch needs --device cuda and --tp 1")
-        # A CUDA-graph step pads its batch with sequences on a page of their own, one past the
-        # pages the allocator hands out (`num_pages`).
-        # A background compile warms up on pages of its own, past those too.
-        pool_pages = num_pages + (1 if cuda_graph_max_batch else 0)
-        scratch = range(pool_pages, pool_pages + (SCRATCH_PAGES if one_row_compile else 0))
-        pool_pages = scratch.stop
-        ranks = []
-        for r, dev in enumerate(devices):
-            layers = []
-            for i in range(config.num_layers):
-                act_max = None if act_maxima is None else act_maxima.at(i)
-                args = (dtype, dev, quantization, group_size, act_max)
-                layers.append(shard_layer(weights, config, i, r, tp, *args))
-            ranks.append(
-                RankState(
-                    device=dev,
-                    layers=layers,
-                    kv=KVPool(
-                        pool_pages,
-                        config.num_layers,
-                        config.num_kv_heads // tp,
-                        page_size,
-                        config.head_dim,
-                        dtype,
-                        dev,
-                    ),
-                    attn=select_attention_backend(dev, dtype, attention_backend, deterministic),
-                    rotary=Rotary(config, max_model_len, dev),
-                    num_heads=config.num_heads // tp,
-                    num_kv_heads=config.num_kv_heads // tp,
-                )
-            )
-
-        def dense(name: str) -> torch.Tensor:
-            w = weights[name]
-            w = w.dequantize() if isinstance(w, GroupQuant) else w
-            return w.to(device=self.device, dtype=dtype)
-
-        embed = dense("model.embed_tokens.weight")
-        head = embed if config.tie_word_embeddings else lm_head_weight(config, weights, dtype)
-        # The LM head is the largest matrix a step reads: by default in the layers' kernel (int8
-        # under int4 layers), or its own (--lm-head-quantization, measured by auto); the
-        # embedding's lookup reads a row per token: it stays dense.
-        lm_head = make_linear(head, None, lm_head_quantization, group_size, dtype, self.device)
-        norms = [
-            (
-                dense(f"model.layers.{i}.input_layernorm.weight"),
-                dense(f"model.layers.{i}.post_attention_layernorm.weight"),
-            )
-            for i in range(config.num_layers)
-        ]
-        final_norm = dense("model.norm.weight")
-        self.model = LlamaModel(
-            config, ranks, embed, norms, final_norm, lm_head, make_communicator(devices)
-        )
-        self.sampler = Sampler(seed)
-        self.num_pages = num_pages
-        self.attention_backend = type(ranks[0].attn).__name__  # reported in /health
-        if deterministic:  # a P and a D pair only when theirs are equal (contract.runtime_format)
+        self.quantization, self.lm_head_quantization = rc.quantization, rc.lm_head_quantization
+        self.checkpoint_digest = rc.checkpoint_digest  # LoadedCheckpoint.digest: see KVContract
+        self.dtype, self.page_size, self.max_model_len = rc.dtype, rc.page_size, rc.max_model_len
+        self.num_pages = rc.num_pages
+        self.device = rc.devices()[0]
+        self.model = build_model(config, weights, rc, act_maxima)
+        self.sampler = Sampler(rc.seed)
+        self.attention_backend = type(self.model.ranks[0].attn).__name__  # reported in /health
+        if rc.deterministic:  # a P and a D pair only when theirs are equal (contract.runtime_format)
             self.attention_backend += "/uniform"
-        self.compiled = compile
-        if compile:
-            compile_decode(self.model, page_size, num_pages)
-        # Started by `start_background_compile`, once the worker is built.
-        self.background_compile: BackgroundCompile | None = None
-        if one_row_compile:
+        # The one decode accelerator: compiled steps live in the model (model.compiled_decode),
+        # a background compile or CUDA graphs here.
+        self.compiled = rc.accelerator.kind == "compile"
+        self.accelerated: BackgroundCompile | DecodeGraphs | None = self._accelerate()
+
+    def _accelerate(self) -> BackgroundCompile | DecodeGraphs | None:
+        accel, rc = self.rc.accelerator, self.rc
+        if accel.kind == "compile":
+            compile_decode(self.model, rc.page_size, rc.num_pages)
+        elif accel.kind == "one-row":  # started by `start_background_compile`, once built
             check_compilable(self.model)
-            self.background_compile = BackgroundCompile(
-                self.model, page_size, scratch, torch.get_num_threads(), one_row_compile
+            scratch = rc.scratch_pages()
+            return BackgroundCompile(
+                self.model, rc.page_size, scratch, torch.get_num_threads(), accel.why
             )
-        self.graphs: DecodeGraphs | None = None
-        if cuda_graph_max_batch:
-            if not isinstance(ranks[0].attn, FlashInferAttentionBackend):
+        elif accel.kind == "cuda-graphs":
+            if not isinstance(self.model.ranks[0].attn, FlashInferAttentionBackend):
                 raise ValueError(
                     "--cuda-graph-max-batch needs the FlashInfer attention backend (bf16 or fp16, "
                     "flashinfer installed): the torch backend would pad every row of a graph to "
                     "the whole context"
                 )
-            self.graphs = DecodeGraphs(
-                self.model, cuda_graph_max_batch, max_model_len, scratch_page=num_pages
+            return DecodeGraphs(
+                self.model, accel.max_batch, rc.max_model_len, scratch_page=rc.num_pages
             )
+        return None
+
+    @property
+    def background_compile(self) -> BackgroundCompile | None:
+        return self.accelerated if isinstance(self.accelerated, BackgroundCompile) else None
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.accelerated if isinstance(self.accelerated, DecodeGraphs) else None
 
     def start_background_compile(self, executor: Executor) -> None:
         """Start the one-row compile, if any; `executor`: the thread steps run on."""

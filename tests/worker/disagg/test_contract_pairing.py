@@ -24,7 +24,7 @@ from pd.worker.checkpoint.loader import load_checkpoint
 from pd.worker.disagg import DecodeSide, KVContract, PrefillSide
 from pd.worker.disagg.contract import runtime_format
 from pd.worker.engine import Engine, RequestHandle, Scheduler
-from pd.worker.model import ModelConfig, ModelRunner, SampleOutput
+from pd.worker.model import ModelConfig, ModelRunner, RunnerConfig, SampleOutput
 from tests.worker.checkpoint.test_digest import gguf_file
 
 PAGE = 4
@@ -43,11 +43,12 @@ PROMPT = list(range(1, 10))
 
 def _runner(path: str, quantization: str = "none") -> ModelRunner:
     ckpt = load_checkpoint(path)
-    return ModelRunner(
-        ckpt.config, ckpt.weights, tp=1, dtype=torch.float32, device="cpu", num_pages=8,
+    rc = RunnerConfig(
+        tp=1, dtype=torch.float32, device="cpu", num_pages=8,
         page_size=PAGE, max_model_len=64, quantization=quantization,
         checkpoint_digest=ckpt.digest,
     )  # fmt: skip
+    return ModelRunner(ckpt.config, ckpt.weights, rc)
 
 
 def test_a_fine_tune_of_the_same_shape_has_another_contract(tmp_path: Path) -> None:
@@ -71,10 +72,11 @@ def test_the_same_checkpoint_quantized_otherwise_has_another_runtime_format(tmp_
     assert runtime_format(dense)["linear"] == "none" and runtime_format(dense)["lm_head"] == "none"
     # The KV dtype is part of the KV format: a bf16 runner's pages are other bytes.
     ckpt = load_checkpoint(path)
-    bf16 = ModelRunner(
-        ckpt.config, ckpt.weights, tp=1, dtype=torch.bfloat16, device="cpu", num_pages=8,
+    rc = RunnerConfig(
+        tp=1, dtype=torch.bfloat16, device="cpu", num_pages=8,
         page_size=PAGE, max_model_len=64, checkpoint_digest=ckpt.digest,
     )  # fmt: skip
+    bf16 = ModelRunner(ckpt.config, ckpt.weights, rc)
     assert KVContract.of(bf16) != KVContract.of(dense)
     assert KVContract.of(bf16).model_fingerprint == KVContract.of(dense).model_fingerprint
 

@@ -1,4 +1,4 @@
-"""The compiled decode step (`ModelRunner(compile=True)`): the compiled step gives the eager step's logits (fp32), for one sequence and
+"""The compiled decode step (`--compile`: `compile_decode`): the compiled step gives the eager step's logits (fp32), for one sequence and
 for batches, across page boundaries, after the warm-up that compiles every graph it needs."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.model.compiled_decode import compile_decode
 from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import RunnerConfig
 from tests.model_fixtures import default_checkpoint, forward_chunk
 
 PAGE = 16
@@ -26,8 +27,10 @@ def test_compiled_decode_equals_eager():
     ckpt = default_checkpoint()
     config = dataclasses.replace(ckpt.config, num_layers=3)  # compiles in seconds, not minutes
     runner = ModelRunner(
-        config, ckpt.weights, tp=1, dtype=torch.float32, device="cpu", num_pages=32,
-        page_size=PAGE, max_model_len=512,
+        config, ckpt.weights, RunnerConfig(
+            tp=1, dtype=torch.float32, device="cpu", num_pages=32,
+            page_size=PAGE, max_model_len=512,
+        ),
     )  # fmt: skip
     model = runner.model
     took = compile_decode(model, PAGE, runner.num_pages)  # its warm-up zeroes pages it used
@@ -65,8 +68,10 @@ def test_compile_refuses_what_it_cannot_compile():
     ckpt = default_checkpoint()
     config = dataclasses.replace(ckpt.config, num_layers=1)
     runner = ModelRunner(
-        config, ckpt.weights, tp=1, dtype=torch.float32, device="cpu", num_pages=4,
-        page_size=PAGE, max_model_len=64,
+        config, ckpt.weights, RunnerConfig(
+            tp=1, dtype=torch.float32, device="cpu", num_pages=4,
+            page_size=PAGE, max_model_len=64,
+        ),
     )  # fmt: skip
     with pytest.raises(ValueError, match="warms up on 9 KV pages"):
         compile_decode(runner.model, PAGE, runner.num_pages)
@@ -86,8 +91,10 @@ def test_two_compiled_models_in_one_process_keep_their_own_graphs():
     for layers, pages in ((2, 24), (3, 40)):
         config = dataclasses.replace(ckpt.config, num_layers=layers)
         runner = ModelRunner(
-            config, ckpt.weights, tp=1, dtype=torch.float32, device="cpu", num_pages=pages,
-            page_size=PAGE, max_model_len=512,
+            config, ckpt.weights, RunnerConfig(
+                tp=1, dtype=torch.float32, device="cpu", num_pages=pages,
+                page_size=PAGE, max_model_len=512,
+            ),
         )  # fmt: skip
         compile_decode(runner.model, PAGE, runner.num_pages)
         runners.append(runner)

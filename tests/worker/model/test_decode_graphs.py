@@ -18,6 +18,7 @@ from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.protocol import GenerationOptions
 from pd.worker.model.decode_graphs import DecodeGraphs, graph_buckets
 from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import Accelerator, RunnerConfig
 from tests.model_fixtures import default_checkpoint
 
 PAGE = 16
@@ -41,10 +42,13 @@ def make(device: str, dtype: torch.dtype, num_layers: int | None, pages: int, **
         if num_layers is None
         else dataclasses.replace(ckpt.config, num_layers=num_layers)
     )
-    return ModelRunner(
-        config, ckpt.weights, tp=1, dtype=dtype, device=device, num_pages=pages,
-        page_size=PAGE, max_model_len=MAX_LEN, **kw,
+    graphs = kw.pop("cuda_graph_max_batch", 0)
+    rc = RunnerConfig(
+        tp=1, dtype=dtype, device=device, num_pages=pages, page_size=PAGE, max_model_len=MAX_LEN,
+        accelerator=Accelerator("cuda-graphs", max_batch=graphs) if graphs else Accelerator(),
+        **kw,
     )  # fmt: skip
+    return ModelRunner(config, ckpt.weights, rc)
 
 
 def prefill(runner: ModelRunner, prompts, pages) -> None:
@@ -173,15 +177,16 @@ def test_runner_steps_through_graphs_as_eager():
     graph of 4 with a padded row; the same tokens as a runner without graphs (fp32)."""
     eager = decode_through_execute(make("cpu", torch.float32, num_layers=3, pages=17))
     runner = make("cpu", torch.float32, num_layers=3, pages=17)
-    runner.graphs = DecodeGraphs(runner.model, 4, MAX_LEN, scratch_page=16, capture=False)
+    graphs = DecodeGraphs(runner.model, 4, MAX_LEN, scratch_page=16, capture=False)
+    runner.accelerated = graphs  # the runner's one accelerator slot
     runs: list[int] = []
-    graph_run = runner.graphs.run
+    graph_run = graphs.run
 
     def counting(input_ids: torch.Tensor, meta) -> torch.Tensor:
         runs.append(meta.batch_size)
         return graph_run(input_ids, meta)
 
-    runner.graphs.run = counting  # type: ignore[method-assign]
+    graphs.run = counting  # type: ignore[method-assign]
 
     def tokens(steps: list[list[tuple[int, float]]]) -> list[list[int]]:
         return [[t for t, _ in seq] for seq in steps]

@@ -13,6 +13,7 @@ import torch
 
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import RunnerConfig
 from pd.worker.model.smooth_quant import KINDS, ActivationMaxima
 from pd.worker.model.tuning.perplexity import final_hidden, pages_for
 
@@ -43,10 +44,11 @@ def activation_maxima(
     """The maxima, from one prefill of the calibration text by the fp32 dense model on one rank
     (built for it and dropped after; ~1 s for the default model on two cores)."""
     ids = list(encode(calibration_text()))
-    runner = ModelRunner(
-        config, weights, tp=1, dtype=torch.float32, device="cpu",
+    rc = RunnerConfig(
+        tp=1, dtype=torch.float32, device="cpu",
         num_pages=pages_for(len(ids), 16) + 1, page_size=16, max_model_len=len(ids) + 16,
     )  # fmt: skip
+    runner = ModelRunner(config, weights, rc)
     recorded = []
     for shard in runner.model.ranks[0].layers:
         rec = {kind: _Recording(getattr(shard, kind)) for kind in KINDS}

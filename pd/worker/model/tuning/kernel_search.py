@@ -37,11 +37,13 @@ import torch
 
 from pd.config import format_at, split_quantization
 from pd.worker.model import quant
+from pd.worker.model.assemble import lm_head_weight
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.int4_fp32 import BLOCK, INT4_FP32, int4_fp32_refusal
 from pd.worker.model.kernels import DYNAMIC_INT8, ONEDNN_DTYPES, onednn_refusal
-from pd.worker.model.runner import ModelRunner, lm_head_weight
+from pd.worker.model.runner import ModelRunner
+from pd.worker.model.runner_config import RunnerConfig
 from pd.worker.model.smooth_quant import (
     KINDS,
     SMOOTH_INT8,
@@ -405,9 +407,7 @@ class PerplexityJudge:
     ) -> ModelRunner:
         """A model of `c` with the LM head `head` (auto: its rule), `num_pages` pages of 16,
         for sequences of up to `max_len` tokens (default: all its pages')."""
-        return ModelRunner(
-            self.config,
-            self.weights,
+        rc = RunnerConfig(
             tp=self.tp,
             dtype=DTYPES[c.dtype],
             device="cpu",
@@ -415,10 +415,10 @@ class PerplexityJudge:
             page_size=16,
             max_model_len=max_len or num_pages * 16,
             quantization=c.quantization,
-            group_size=self.group_size,
             lm_head_quantization=head,
-            act_maxima=self._act_maxima(c.quantization),
+            group_size=self.group_size,
         )
+        return ModelRunner(self.config, self.weights, rc, self._act_maxima(c.quantization))
 
     def head(self, dtype: str, fmt: str) -> quant.Linear:
         """The LM head in `fmt` for layers in `dtype`."""
