@@ -237,16 +237,17 @@ class WorkerConfig:
     )
     compile: bool = _flag(
         False,
-        "CPU: run decode steps through torch.compile (inductor), ~1.2x faster at one stream, "
-        "after a warm-up at start-up (~2 min on a cold inductor cache, ~15 s on a warm one)",
+        "CPU: run decode steps through torch.compile (inductor), faster at one stream, after a "
+        "warm-up at start-up (minutes on a cold inductor cache, seconds on a warm one; figures: "
+        "docs/EXPERIMENTS.md)",
         boolean=True,
     )
     background_compile: str = _flag(
         "off",
         "CPU: on compiles the one-row decode step (one stream's) on a thread while the worker "
-        "serves eagerly, finishes it on the torch thread at an idle moment (~10 s), and switches "
-        "to it when it times faster (minutes once per machine on a cold inductor cache under "
-        "$PD_CACHE_DIR, ~30 s after). It changes answers: the compiled step rounds otherwise "
+        "serves eagerly, finishes it on the torch thread at an idle moment, and switches to it "
+        "when it times faster (minutes once per machine on a cold inductor cache under "
+        "$PD_CACHE_DIR, less after). It changes answers: the compiled step rounds otherwise "
         "than the eager one, so one stream decodes otherwise than several. Off by default",
         choices=("on", "off"),
     )
