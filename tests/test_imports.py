@@ -1,9 +1,9 @@
 """The house's import rules across pd/, read from the source (no imports run).
 
 - No import cycle between pd's modules. Every import counts as an arrow: at the top, inside a
-  function, under `if TYPE_CHECKING:`. `from P import name` is an arrow to the module P.name
-  where there is one, else to P itself (its `__init__`), so a cycle through a package's
-  `__init__` is a cycle too.
+  function, under `if TYPE_CHECKING:`. `from P import name` is an arrow to P itself (its
+  `__init__` runs first) and to the module P.name where there is one, so a cycle through a
+  package's `__init__` is a cycle too (`import P.name as name` is an arrow to P.name alone).
 - Packages in layers, arrows only downward: pd's own modules, pd.protocol, pd.kvcache and pd.sim
   at the bottom; pd.transfer; pd.worker and pd.router (neither imports the other); pd.bench on
   top. So pd/sim is a library below the worker: it imports nothing from pd.worker, pd.router or
@@ -58,6 +58,10 @@ def import_graph() -> dict[str, set[str]]:
     for module, path in MODULES.items():
         arrows = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                package = _target(node.module) if node.module.startswith("pd") else None
+                if package is not None and package != module:
+                    arrows.add(package)
             for name in _imported(node):
                 target = _target(name) if name.startswith("pd.") else None
                 if target is not None and target != module:

@@ -14,6 +14,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import pd.router.admin as admin
+import pd.router.fanout as fanout
+import pd.router.tokenize as tokenize
 from pd.cors import enable_cors
 from pd.protocol import (
     APIError,
@@ -27,7 +30,6 @@ from pd.protocol import (
     require_json,
     unknown_fields,
 )
-from pd.router import admin, fanout, tokenize
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.exchange import Exchange

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from pd.transfer import auth
+import pd.transfer.auth as auth
 from pd.transfer.base import KVBootstrapServer
 from pd.transfer.errors import ProtocolError
 from pd.transfer.messages import Auth, Challenge, Hello, Message, Refused, Welcome, decode, encode

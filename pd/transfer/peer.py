@@ -17,8 +17,8 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
+import pd.transfer.auth as auth
 from pd._compat import asyncio_timeout
-from pd.transfer import auth
 from pd.transfer.errors import AuthError, HandshakeError, ProtocolError
 from pd.transfer.messages import (
     Abort,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import pd.worker.model.quant as quant
 from pd.kvcache.kv_pool import KVPool
 from pd.kvcache.paged_metadata import PagedMetadata
-from pd.worker.model import quant
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import DecodeInputs, paged_decode_attention
 from pd.worker.model.communicator import Communicator

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd.worker.tools import arguments
+import pd.worker.tools.arguments as arguments
 from pd.worker.tools.segments import Begin, Body, Content, End, Segment, Segmenter
 
 log = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+import pd.worker.model.quant as quant
 from pd.config import format_at, split_quantization
-from pd.worker.model import quant
 from pd.worker.model.assemble import lm_head_weight
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES

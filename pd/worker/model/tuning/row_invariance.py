@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pd.worker.model import quant
+import pd.worker.model.quant as quant
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.smooth_quant import KINDS
