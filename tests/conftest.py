@@ -5,6 +5,8 @@ the search itself set the variable back."""
 
 import os
 
+import pytest
+
 os.environ["PD_KERNEL_SEARCH"] = "0"
 
 E2E = os.path.join("tests", "e2e") + os.sep
@@ -12,14 +14,13 @@ E2E = os.path.join("tests", "e2e") + os.sep
 WITH_WORKERS = ("test_soak.py", "test_routing.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh: `--dist loadgroup`) every end-to-end test (and the
     benchmarks' tests that start real workers) runs in one process: their session fixtures (a
     worker in process, a P/D pair of processes) start once, and the two test processes never
     hold two sets of workers at once (on a 24 GiB machine two did not fit: the kernel's OOM
     killer took a test process)."""
-    import pytest
-
     for item in items:
         if E2E in str(item.path) or (
             item.path.parent.name == "bench" and item.path.name in WITH_WORKERS
