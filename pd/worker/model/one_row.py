@@ -49,7 +49,7 @@ IDLE_POLL_S = 0.2
 TIMING_ROUNDS = 3  # on the torch thread, TIMING_GAP_S apart (a request may come between)
 TIMING_GAP_S = 2.0
 SWITCH_INTERVAL_S = 0.00005  # while compiling (Python's default: 0.005)
-COMPILABLE = ("none", "int8", "int4")  # the one-row formats torch.compile has been run on
+COMPILABLE = ("none", "int8", "int4")  # the formats torch.compile has been run on (both uses)
 
 
 def one_row_format(quantization: str) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.llama import check_tp
-from pd.worker.model.one_row import SCRATCH_PAGES
+from pd.worker.model.one_row import COMPILABLE, SCRATCH_PAGES
 from pd.worker.model.quant import (
     check_group_size,
     check_quantization,
@@ -19,8 +19,6 @@ from pd.worker.model.quant import (
     holds_int4,
 )
 from pd.worker.model.smooth_quant import ActivationMaxima, holds_smooth
-
-COMPILABLE = ("none", "int8", "int4")  # the formats --compile has been run on
 
 
 @dataclass(frozen=True)
