@@ -1,13 +1,21 @@
 """Suite-wide: no worker a test starts (in process or as a `pd-worker` process, which inherits
 the environment) runs the `--dtype/--quantization auto` search (pd/worker/model/tuning/kernel_choice.py):
 auto takes the fixed rule, so the suite is as fast and as deterministic as before. The tests of
-the search itself set the variable back."""
+the search itself set the variable back.
+
+Inductor's cache is pd's folder for this CPU as capped (pd/worker/model/inductor_cache.py), for
+the tests that call torch.compile themselves as well: inductor's default folder mixes graphs
+compiled with and without `scripts/as_avx2.sh`, and a capped run that loaded uncapped graphs
+computed NaNs."""
 
 import os
 
 import pytest
 
+from pd.worker.model.inductor_cache import use_pd_inductor_cache
+
 os.environ["PD_KERNEL_SEARCH"] = "0"
+use_pd_inductor_cache()
 
 E2E = os.path.join("tests", "e2e") + os.sep
 # Other tests that start real workers on the model, as processes

@@ -50,8 +50,9 @@ class Candidate:
     rel_tol: float
     build: Callable[[torch.Tensor, int], Layer]
     pd_today: str = ""  # the worker's flags that run it today ("" if none)
-    # a CPU flag without which the kernel is known to lose more than `rel_tol` (FBGEMM's full
-    # 8-bit activations: AVX2's u8 x s8 pair sums saturate int16; VNNI sums into int32)
+    # a CPU flag without which the kernel is known to lose more than `rel_tol` (full 8-bit
+    # activations in FBGEMM or oneDNN's s8 x s8: AVX2's u8 x s8 pair sums saturate int16; VNNI
+    # sums into int32)
     exact_needs: str = ""
     # why it is not timed on a CPU ("" if it is): a kernel torch only ships elsewhere
     skip_unless: Callable[[CpuInfo], str] = lambda cpu: ""
@@ -184,7 +185,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("onednn-int8", f32, "int8/ch", 8, "quantized.linear_dynamic (oneDNN, reduce_range)",
               7e-2, _dynamic_int8("onednn", True), "--quantization onednn-int8"),
     Candidate("int_mm-int8", f32, "int8/ch", 8, "torch._int_mm, activations int8 per row", 7e-2,
-              _int_mm),
+              _int_mm, exact_needs="avx512_vnni"),
     Candidate("int4pack-bf16", f32, "int4/g32", 5, "aten._weight_int4pack_mm_for_cpu, bf16 "
               "inside", 0.15, _pd_int4, "--quantization int4"),
     Candidate("int4pack-fp32", f32, "int4/g32", 5, "aten._weight_int4pack_mm_for_cpu", 0.15,

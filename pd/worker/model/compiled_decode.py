@@ -37,6 +37,7 @@ import torch
 from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import DecodeInputs, TorchAttentionBackend
+from pd.worker.model.inductor_cache import use_pd_inductor_cache
 from pd.worker.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ def _compiled_layers(
 ) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """`model.hidden` through torch.compile, bare and with each call's sizes marked dynamic
     (the warm-up's: the compiled graphs then take any context, and batch when > 1)."""
+    use_pd_inductor_cache()  # inductor's default folder mixes what it compiled under ISA caps
     compiled = torch.compile(
         _own_code(model.hidden), fullgraph=True, options={"guard_filter_fn": guards}
     )

@@ -21,9 +21,7 @@ meanwhile, so that each eager op waits less for the lock. Measured in EXPERIMENT
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import statistics
 import sys
 import threading
@@ -37,9 +35,8 @@ import torch
 from pd.worker.model.attention import AttentionBackend
 from pd.worker.model.attention.torch_backend import TorchAttentionBackend
 from pd.worker.model.compiled_decode import compile_one_row, layers_inputs
-from pd.worker.model.cpu_info import CpuInfo, read_cpu_info
+from pd.worker.model.inductor_cache import use_pd_inductor_cache
 from pd.worker.model.llama import LlamaModel
-from pd.worker.model.tuning import kernel_cache
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +66,6 @@ def wanted(setting: str, *, device: str, quantization: str) -> str | None:
             f" (this worker: {device}, {quantization})"
         )
     return "--background-compile on"
-
-
-def use_pd_inductor_cache() -> str:
-    """Point inductor's cache under pd's cache directory (unless the user pointed it), in a
-    folder of this CPU's own (`inductor_cache_name`)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        path = kernel_cache.cache_root() / "inductor" / inductor_cache_name(read_cpu_info())
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-def inductor_cache_name(cpu: CpuInfo) -> str:
-    """A folder name for inductor's cache on this CPU as capped (its model, flags and ISA
-    limits, torch's version): inductor's own keys leave the caps out, and a graph compiled
-    under `scripts/as_avx2.sh` and served on the uncapped CPU corrupted the heap at its first
-    call ("corrupted size vs. prev_size", a float32 int4 one-row step on an AMD EPYC)."""
-    key = repr((cpu.model, sorted(cpu.flags), cpu.limits, torch.__version__))
-    return f"{cpu.kind.lower()}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 class BackgroundCompile:

@@ -46,7 +46,7 @@ def test_a_compiled_step_that_times_slower_is_never_installed():
 
 def test_inductors_cache_is_kept_apart_per_cpu_and_cap(monkeypatch, tmp_path):
     from pd.worker.model.cpu_info import CpuInfo
-    from pd.worker.model.one_row import inductor_cache_name, use_pd_inductor_cache
+    from pd.worker.model.inductor_cache import inductor_cache_name, use_pd_inductor_cache
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
     cpu = CpuInfo("AMD EPYC", flags, 2, "x86_64", "AVX512")
@@ -65,3 +65,8 @@ def test_inductors_cache_is_kept_apart_per_cpu_and_cap(monkeypatch, tmp_path):
     monkeypatch.setenv("PD_CACHE_DIR", str(tmp_path))
     path = use_pd_inductor_cache()
     assert path.startswith(str(tmp_path / "inductor")) and path != str(tmp_path / "inductor")
+    # importing inductor writes its default folder into the environment: not the user's choice
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_pd_inductor_cache() == path
