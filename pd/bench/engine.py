@@ -506,7 +506,7 @@ def measure_llama_cpp(args, threads: int, prompts: list[str]) -> dict:
 
 def perplexity_ratios(configs: list[Config], threads: int) -> dict[str, float]:
     """Each explicit configuration's perplexity on the shipped text over fp32 dense's (the
-    bound `auto` keeps to: autotune.PPL_BOUND)."""
+    bound `auto` keeps to: knobs.PPL_BOUND)."""
     from pd.worker.checkpoint import default_model_path, load_tokenizer
     from pd.worker.checkpoint.loader import load_checkpoint
     from pd.worker.model.tuning.autotune import Candidate
@@ -541,7 +541,7 @@ def targets(
     `duels` (`default_against_best`) measured the default in turns with that one, the ratio of
     those medians, the separate one beside it."""
     duels = duels or {}
-    from pd.worker.model.tuning.autotune import PPL_BOUND
+    from pd.worker.model.tuning.knobs import PPL_BOUND
 
     rate = {(r["config"], r["streams"]): r["tok_s"] for r in runs}
     out: dict = {}
@@ -679,7 +679,7 @@ def default_against_best(
 def run(args: argparse.Namespace) -> int:
     from pd.worker.checkpoint import default_model_path
     from pd.worker.checkpoint.loader import load_checkpoint
-    from pd.worker.model.cpu_info import read_cpu_info
+    from pd.worker.model.tuning.cpu_info import read_cpu_info
     from pd.worker.model.tuning.kernel_search import formats_here
 
     cpu = read_cpu_info()

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pd.worker.model.cpu_info import CpuInfo
 from pd.worker.model.int4_fp32 import Int4Fp32Linear
 from pd.worker.model.kernels import (
     linear_dynamic,
@@ -35,6 +34,7 @@ from pd.worker.model.kernels import (
     reorder_onednn,
 )
 from pd.worker.model.quant import Int4Linear, Int8Linear, quantize_groups
+from pd.worker.model.tuning.cpu_info import CpuInfo
 
 Layer = Callable[[torch.Tensor], torch.Tensor]
 GROUP = 32  # int4 group size (pd's default --group-size; GGUF's Q4_1 blocks)

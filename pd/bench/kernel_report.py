@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from pd.bench.kernel_candidates import Candidate
 from pd.bench.kernel_shapes import Shape, step_cells, step_weights
-from pd.worker.model.cpu_info import CpuInfo
+from pd.worker.model.tuning.cpu_info import CpuInfo
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from pd.bench.kernel_candidates import BY_NAME, CANDIDATES, Candidate, Layer, rel_error, try_build
 from pd.bench.kernel_report import Timing, build_report, format_report
 from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights
-from pd.worker.model.cpu_info import read_cpu_info
+from pd.worker.model.tuning.cpu_info import read_cpu_info
 
 SLOW_S = 1.0  # a warm-up call longer than this is the candidate's one sample
 

@@ -55,6 +55,7 @@ from pd.worker.model.tuning.answer_judge import prompt_ids
 from pd.worker.model.tuning.calibration import activation_maxima
 from pd.worker.model.tuning.deterministic import check_row_invariant
 from pd.worker.model.tuning.kernel_choice import Choice, resolve_kernels
+from pd.worker.model.tuning.search_input import SearchInput
 from pd.worker.simulated.runner import SimulatedRunner
 from pd.worker.text import Tokenizer
 from pd.worker.text.stack_threads import GRAMMAR_STACK_BYTES
@@ -280,22 +281,25 @@ def _choose_kernels(
 ) -> Choice:
     """The dtype and formats the flags ask for, `auto` resolved (tuning/kernel_choice.py)."""
     tok = ckpt.tokenizer
-    choice = torch_thread.run(
-        resolve_kernels,
+    inp = SearchInput(
         dtype=cfg.dtype,
         quantization=cfg.quantization,
+        lm_head_quantization=cfg.lm_head_quantization,
         device=device,
         chunk_size=cfg.chunk_size,
         max_running=cfg.max_running_requests,
         threads=threads,
         tp=cfg.tp,
         group_size=cfg.group_size,
+        digest=ckpt.digest,
+        compile=cfg.compile,
+    )
+    choice = torch_thread.run(
+        resolve_kernels,
+        inp,
         config=ckpt.config,
         weights=ckpt.weights,
         encode=tok.encode,
-        digest=ckpt.digest,
-        compile=cfg.compile,
-        lm_head_quantization=cfg.lm_head_quantization,
         judge_prompts=lambda: prompt_ids(tok.encode, tok.apply_chat_template),
     )
     log.info("%s", choice.summary())
@@ -323,8 +327,7 @@ def _runner_config(
             mcfg, cfg.tp, cfg.page_size, dtype, device, cfg.kv_pages, cfg.kv_memory_fraction
         ),
         page_size=cfg.page_size,
-        max_model_len=cfg.max_model_len
-        or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
+        max_model_len=cfg.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
         seed=cfg.seed,
         quantization=choice.quantization,
         lm_head_quantization=choice.head,

@@ -19,8 +19,8 @@ from pd.bench.kernel_shapes import Shape, cells, model_shapes, shape_weights, st
 from pd.bench.kernel_step import format_step, time_decode_step
 from pd.worker.checkpoint.load_utils import expected_weight_shapes
 from pd.worker.model.config import ModelConfig
-from pd.worker.model.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 from pd.worker.model.quant import Weight, quantize_groups
+from pd.worker.model.tuning.cpu_info import CpuInfo, parse_cpuinfo, read_cpu_info
 
 SMOLLM2 = ModelConfig(
     name="SmolLM2-135M-Instruct", architecture="llama", vocab_size=49152, hidden_size=576,
@@ -110,7 +110,7 @@ def test_parse_cpuinfo_x86_and_arm():
 
 
 def test_an_avx2_cap_in_the_environment_takes_avx512_and_amx_off_the_flags():
-    from pd.worker.model.cpu_info import effective_flags, isa_limits
+    from pd.worker.model.tuning.cpu_info import effective_flags, isa_limits
 
     amx = frozenset(
         {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "avx_vnni"}

@@ -8,7 +8,9 @@ import torch
 
 from pd.kvcache.kv_pool import pages_for_budget
 from pd.worker.model.config import ModelConfig
-from pd.worker.model.cpu_info import read_cpu_info  # its flags follow an AVX2 cap (ISA_LIMITS)
+from pd.worker.model.tuning.cpu_info import (
+    read_cpu_info,  # its flags follow an AVX2 cap (ISA_LIMITS)
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from pd.worker.model.cpu_info import CpuInfo, read_cpu_info
 from pd.worker.model.tuning import kernel_cache
+from pd.worker.model.tuning.cpu_info import CpuInfo, read_cpu_info
 
 
 def use_pd_inductor_cache() -> str:

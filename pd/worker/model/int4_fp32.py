@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pd.worker.model.cpu_info import read_cpu_info
+from pd.worker.model.tuning.cpu_info import read_cpu_info
 from pd.worker.model.tuning.kernel_cache import cache_dir
 
 INT4_FP32 = "int4-fp32"

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-from pd.worker.model.cpu_info import read_cpu_info
+from pd.worker.model.tuning.cpu_info import read_cpu_info
 
 # --quantization values that run here: the name and the quantized engine (None: oneDNN bf16)
 DYNAMIC_INT8 = {"fbgemm-int8": "fbgemm", "onednn-int8": "onednn"}

@@ -151,14 +151,36 @@ def test_a_choice_round_trips_through_json_and_says_what_chose_it():
     assert "perplexity x1.003" in line and "bfloat16/int4 dropped" in line
 
 
+def _search_input(**changes):
+    import dataclasses
+
+    from pd.worker.model.tuning.search_input import SearchInput
+
+    inp = SearchInput("auto", "auto", "auto", "cpu", 512, 64, 1, 1, 32, "x")
+    return dataclasses.replace(inp, **changes)
+
+
+def _cpu(flags=frozenset({"avx2", "fma"})):
+    from pd.worker.model.tuning.cpu_info import CpuInfo
+
+    return CpuInfo("AMD EPYC", flags, 2, "x86_64", "AVX2")
+
+
 def test_the_cache_is_keyed_by_everything_measured(tmp_path):
-    key = kernel_cache.cache_key(cpu_flags=frozenset({"avx2", "fma"}), threads=1)
+    import dataclasses
+
+    key = kernel_cache.cache_key(_search_input(), _cpu())
     assert kernel_cache.load(key, tmp_path) is None
     assert kernel_cache.store(key, {"dtype": F32}, tmp_path) is not None
     assert kernel_cache.load(key, tmp_path) == {"dtype": F32}
-    other = kernel_cache.cache_key(cpu_flags=frozenset({"avx2"}), threads=1)
+    other = kernel_cache.cache_key(_search_input(), _cpu(frozenset({"avx2"})))
     assert kernel_cache.load(other, tmp_path) is None  # another CPU
     assert kernel_cache.load({**key, "threads": 2}, tmp_path) is None
+    # every field of the search's input is in the key
+    for f in dataclasses.fields(_search_input()):
+        value = getattr(_search_input(), f.name)
+        changed = not value if isinstance(value, bool) else value * 2
+        assert kernel_cache.cache_key(_search_input(**{f.name: changed}), _cpu()) != key, f.name
     for f in tmp_path.iterdir():
         f.write_text("{not json")
     assert kernel_cache.load(key, tmp_path) is None  # unreadable: a miss
@@ -174,21 +196,17 @@ def test_pinned_or_switched_off_the_worker_measures_nothing(monkeypatch):
     from tests.model_fixtures import default_checkpoint
 
     ckpt = default_checkpoint()
-    kw = dict(
-        device="cpu", chunk_size=512, max_running=64, threads=1, tp=1,
-        group_size=32, config=ckpt.config, weights=ckpt.weights, encode=ckpt.tokenizer.encode,
-        digest=ckpt.digest,
-    )  # fmt: skip
-    pinned = resolve_kernels(dtype=F32, quantization="int8", **kw)
+    kw = dict(config=ckpt.config, weights=ckpt.weights, encode=ckpt.tokenizer.encode)
+    pinned = resolve_kernels(_search_input(dtype=F32, quantization="int8"), **kw)
     assert (pinned.dtype, pinned.quantization, pinned.how) == (F32, "int8", "pinned")
     monkeypatch.setenv("PD_KERNEL_SEARCH", "0")
-    off = resolve_kernels(dtype="auto", quantization="auto", **kw)
+    off = resolve_kernels(_search_input(), **kw)
     assert off.quantization == "none" and "PD_KERNEL_SEARCH=0" in off.how and not off.ms
-    only = resolve_kernels(dtype=BF16, quantization="auto", **{**kw, "device": "cuda"})
+    only = resolve_kernels(_search_input(dtype=BF16, device="cuda"), **kw)
     assert (only.dtype, only.quantization) == (BF16, "none")
     # an explicit --dtype never brings quantized weights: the checkpoint's, dense
     monkeypatch.setenv("PD_KERNEL_SEARCH", "1")
-    f32 = resolve_kernels(dtype=F32, quantization="auto", **kw)
+    f32 = resolve_kernels(_search_input(dtype=F32), **kw)
     assert (f32.dtype, f32.quantization, f32.head) == (F32, "none", "auto") and not f32.ms
     assert "--dtype float32" in f32.how
 
@@ -264,7 +282,8 @@ def test_a_candidate_far_behind_at_a_batch_is_not_timed_at_the_larger_ones(monke
 
 
 def test_the_drop_rule_spares_the_batches_where_time_is_bytes_read():
-    from pd.worker.model.tuning.kernel_search import DROP_FACTOR, DropRule
+    from pd.worker.model.tuning.kernel_search import DropRule
+    from pd.worker.model.tuning.knobs import DROP_FACTOR
 
     rule = DropRule([1, 8, 32, 512])
     assert rule.go_on(1, 8.0) and rule.go_on(8, 11.0)  # the first candidate sets the pace
@@ -322,7 +341,7 @@ def test_workers_beside_each_other_wait_for_one_search(tmp_path):
     import threading
     import time
 
-    key = kernel_cache.cache_key(checkpoint="x", threads=1)
+    key = kernel_cache.cache_key(_search_input(), _cpu())
     order: list[str] = []
 
     def second() -> None:

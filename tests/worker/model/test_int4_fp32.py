@@ -123,7 +123,7 @@ def test_the_search_offers_it_with_the_exact_fp32_head_of_its_rule():
 
 
 def test_the_avx512_build_gives_the_avx2_builds_bits():
-    from pd.worker.model.cpu_info import read_cpu_info
+    from pd.worker.model.tuning.cpu_info import read_cpu_info
 
     if "avx512f" not in read_cpu_info().flags:
         pytest.skip("no AVX-512 here (or capped): only the AVX2 build runs")

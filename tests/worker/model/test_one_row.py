@@ -45,8 +45,8 @@ def test_a_compiled_step_that_times_slower_is_never_installed():
 
 
 def test_inductors_cache_is_kept_apart_per_cpu_and_cap(monkeypatch, tmp_path):
-    from pd.worker.model.cpu_info import CpuInfo
     from pd.worker.model.inductor_cache import inductor_cache_name, use_pd_inductor_cache
+    from pd.worker.model.tuning.cpu_info import CpuInfo
 
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
     cpu = CpuInfo("AMD EPYC", flags, 2, "x86_64", "AVX512")

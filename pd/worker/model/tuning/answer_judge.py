@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+import pd.worker.model.tuning.knobs as knobs
 from pd.kvcache.paged_metadata import build_paged_metadata
 from pd.worker.model.device import DTYPES
 from pd.worker.model.quant import head_quantization
@@ -41,8 +42,6 @@ from pd.worker.model.tuning.perplexity import pages_for
 
 log = logging.getLogger(__name__)
 
-ANSWER_TOKENS = 32  # the leading tokens of an answer compared
-PAGE_SIZE = 16  # of the judge's models (kernel_search.PerplexityJudge.runner)
 BASELINE = Candidate("bfloat16", "none")  # the bar, less one prompt's worth
 
 
@@ -227,7 +226,7 @@ class AnswerJudge:
         models: Models,
         chunk: int,
         row_invariant: Callable[[Candidate], bool] = lambda c: False,
-        tokens: int = ANSWER_TOKENS,
+        tokens: int = knobs.ANSWER_TOKENS,
     ) -> None:
         self.prompts = [list(p) for p in prompts]
         self.models, self.chunk, self.tokens = models, chunk, tokens
@@ -238,7 +237,7 @@ class AnswerJudge:
         self.seconds = 0.0  # spent judging, the reference and the bar included
 
     def _pages(self) -> int:
-        return pages_needed(self.prompts, PAGE_SIZE, self.tokens)
+        return pages_needed(self.prompts, knobs.JUDGE_PAGE_SIZE, self.tokens)
 
     def reference(self) -> list[list[int]]:
         if self._reference is None:

@@ -28,26 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pd.worker.model.tuning.knobs as knobs
 from pd.config import quantization_formats, split_quantization
 
-PPL_BOUND = 1.02  # issue 24: within 1.02x of the fp32 model's perplexity
-DECODE_ROWS = (1, 8, 32)
 DTYPES = ("float32", "bfloat16")
 REFERENCE = ("float32", "none")  # what the perplexity bound is relative to
-HEAD_GAIN = 1.01  # an LM head other than the layers' own must score this much better
-# The reference's dtype (float32) wins when its best candidate scores within this of the other
-# dtype's: the rest of a step (norms, rotary, attention, the residual stream, the KV cache) then
-# runs as the model's does, where only the linear layers were timed. bf16 between the layers
-# turned README's first token ("The" against "L'", 0.08 logits apart in fp32) on a Zen 4, and a
-# whole-model bf16 answer agrees with fp32's for fewer leading tokens than a float32 one on the
-# same int4 weights (21.4 against 25.4 of 32, issue 40). 1.10: issue 40's "within 10% of the
-# fastest"; float32/int4 scored 1.05x bfloat16/int4 on a Xeon (AMX), mostly at a prefill chunk.
-DTYPE_TIE = 1.10
-# Faithful before fast: among the candidates that pass every judge and score within this of the
-# choice, the one whose greedy answers agree best with fp32's (the answer judge's figure) wins.
-# 1.10: issue 40's "within 10% of the fastest configuration that passes"; on a Xeon with AMX
-# float32/int4 scored 1.272 and float32/int4-fp32 (fp32's own answers, 32 of 32) 1.318.
-FAITHFUL_TIE = 1.10
 
 
 @dataclass(frozen=True, order=True)
@@ -85,7 +70,7 @@ def candidates(dtype_pin: str, quantization_pin: str, formats: Sequence[str]) ->
 def search_batches(chunk_size: int, max_running: int) -> dict[int, float]:
     """Rows of a step -> the weight of that batch size in a candidate's score (summing to 1):
     a co-located worker's, for every role (module docstring)."""
-    decode = sorted({min(r, max_running) for r in DECODE_ROWS})
+    decode = sorted({min(r, max_running) for r in knobs.DECODE_ROWS})
     out = {r: 0.5 / len(decode) for r in decode}
     out[chunk_size] = out.get(chunk_size, 0.0) + 0.5
     return out
@@ -257,7 +242,7 @@ def choose(
     weights: Mapping[int, float],
     ratio_of: Callable[[Candidate], float],
     row_invariant: Callable[[Candidate], bool],
-    bound: float = PPL_BOUND,
+    bound: float = knobs.PPL_BOUND,
     prefer_dtype: str | None = None,
     accepts: Callable[[Candidate], bool] = lambda c: True,
     agreement: Callable[[Candidate], float] | None = None,
@@ -311,10 +296,10 @@ def choose(
     if prefer_dtype is not None and prefer_dtype != chosen.dtype:
         same = passes if passes(chosen) else judged if judged(chosen) else within_bound
         alt = _best([c for c in pool if c.dtype == prefer_dtype], score, same)
-        if alt is not None and score[alt] <= score[chosen] * DTYPE_TIE:
+        if alt is not None and score[alt] <= score[chosen] * knobs.DTYPE_TIE:
             chosen = alt
     if agreement is not None and passes(chosen):
-        near = [c for c in pool if score[c] <= score[chosen] * FAITHFUL_TIE and passes(c)]
+        near = [c for c in pool if score[c] <= score[chosen] * knobs.FAITHFUL_TIE and passes(c)]
         chosen = max(near, key=lambda c: (agreement(c), -score[c]))
     return chosen, score, ratios
 
@@ -326,7 +311,7 @@ def choose_head(
     ratio_of: Callable[[Candidate], float],
     rule: Candidate,
     row_invariant: Callable[[Candidate], bool],
-    bound: float = PPL_BOUND,
+    bound: float = knobs.PPL_BOUND,
     accepts: Callable[[Candidate], bool] = lambda c: True,
 ) -> tuple[Candidate, dict[Candidate, float], dict[Candidate, float]]:
     """The LM head for layers already chosen (with `rule`'s head, which passed the bound with
@@ -336,7 +321,7 @@ def choose_head(
     own), so a head's share of a prefill chunk counts for what it is. `ratio_of` gives the
     perplexity of the chosen layers with that head. The best head that computes a row the same
     at every batch (`row_invariant`) and passes the bound; the rule unless another beats it by
-    HEAD_GAIN (or the rule itself fails); the rule where no head passes. Passing is computing
+    knobs.HEAD_GAIN (or the rule itself fails); the rule where no head passes. Passing is computing
     rows the same at any batch, the perplexity bound and `accepts` (the answer judge), asked in
     that order. At a co-located worker's batches half the weight is the prefill
     chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a ~9 ms
@@ -361,6 +346,6 @@ def choose_head(
     steps = {c: {r: body[r] + t[r] for r in weights if r in t} for c, t in ms.items()}
     head_scores = scores(steps, weights)
     best = _best(list(ms), head_scores, passes)
-    if best is None or (passes(rule) and head_scores[best] * HEAD_GAIN >= head_scores[rule]):
+    if best is None or (passes(rule) and head_scores[best] * knobs.HEAD_GAIN >= head_scores[rule]):
         best = rule
     return best, head_scores, ratios

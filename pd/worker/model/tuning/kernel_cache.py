@@ -1,16 +1,15 @@
 """Where `--dtype auto` / `--quantization auto` keep what they measured (kernel_choice.py): one
 JSON file per key under `$PD_CACHE_DIR/kernels/` (default `~/.cache/pd/kernels/`). The key is
-everything the measurement depends on (`cache_key`): the CPU (model name and every flag), the
-checkpoint's digest, the batch sizes, the threads, the TP size, torch's version and what was
-pinned, so a choice never follows a worker to another machine or model (not the role: P and D
-of one machine share a choice). A file
-that cannot be read or parsed is a miss (the search runs again and rewrites it). Workers that
+everything the measurement depends on (`cache_key`): the search's input (search_input.py:
+the flags, sizes and checkpoint), the CPU (model name, every flag, the caps) and torch's version,
+so a choice never follows a worker to another machine or model. A file that cannot be read or parsed is a miss (the search runs again and rewrites it). Workers that
 start together on one machine search once (`locked`): the first to take a key's lock measures,
 the others wait for it and read what it stored."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -19,6 +18,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from pd.worker.model.tuning.cpu_info import CpuInfo
+from pd.worker.model.tuning.search_input import SearchInput
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +46,16 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def cache_key(**fields: Any) -> dict[str, Any]:
-    """The key as a JSON-able dict (sorted flags), with the search's version."""
+def cache_key(inp: SearchInput, cpu: CpuInfo) -> dict[str, Any]:
+    """The key of `inp`'s choice on `cpu` (as capped), as a JSON-able dict: every field of the
+    input, the CPU's model, flags and caps, torch's version and the search's."""
     return {
         "version": VERSION,
-        **{k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in fields.items()},
+        **dataclasses.asdict(inp),
+        "cpu_model": cpu.model,
+        "cpu_flags": sorted(cpu.flags),
+        "isa_limits": dict(cpu.limits),
+        "torch": torch.__version__,
     }
 
 

@@ -14,10 +14,8 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-import torch
-
+import pd.worker.model.tuning.knobs as knobs
 from pd.worker.model.config import ModelConfig
-from pd.worker.model.cpu_info import read_cpu_info
 from pd.worker.model.device import DTYPES, cpu_has_fast_bf16
 from pd.worker.model.kernels import DYNAMIC_INT8
 from pd.worker.model.quant import Weight, head_quantization
@@ -33,6 +31,7 @@ from pd.worker.model.tuning.autotune import (
     choose_head,
     search_batches,
 )
+from pd.worker.model.tuning.cpu_info import read_cpu_info
 from pd.worker.model.tuning.kernel_search import (
     PerplexityJudge,
     formats_here,
@@ -41,10 +40,10 @@ from pd.worker.model.tuning.kernel_search import (
 )
 from pd.worker.model.tuning.perplexity import shipped_text
 from pd.worker.model.tuning.row_invariance import batch_rows, head_differs, layers_differ
+from pd.worker.model.tuning.search_input import SearchInput
 
 log = logging.getLogger(__name__)
 
-SHOWN_HEADS = 6  # LM heads in /health and the log, the best first
 SKIP_ENV = "PD_KERNEL_SEARCH"  # "0" (or off/no/false): auto takes the fixed rule, unmeasured
 
 
@@ -80,60 +79,34 @@ def fixed_choice(
 
 
 def resolve_kernels(
+    inp: SearchInput,
     *,
-    dtype: str,
-    quantization: str,
-    device: str,
-    chunk_size: int,
-    max_running: int,
-    threads: int,
-    tp: int,
-    group_size: int,
     config: ModelConfig,
     weights: Mapping[str, Weight],
     encode: Callable[[str], list[int]],  # the model's tokenizer (pd.worker.text is not model's)
-    digest: str,
-    compile: bool = False,
-    lm_head_quantization: str = "auto",
     judge_prompts: Callable[[], list[list[int]]] | None = None,
 ) -> Choice:
     """The worker's (dtype, quantization, LM head), with the figures behind it. Runs torch ops:
-    call it on the worker's torch thread, with `threads` its thread count. The head is measured
-    when the layers are (`--quantization auto`) and it is not pinned; else it is the pinned one,
-    or the layers' rule ("auto"). `judge_prompts`: the answer judge's prompts as token ids
-    (answer_judge.py; None: no answer judge, the perplexity bound alone)."""
-    head = lm_head_quantization
+    call it on the worker's torch thread, with `inp.threads` its thread count. The head is
+    measured when the layers are (`--quantization auto`) and it is not pinned; else it is the
+    pinned one, or the layers' rule ("auto"). `judge_prompts`: the answer judge's prompts as
+    token ids (answer_judge.py; None: no answer judge, the perplexity bound alone)."""
+    dtype, quantization, head = inp.dtype, inp.quantization, inp.lm_head_quantization
     if dtype != "auto" and quantization != "auto":
         return Choice(dtype, quantization, "pinned", head=head)
     if dtype != "auto":  # quantized weights only where asked for
         return Choice(dtype, "none", f"--dtype {dtype}: the checkpoint's weights dense", head=head)
-    if device != "cpu":
-        return fixed_choice(dtype, quantization, device, f"not measured on {device}", head)
+    if inp.device != "cpu":
+        return fixed_choice(dtype, quantization, inp.device, f"not measured on {inp.device}", head)
     if search_disabled():
-        return fixed_choice(dtype, quantization, device, f"not measured: {SKIP_ENV}=0", head)
-    formats = formats_here(config, tp, group_size)
-    if compile:  # the runner compiles these only (runner.py)
+        return fixed_choice(dtype, quantization, inp.device, f"not measured: {SKIP_ENV}=0", head)
+    formats = formats_here(config, inp.tp, inp.group_size)
+    if inp.compile:  # the runner compiles these only (runner.py)
         formats = [q for q in formats if q in ("none", "int8", "int4")]
     cands = candidates(dtype, quantization, layer_formats(formats))
     if len(cands) == 1:
         return Choice(cands[0].dtype, cands[0].quantization, "the only candidate", head=head)
-    cpu = read_cpu_info()
-    key = kernel_cache.cache_key(
-        cpu_model=cpu.model,
-        cpu_flags=cpu.flags,
-        isa_limits=dict(cpu.limits),
-        torch=torch.__version__,
-        checkpoint=digest,
-        chunk_size=chunk_size,
-        max_running=max_running,
-        threads=threads,
-        tp=tp,
-        group_size=group_size,
-        dtype=dtype,
-        quantization=quantization,
-        compile=compile,
-        lm_head_quantization=head,
-    )
+    key = kernel_cache.cache_key(inp, read_cpu_info())
     with kernel_cache.locked(key):  # a worker beside that is measuring: wait, then read
         hit = kernel_cache.load(key)
         if hit is not None:
@@ -142,9 +115,8 @@ def resolve_kernels(
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 log.warning("a kernel choice in the cache is unusable (%s): measured again", e)
         choice = _search(
-            cands, formats, config, tp, group_size, chunk_size, max_running, weights, encode,
+            cands, formats, inp, config, weights, encode,
             measure_head=head == "auto" and quantization == "auto", judge_prompts=judge_prompts,
-            head=head,
         )  # fmt: skip
         kernel_cache.store(key, choice.as_dict())
     return choice
@@ -169,22 +141,20 @@ def _checked(choice: Choice, cands: list[Candidate], formats: list[str], head: s
 def _search(
     cands: list[Candidate],
     formats: list[str],
+    inp: SearchInput,
     config: ModelConfig,
-    tp: int,
-    group_size: int,
-    chunk_size: int,
-    max_running: int,
     weights: Mapping[str, Weight],
     encode: Callable[[str], list[int]],
     measure_head: bool,
     judge_prompts: Callable[[], list[list[int]]] | None = None,
-    head: str = "auto",
 ) -> Choice:
     """Judge `cands` for computing a row the same in every batch (row_invariance.py), time
     those that do (all where none does), judge their perplexity best first and choose
     (autotune.choose); then the LM head. A format whose rows differ is never timed: it cannot
     win, and the drop rule would otherwise leave out a slow one that can (int4 at a prefill
     chunk, over 4x onednn-bf16's at one thread)."""
+    tp, group_size, head = inp.tp, inp.group_size, inp.lm_head_quantization
+    chunk_size, max_running = inp.chunk_size, inp.max_running
     start = time.perf_counter()
     largest = max(chunk_size, max_running)
     layer_rows = batch_rows(largest, (chunk_size, max_running))
@@ -299,7 +269,7 @@ def _measured_head(
             "no LM head computes a row the same in every batch here: %s",
             differs[head.quantization],
         )
-    shown = sorted(scores, key=lambda c: (scores[c], c))[:SHOWN_HEADS]
+    shown = sorted(scores, key=lambda c: (scores[c], c))[: knobs.SHOWN_HEADS]
     shown += [c for c in (rule, head) if c not in shown]
     choice.head = "auto" if head == rule else head.quantization
     choice.head_ms = {c.quantization: dict(ms[c]) for c in shown}
@@ -308,4 +278,4 @@ def _measured_head(
     choice.head_row_differs = dict(differs)
 
 
-__all__ = ["Candidate", "Choice", "SKIP_ENV", "resolve_kernels"]
+__all__ = ["Candidate", "Choice", "SKIP_ENV", "SearchInput", "resolve_kernels"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 import pd.worker.model.quant as quant
+import pd.worker.model.tuning.knobs as knobs
 from pd.config import format_at, split_quantization
 from pd.worker.model.assemble import lm_head_weight
 from pd.worker.model.config import ModelConfig
@@ -55,19 +56,6 @@ from pd.worker.model.tuning.calibration import activation_maxima
 from pd.worker.model.tuning.perplexity import final_hidden, pages_for, perplexity, perplexity_of
 
 log = logging.getLogger(__name__)
-
-DROP_FACTOR = 4.0
-DROP_FROM_ROWS = 32  # below this a step's time is mostly its weights' bytes: nothing is dropped
-LONG_PASS_S = 0.25  # a first pass this long (unscaled) leaves one more round at that batch
-# A batch this large is compute-bound: timed on the first COMPUTE_GROUPS layer groups only
-# (scaled to the model's layers), where the weights' traffic hardly counts (a prefill chunk's
-# pass over all 30 layers took ~1.6 s a candidate, a third of a search; with three rounds of
-# every candidate, 6 groups made a capped search 64 s on a slow moment: 3 now).
-COMPUTE_ROWS = 128
-COMPUTE_GROUPS = 3
-# fp32 bytes of random weights a search builds its layers from: every layer of a small model
-# (SmolLM2-135M: 30 layers, 425 MB), fewer of a large one (whose layers alone outgrow the caches)
-WEIGHT_BUDGET = 512e6
 
 
 @dataclass(frozen=True)
@@ -120,7 +108,7 @@ def _resident_bytes(layer: quant.Linear) -> int:
     return int(getattr(layer, "resident_bytes", layer.nbytes))
 
 
-def layer_groups(shapes: Sequence[LinearShape], budget_bytes: float = WEIGHT_BUDGET) -> int:
+def layer_groups(shapes: Sequence[LinearShape], budget_bytes: float = knobs.WEIGHT_BUDGET) -> int:
     """How many layers' worth of distinct weights to time: the model's layer count (over its
     ranks), or as many as `budget_bytes` of fp32 weights hold (at least one)."""
     layers = [s for s in shapes if s.name != "lm_head"]
@@ -208,11 +196,11 @@ class BuiltCandidate:
         list[tuple[quant.Linear, torch.Tensor]], list[tuple[quant.Linear, torch.Tensor]], float
     ]:
         """(a pass's layer calls, the head's call, the factor from the layers timed to the
-        model's): a batch of COMPUTE_ROWS or more runs a few layer groups (module docstring),
+        model's): a batch of knobs.COMPUTE_ROWS or more runs a few layer groups (module docstring),
         and a batch of `prefill_rows` samples one row at the head."""
         dtype = DTYPES[self.candidate.dtype]
         xs = {s.name: torch.randn(rows, s.inp, generator=gen).to(dtype) for s, _ in self.layers[0]}
-        timed = self.layers if rows < COMPUTE_ROWS else self.layers[:COMPUTE_GROUPS]
+        timed = self.layers if rows < knobs.COMPUTE_ROWS else self.layers[: knobs.COMPUTE_GROUPS]
         body = [(layer, xs[s.name]) for group in timed for s, layer in group]
         n = 1 if rows == prefill_rows else rows
         h = torch.randn(n, self.head_shape.inp, generator=gen).to(dtype)
@@ -226,7 +214,7 @@ def time_candidates(
     rows: Sequence[int],
     prefill_rows: int,
     group_size: int,
-    reps: int = 3,
+    reps: int = knobs.LAYER_ROUNDS,
     memory_bytes: float = math.inf,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
     """(ms of a step's linear layers per candidate per batch in `rows`, the bytes each one's
@@ -274,13 +262,13 @@ def _time_side_by_side(
     for r in rows:
         calls = [(b.candidate, *b.calls(r, prefill_rows, gen)) for b in built]
         samples: dict[Candidate, list[float]] = {c: [] for c, *_ in calls}
-        long: set[Candidate] = set()  # a first pass over LONG_PASS_S: two rounds only
+        long: set[Candidate] = set()  # a first pass over knobs.LONG_PASS_S: two rounds only
         for k in range(reps):
             for c, body, head, scale in calls[k % len(calls) :] + calls[: k % len(calls)]:
                 if k >= 2 and c in long:
                     continue
                 body_s, head_s = _round_s(body), _round_s(head)
-                if k == 0 and body_s + head_s > LONG_PASS_S:
+                if k == 0 and body_s + head_s > knobs.LONG_PASS_S:
                     long.add(c)
                 samples[c].append(body_s * scale + head_s)
         for c, s in samples.items():
@@ -290,9 +278,6 @@ def _time_side_by_side(
         built = [b for b in built if b.candidate in kept]
 
 
-FLUSH_BYTES = 64e6  # read before each timed call of a head: it leaves the caches, as in a step
-
-
 def time_heads(
     dtype: str,
     formats: Sequence[str],
@@ -300,15 +285,15 @@ def time_heads(
     rows: Sequence[int],
     prefill_rows: int,
     group_size: int,
-    reps: int = 5,
+    reps: int = knobs.HEAD_ROUNDS,
 ) -> tuple[dict[Candidate, dict[int, float]], dict[Candidate, int]]:
     """(ms of the LM head alone in each of `formats` at each batch in `rows`, its bytes): the
     head at a step's sampled rows (one at a prefill chunk), after a read of `FLUSH_BYTES` that
-    evicts it from the caches, as a step's layers do between two heads (hot, a 28 MB int8 head
-    timed 2.0 ms and a dynamic int8 one 0.4; after the read 2.1-2.7 and 0.9-1.2)."""
+    evicts it from the caches, as a step's layers do between two heads (a hot head times several
+    times faster than one a step reads: docs/EXPERIMENTS.md)."""
     head = next(s for s in linear_shapes(config, 1) if s.name == "lm_head")
     w = RandomWeights.make([head], 1).head[1]
-    flush = torch.ones(int(FLUSH_BYTES) // 4)
+    flush = torch.ones(int(knobs.FLUSH_BYTES) // 4)
     gen = torch.Generator().manual_seed(2)
     ms: dict[Candidate, dict[int, float]] = {}
     nbytes: dict[Candidate, int] = {}
@@ -356,8 +341,8 @@ class DropRule:
 
     def go_on(self, rows: int, ms: float) -> bool:
         self.best[rows] = min(self.best.get(rows, ms), ms)
-        spared = rows == self.smallest or rows < DROP_FROM_ROWS
-        return spared or ms <= DROP_FACTOR * self.best[rows]
+        spared = rows == self.smallest or rows < knobs.DROP_FROM_ROWS
+        return spared or ms <= knobs.DROP_FACTOR * self.best[rows]
 
 
 class PerplexityJudge:
@@ -400,20 +385,22 @@ class PerplexityJudge:
         return self._maxima
 
     def _runner(self, c: Candidate) -> ModelRunner:
-        return self.runner(c, "auto", pages_for(len(self.ids), 16) + 1, len(self.ids) + 16)
+        page = knobs.JUDGE_PAGE_SIZE
+        return self.runner(c, "auto", pages_for(len(self.ids), page) + 1, len(self.ids) + page)
 
     def runner(
         self, c: Candidate, head: str, num_pages: int, max_len: int | None = None
     ) -> ModelRunner:
-        """A model of `c` with the LM head `head` (auto: its rule), `num_pages` pages of 16,
+        """A model of `c` with the LM head `head` (auto: its rule), `num_pages` pages of
+        `knobs.JUDGE_PAGE_SIZE`,
         for sequences of up to `max_len` tokens (default: all its pages')."""
         rc = RunnerConfig(
             tp=self.tp,
             dtype=DTYPES[c.dtype],
             device="cpu",
             num_pages=num_pages,
-            page_size=16,
-            max_model_len=max_len or num_pages * 16,
+            page_size=knobs.JUDGE_PAGE_SIZE,
+            max_model_len=max_len or num_pages * knobs.JUDGE_PAGE_SIZE,
             quantization=c.quantization,
             lm_head_quantization=head,
             group_size=self.group_size,

@@ -22,18 +22,16 @@ from collections.abc import Sequence
 import torch
 
 import pd.worker.model.quant as quant
+import pd.worker.model.tuning.knobs as knobs
 from pd.worker.model.config import ModelConfig
 from pd.worker.model.device import DTYPES
 from pd.worker.model.smooth_quant import KINDS
 from pd.worker.model.tuning.kernel_search import linear_shapes
 
-# Batch sizes on both sides of the blocks kernels use (8, 16, 32 rows), besides the worker's own.
-PROBE_ROWS = (2, 3, 5, 8, 16, 17, 32, 33, 64)
-
 
 def batch_rows(largest: int, also: Sequence[int] = ()) -> list[int]:
     """The batch sizes a format is checked at: `PROBE_ROWS` up to `largest`, and `also`."""
-    return sorted({r for r in PROBE_ROWS if r <= largest} | {r for r in also if r >= 2})
+    return sorted({r for r in knobs.PROBE_ROWS if r <= largest} | {r for r in also if r >= 2})
 
 
 def first_difference(layer: quant.Linear, x: torch.Tensor, rows: Sequence[int]) -> int | None:
