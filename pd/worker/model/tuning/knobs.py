@@ -1,5 +1,6 @@
 """The kernel search's knobs: every number the tuning wing decides or measures by, in one table.
-Each says why it is what it is; the runs that set them are in docs/EXPERIMENTS.md and BENCHMARKS.md. No knob is a figure measured on one machine and credited on another: a gain a
+Each says why it is what it is; the runs that set them are in docs/EXPERIMENTS.md and
+BENCHMARKS.md. No knob is a figure measured on one machine and credited on another: a gain a
 candidate may have is timed on the machine that chooses, or not counted."""
 
 # Judging: what a candidate must keep of the model (autotune.choose, answer_judge.py)
