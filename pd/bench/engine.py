@@ -579,11 +579,11 @@ HEAD_TO_HEAD_ROUNDS = 5
 
 
 def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
-    """The default worker and llama.cpp's server up at once, one stream on each in turns,
-    `rounds` times: the 1-stream target from the medians. On a machine with noisy neighbours
-    (this one: one stream of the same worker at 36 and at 50 tok/s a few minutes apart) a
-    figure from each server's own minutes compares the noise; turns a few seconds apart see
-    the same machine. An idle server takes no CPU from the other (both wait on sockets)."""
+    """The default worker and llama.cpp's server up at once, one stream on each in turns, `rounds`
+    times: the 1-stream target from the medians. On a machine with noisy neighbours (one stream of
+    the same worker moved widely from minute to minute: docs/BENCHMARKS.md, "Fourth session, a noisy
+    machine") a figure from each server's own minutes compares the noise; turns a few seconds apart
+    see the same machine. An idle server takes no CPU from the other (both wait on sockets)."""
     from pd.bench import llama_cpp
 
     why = llama_cpp.unavailable()
@@ -638,9 +638,10 @@ def default_against_best(
     """The default and the fastest explicit configuration at each level (`best`), both servers
     up at once and measured in turns `rounds` times, as `head_to_head`: measured each in its
     own minutes, the same kernels compared by the machine's drift (under the AVX2 cap auto ran
-    0.79-0.87x float32/onednn-fp32 at 32 streams in three runs, while its 32-row step holds
-    onednn-fp32's layers and timed the same in process, 91.4 against 92.0 ms). Streams -> the
-    rival, both sides' tok/s and the ratio of the medians."""
+    behind float32/onednn-fp32 at 32 streams in three runs, though its 32-row step holds
+    onednn-fp32's layers and timed the same in process: docs/EXPERIMENTS.md §13, "The benchmark
+    compared the machine's drift too"). Streams -> the rival, both sides' tok/s and the ratio
+    of the medians."""
     out: dict[int, dict] = {}
     for rival in dict.fromkeys(best.values()):
         levels = [n for n, c in best.items() if c == rival]
@@ -696,8 +697,9 @@ def run(args: argparse.Namespace) -> int:
     context = PROMPT_TOKENS + args.max_tokens // 2  # each stream's mean context while decoding
     # First every server (llama.cpp before and after pd's, the faster compared), with this
     # process only their client: torch's work in the client process (a 1 GiB read with 2
-    # threads) made the llama.cpp server it started next 3x slower here (29 against 85-97
-    # tok/s), so the in-process figures (bandwidth, bytes, linear ms, perplexity) come after.
+    # threads) made the llama.cpp server it started next several times slower
+    # (docs/EXPERIMENTS.md §23), so the in-process figures (bandwidth, bytes, linear ms,
+    # perplexity) come after.
     before = measure_llama_cpp(args, threads, prompts) if args.compare_llama_cpp else {}
     served, refused = {}, {}
     for c in configs:

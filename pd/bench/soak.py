@@ -18,7 +18,7 @@ goes away would. Over `--duration` seconds:
    restart to succeed. With one D the kill cuts its streams; with two or more the router
    migrates them to another D (docs/migration.md), and the restart also waits (at most the
    deadline) until every stream in flight at the kill has read a chunk since or ended: where
-   the workers share cores, a D's start-up (a minute of CPU on a busy 2-core machine) would
+   the workers share cores, a D's start-up (long, on a busy machine) would
    otherwise compete with the continuations' prefills on P, and the wait measured would be the
    restart's (docs/EXPERIMENTS.md section 6);
 3. the same for P, from 55% of the duration on (and not before D has recovered);

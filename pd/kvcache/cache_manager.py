@@ -47,7 +47,7 @@ class KVCacheManager:
         self._hash_of: dict[int, PageHash] = {}  # cached page -> its hash
         self._page_of: dict[PageHash, int] = {}  # hash -> cached page
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
-        self.held: dict[str, list[int]] = {}  # pages held by a key (each one reference)
+        self.keyed: dict[str, list[int]] = {}  # pages referenced under a key (each one reference)
         self.num_refs = 0  # references over all pages (for the cheap check)
         self.query_tokens = 0  # prompt tokens looked up, and those found (for metrics)
         self.hit_tokens = 0
@@ -217,16 +217,16 @@ class KVCacheManager:
 
     def hold(self, key: str, pages: list[int]) -> None:
         """Move a holder's references on `pages` to `key` (P pins a finished request's pages)."""
-        assert key not in self.held, f"key {key} is already held"
-        self.held[key] = pages
+        assert key not in self.keyed, f"key {key} is already held"
+        self.keyed[key] = pages
 
     def take(self, key: str) -> list[int]:
         """Move `key`'s references to the caller (D admits a pulled request)."""
-        return self.held.pop(key)
+        return self.keyed.pop(key)
 
     def release(self, key: str) -> None:
         """Drop the references held under `key` (idempotent)."""
-        pages = self.held.pop(key, None)
+        pages = self.keyed.pop(key, None)
         if pages:
             self.free(reversed(pages))  # tail first, as a request's are
 
@@ -242,7 +242,7 @@ class KVCacheManager:
             f"{len(self._refs)} referenced + {len(self._lru)} evictable pages but "
             f"{alloc.num_used} are out of the free list"
         )
-        refs = holder_refs + sum(map(len, self.held.values()))
+        refs = holder_refs + sum(map(len, self.keyed.values()))
         assert refs == self.num_refs, (
             f"requests and keys hold {refs} references but {self.num_refs} are counted"
         )
@@ -253,7 +253,7 @@ class KVCacheManager:
         page's refcount equals its holders: `holders` (the requests' page lists) plus the keys."""
         self._alloc.check_integrity()
         counts: dict[int, int] = {}
-        for pages in [*holders, *self.held.values()]:
+        for pages in [*holders, *self.keyed.values()]:
             for p in pages:
                 counts[p] = counts.get(p, 0) + 1
         held_refs, refs = sum(counts.values()), sum(self._refs.values())

@@ -3,12 +3,10 @@
 A decode step's attention copies each sequence's pages of one layer out of the pool: blocks of
 `2 * Hkv * page_size * head_dim` items (24 KB for the default model in fp32), each a page
 (all layers) apart: 720 KB. On 4 KB pages every block is several TLB misses and the hardware
-prefetcher stops at each 4 KB boundary; on 2 MB pages a block is one. Measured in process
-(float32 `int4@8+onednn-fp32`, 32 sequences of 80 tokens on pages spread over a 4,000-page pool,
-AMD EPYC Zen 4 under the AVX2 cap, 2 threads, torch profiler over 5 steps): the per-layer gather
-435 us against 290 (`aten::index_select`), the attention's matmuls 165 us against 116. Huge pages
-for every large allocation (torch's `THP_MEM_ALLOC_ENABLE=1`: the weights too) gave nothing
-more there (linear layers 316-372 ms against 298-327 over 5 steps).
+prefetcher stops at each 4 KB boundary; on 2 MB pages a block is one, and both the per-layer
+gather (`aten::index_select`) and the attention's matmuls after it ran faster. Huge pages for
+every large allocation (torch's `THP_MEM_ALLOC_ENABLE=1`: the weights too) gave nothing more,
+so only the pool is advised (docs/EXPERIMENTS.md §13, "The page gather and huge pages"; §23).
 
 Where THP is off (`/sys/kernel/mm/transparent_hugepage/enabled` = never), off Linux or off the
 CPU, the pool is an ordinary tensor: it works the same on 4 KB pages.

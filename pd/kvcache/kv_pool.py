@@ -87,7 +87,7 @@ class KVPool:
         # through. A compiled step then mutates a graph input in place (inductor stores the new
         # rows and nothing else); a view taken inside the graph (`buffer.view(-1, D)
         # .index_put_`) was functionalized instead, the whole pool copied back every step
-        # (~1.1 s with the default 3.8 GB pool).
+        # (docs/BENCHMARKS.md, "The compiled step in the worker").
         self._rows = self.buffer.view(-1, head_dim)
         self._page_shape = (num_layers, 2, num_kv_heads, page_size, head_dim)
 

@@ -82,8 +82,9 @@ MAX_BAD_WORD_CHARS = 128
 MAX_STOP_TOKEN_IDS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # vLLM's allowed_token_ids: a vocabulary's worth (262,144)
 MAX_MESSAGES = 4096  # chat messages
-# The longest text /tokenize counts: tokenizers holds the GIL ~30 ms a MiB (the event loop waits
-# that long: `pd-bench stall --kinds tokenize`), and 1 MiB is past any prompt of an 8k context
+# The longest text /tokenize counts: tokenizers holds the GIL for a time that grows with the
+# text, and the event loop waits that long (docs/EXPERIMENTS.md §16, "Where the `/tokenize`
+# time went"); 1 MiB is past any prompt of an 8k context
 # (8192 tokens x 82 bytes a token at most, for SmolLM2).
 MAX_TOKENIZE_CHARS = 1 << 20
 MAX_CACHE_SALT_CHARS = 256

@@ -1,9 +1,10 @@
 """Silence timeouts for upstream streams, with one task for all of them.
 
-aiohttp's `sock_read` timeout re-arms a timer on every packet received, which costs the relay
-about 5% of its CPU. Instead a stream bumps an integer per chunk it reads, and one loop, every
-`period` seconds, closes the upstream response of any stream whose count has not moved for
-`timeout` seconds (its pending read then fails, and the relay ends it as a broken stream).
+aiohttp's `sock_read` timeout re-arms a timer on every packet received, which costs the relay a
+share of its CPU worth saving (docs/EXPERIMENTS.md §23). Instead a stream bumps an integer per chunk
+it reads, and one loop, every `period` seconds, closes the upstream response of any stream whose
+count has not moved for `timeout` seconds (its pending read then fails, and the relay ends it as a
+broken stream).
 """
 
 from __future__ import annotations

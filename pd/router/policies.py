@@ -115,7 +115,7 @@ def room_id(key: str) -> bytes:
 
 
 # What one room costs in the table: its 16-byte id, its (worker, time) and the OrderedDict's
-# entry, measured with tracemalloc on CPython 3.11 (~235 bytes).
+# entry, tracemalloc's figure rounded up (docs/EXPERIMENTS.md §23).
 ROOM_BYTES = 240
 
 

@@ -37,8 +37,8 @@ from pd.protocol import ChatCompletionRequest, CompletionRequest
 BLOCK_BYTES = 64  # about 16 tokens of English text: the workers' page size, roughly
 INITIAL_BYTES_PER_TOKEN = 4.0
 # What one block costs in a worker's LRU (its hash, the OrderedDict's entry; the time is shared
-# by a chain's blocks), measured with tracemalloc on CPython 3.11 with --prefix-index-blocks'
-# default: ~180 bytes. That flag's help gives the total.
+# by a chain's blocks), as tracemalloc showed it at --prefix-index-blocks' default
+# (docs/EXPERIMENTS.md §23). That flag's help gives the total.
 INDEX_BLOCK_BYTES = 180
 
 

@@ -55,8 +55,9 @@ def _delta(message: Any) -> dict[str, Any]:
 
 
 # A chat chunk's content string, as OpenAI servers write it (ours, vLLM, SGLang): a regex over
-# the whole stream and one JSON parse of the strings beat parsing every event (a few us for a
-# 32-chunk stream, against ~30). A string value cannot contain an unescaped quote, so the
+# the whole stream and one JSON parse of the strings beat parsing every event
+# (docs/BENCHMARKS.md, "With the prefix index and decode-local routing"). A string value cannot
+# contain an unescaped quote, so the
 # pattern cannot match inside the text itself.
 _CONTENT = re.compile(rb'"delta":\{(?:"role":"[a-z]*",)?"content":("[^"\\]*(?:\\.[^"\\]*)*")')
 

@@ -51,10 +51,10 @@ class Tracker:
     def feed(self, chunk: bytes) -> bytes:
         """The next chunk read; returns the bytes to relay (whole events, no `: pd-` line)."""
         # NOTE: per chunk, no `x in chunk` and few startswith/find. In CPython 3.11 `x in
-        # chunk` first tries x as an int (a TypeError raised and cleared): ~1,600 instructions
-        # more than `chunk.partition(x)[1]`; find and startswith parse their arguments by a
-        # format string: ~600 more; partition, split and slices take theirs directly. The usual
-        # chunk (one event) costs ~6,500 instructions here (callgrind: `pd-bench tracker`).
+        # chunk` first tries x as an int (a TypeError raised and cleared), and find and
+        # startswith parse their arguments by a format string; partition, split and slices take
+        # theirs directly. Against a chunk's whole cost here the difference is large (callgrind,
+        # `pd-bench tracker`: docs/BENCHMARKS.md, "The relay's cost of migration, cut").
         if self.carry or chunk[-2:] != b"\n\n":
             chunk = self._whole(chunk)
         parts = chunk.split(_AT_PD)

@@ -28,8 +28,8 @@ class TransferConfig:
     # NIXL's UCX progress thread. Needed where the read target must progress (UCX over TCP);
     # not for RDMA or same-host shared memory/CMA.
     nixl_progress_thread: bool = True
-    # Sleep of that thread between passes. NIXL's Python wrapper sets 0 (a busy loop: ~a core per
-    # idle agent); 100 us costs ~2% of a core idle (measured: 0.07 s CPU over 3 s).
+    # Sleep of that thread between passes. NIXL's Python wrapper sets 0 (a busy loop: a core per
+    # idle agent); 100 us leaves an idle agent a small share of a core (docs/EXPERIMENTS.md §23).
     nixl_progress_delay_us: int = 100
     # The pairing contract, opaque to this layer (the worker's: checkpoint digest, KV format).
     # P sends it in its Welcome; D refuses a P whose contract differs from its own in any key

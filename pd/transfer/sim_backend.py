@@ -103,7 +103,8 @@ class SimBackend(Backend):
                 raise TransferError("local descriptor outside registered memory")
             if not _covered(peer, b.remote_kind, b.remote):
                 raise TransferError("remote descriptor outside the peer's registered memory")
-            # Bytes per local device (np.unique's first call costs ~40 ms of lazy imports).
+            # Bytes per local device (bincount: np.unique's first call pays for lazy imports,
+            # docs/EXPERIMENTS.md §23).
             sums = np.bincount(b.local[:, 2].astype(np.int64), weights=b.local[:, 1])
             for dev in np.flatnonzero(sums).tolist():
                 per_device[dev] = per_device.get(dev, 0) + int(sums[dev])

@@ -35,7 +35,7 @@ from pd.worker.disagg import (
     TransferRole,
 )
 from pd.worker.disagg.contract import KVRunner, make_transfer_manager, runtime_format
-from pd.worker.engine import Delta, Engine, RequestHandle, Scheduler
+from pd.worker.engine import Delta, Engine, KVConnector, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import (
@@ -163,8 +163,9 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     cache = KVCacheManager(num_pages, cfg.page_size, prefix_cache=cfg.prefix_cache, salt=salt)
     scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests, cfg.resolved_pull_slots)
     prefill = decode = None
+    connector = KVConnector(CoLocated.name)
     if cfg.role == "prefill":
-        prefill = PrefillSide(
+        connector = prefill = PrefillSide(
             make_transfer_manager(cfg), runner, scheduler, tp, optional_token(cfg.cluster_token)
         )
     metrics = WorkerMetrics()
@@ -172,10 +173,9 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         runner,
         scheduler,
         model.tokenizer,
-        role=cfg.role,
         max_model_len=max_model_len,
         max_waiting=cfg.max_waiting_requests,
-        hooks=prefill,
+        connector=connector,
         metrics=metrics,
         executor=model.executor,
         overlap=cfg.overlap,
@@ -190,8 +190,8 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         simulation = model.simulated.describe
         metrics.read_simulation_from(model.simulated.stats)
     role: Role = CoLocated(engine)
-    if cfg.role == "prefill":
-        role = Prefill(engine)
+    if prefill is not None:
+        role = Prefill(engine, prefill)
     elif cfg.role == "decode":
         decode = DecodeSide(
             make_transfer_manager(cfg),

@@ -52,14 +52,15 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     from pd.worker.build import build_worker
 
     # The loop shares the GIL with the text thread's Python work (large prompts, answers): at
-    # Python's 5 ms switch interval a /health under such work waited ~86 ms, one interval per
-    # hand-over (`pd-bench stall --kinds tokenize`).
+    # Python's 5 ms switch interval a /health under such work waited one interval per hand-over,
+    # many of them (docs/EXPERIMENTS.md §16 and §23).
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     loop = asyncio.get_running_loop()
     worker = await loop.run_in_executor(None, build_worker, cfg)
     # NOTE: what start-up built lives as long as the process: out of the collector's sight, a
-    # first full collection does not stall the first requests (~0.4 s for a simulated worker's
-    # ~200k objects on a busy core, seen as a step's overshoot and a slow first pull).
+    # first full collection does not stall the first requests (a simulated worker's start-up
+    # objects took long enough to show as a step's overshoot and a slow first pull:
+    # docs/EXPERIMENTS.md §23).
     gc.collect()
     gc.freeze()
     log.info("%s", worker.guard.describe())
@@ -111,7 +112,6 @@ async def _register(cfg: WorkerConfig, my_url: str, leave: bool = False) -> None
     import aiohttp
 
     assert cfg.register_with is not None
-
 
     async with aiohttp.ClientSession() as session:
         try:

@@ -11,6 +11,7 @@ import pytest
 
 from pd.protocol import GenerationOptions
 from pd.worker.build import Worker
+from tests.admit import admit
 from tests.e2e.conftest import make_worker
 
 pytestmark = pytest.mark.slow
@@ -43,9 +44,9 @@ async def settle(worker: Worker) -> None:
 
 async def run(worker: Worker, ids: list[int], max_tokens: int = 8) -> tuple[list[int], int]:
     """Greedy tokens of one request, and the prompt tokens its prefix cache served."""
-    handle = worker.engine.add_request(
+    handle = worker.engine.add(admit(
         ids, GenerationOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    )
+    ))
     out: list[int] = []
     while True:
         delta = await asyncio.wait_for(handle.queue.get(), 60)
@@ -117,7 +118,7 @@ async def test_concurrent_shared_prefix_with_an_abort_mid_step(on, off):
     prompts = [shared + ids(9, 100 * k) for k in range(4)]
     want = await reference(off, prompts, max_tokens=12)
     handles = [
-        on.engine.add_request(p, GenerationOptions(max_tokens=12, temperature=0.0, ignore_eos=True))
+        on.engine.add(admit(p, GenerationOptions(max_tokens=12, temperature=0.0, ignore_eos=True)))
         for p in prompts
     ]
     victim = handles[1]

@@ -38,7 +38,7 @@ async def test_a_full_kv_pool_turns_ready_503_then_200(worker, aiohttp_client):
         health = await client.get("/health")
         assert health.status == 200 and (await health.json())["ready"] is False
     finally:
-        worker.engine.release_held("test-fill")
+        worker.engine.give_back("test-fill")
     await wait_status(client, "/ready", 200)
     assert (await (await client.get("/health")).json())["ready"] is True
     assert_all_pages_free(worker)

@@ -118,7 +118,7 @@ def test_keys_hold_take_and_release():
     r = cm.allocate(3)
     assert r is not None
     cm.hold("d-1", r)
-    assert cm.take("d-1") == r and not cm.held
+    assert cm.take("d-1") == r and not cm.keyed
     cm.check_integrity([r])
 
 

@@ -27,7 +27,7 @@ async def test_local_n_streams_cannot_starve_a_pull(aiohttp_server, n, running, 
         w = build_worker(cfg)
         workers[role] = (w, str((await aiohttp_server(make_app(w))).make_url("")).rstrip("/"))
     (_, p), (d_worker, d) = workers["prefill"], workers["decode"]
-    assert d_worker.engine.scheduler.pull_slots == running // 4  # a quarter
+    assert d_worker.engine.scheduler.arrival_slots == running // 4  # a quarter
     cfg = RouterConfig(
         port=0, prefill=(p,), decode=(d,), health_interval=0.2, local_prefill_max_tokens=0
     )

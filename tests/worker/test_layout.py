@@ -143,3 +143,92 @@ def test_who_changes_a_request(attribute: str, owner: str):
     ]
     assert not bad, f"{attribute} changed outside pd/worker/{owner}: {bad}"
     assert _writes(WORKER / owner, attribute), "the rule checks nothing"
+
+
+# --------------------------------------------------------------- the engine knows no role
+
+ROLE_WORDS = {"pin", "pinned", "pins", "held", "pull", "pulls", "pulled", "pulling"}
+ROLE_PAIRS = {("remote", "decode"), ("prefill", "side"), ("decode", "side")}
+ROLE_VALUES = {"prefill", "decode", "both"}
+WIRE_NAMES = {"kv_pages_held"}  # WorkerLoad's fields, declared once in pd/protocol/wire.py
+
+
+def _words(identifier: str) -> list[str]:
+    """`PrefillSide` -> ["prefill", "side"]; `held_pages` -> ["held", "pages"]."""
+    spaced = "".join(f"_{c}" if c.isupper() else c for c in identifier)
+    return [w.lower() for w in spaced.split("_") if w]
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    nodes = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+    return {
+        id(n.body[0].value)
+        for n in nodes
+        if n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+    }
+
+
+def role_names(source: str) -> list[str]:
+    """Where code names a PD role: pinned/held pages or pulls in an identifier, `remote_decode`,
+    `PrefillSide`/`DecodeSide`, `config.role`, `worker.prefill`/`worker.decode`, or a role's name
+    as a string value. Comments and docstrings may say where the code sits; compute phases
+    (prefill chunks, decode steps) and a tokenizer's `decode` keep their names."""
+    tree = ast.parse(source)
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+            base = node.value
+            owner = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", "")
+            if (owner, node.attr) == ("config", "role") or (
+                owner.endswith("worker") and node.attr in ("prefill", "decode")
+            ):
+                found.append(f"{node.lineno}: {owner}.{node.attr}")
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+        ):
+            if node.value in ROLE_VALUES:
+                found.append(f"{node.lineno}: {node.value!r}")
+        for name in set(names) - WIRE_NAMES:
+            words = _words(name)
+            if ROLE_WORDS & set(words) or ROLE_PAIRS & set(zip(words, words[1:])):
+                found.append(f"{node.lineno}: {name}")
+    return found
+
+
+def test_the_rule_finds_role_names():
+    code = (
+        "seq.remote_decode = True\nworker.prefill.release(t)\nif config.role == 'decode': pass\n"
+        "engine.release_held(k)\nclass DecodeSide: pass\n"
+    )
+    assert len(role_names(code)) == 6  # remote_decode, worker.prefill, config.role, 'decode',
+    # release_held, DecodeSide
+    assert not role_names(
+        '"""A prefill worker\'s pages."""\ntokenizer.decode(ids)\nprefill_chunk = 1\n'
+    )
+
+
+@pytest.mark.parametrize("package", ["engine", "api"])
+def test_the_engine_and_the_http_face_never_name_a_role(package: str):
+    """The engine is role-agnostic: KV from and to other workers goes through its connector
+    (engine/connector.py), and the roles (pd/worker/disagg) add their own routes and limits."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{hit}"
+        for path in modules(WORKER / package)
+        for hit in role_names(path.read_text())
+    ]
+    assert not bad, f"pd/worker/{package} names a PD role: {bad}"

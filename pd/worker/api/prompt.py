@@ -29,7 +29,8 @@ T = TypeVar("T")
 
 
 # Bodies, conversations and texts at least this large are parsed, rendered and tokenized on the
-# text thread, never on the event loop (measured: a 1 MiB text takes ~1.2 s to tokenize).
+# text thread, never on the event loop: a large text takes long enough to tokenize to stall it
+# (docs/BENCHMARKS.md, "One request's hold on a worker's event loop"; docs/EXPERIMENTS.md §23).
 INLINE_BYTES = 64 << 10
 
 
@@ -47,7 +48,8 @@ class PromptBuilder:
         self.tok = tok
         self.max_model_len = max_model_len
         self.ignore_unknown_fields = ignore_unknown_fields
-        self.max_token_bytes = tok.max_token_bytes  # computed once, here (~50 ms)
+        # computed once, here: a pass over the vocabulary (docs/EXPERIMENTS.md §23)
+        self.max_token_bytes = tok.max_token_bytes
         self.template_renders_tools = renders_tools(tok.chat_template)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pd-text")
 
@@ -79,7 +81,8 @@ class PromptBuilder:
     async def parse(self, path: str, raw: bytes) -> Request:
         """The parsed, validated request of a body. One with more commas than any request
         within the context holds is refused unparsed (parsing megabytes of token ids holds
-        the GIL, and so the event loop, for ~60 ms: `pd-bench stall --kinds ids`)."""
+        the GIL, and so the event loop: docs/BENCHMARKS.md, "Every request field at its
+        bound")."""
         if raw.count(b",") > self.max_commas:
             raise APIError(
                 400,
@@ -168,7 +171,8 @@ class PromptBuilder:
 
 def _conversation_size(messages: list[dict[str, Any]], tools: ToolRequest | None) -> int:
     """About how many characters a conversation renders to: its contents, its calls' JSON and
-    the tools' (each JSON a few microseconds a KiB to size, against ~1 ms a KiB to render)."""
+    the tools' (sizing a JSON costs a small fraction of rendering it: docs/EXPERIMENTS.md
+    §23)."""
     size = sum(len(m["content"]) for m in messages)
     size += sum(len(orjson.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
     if tools is not None:

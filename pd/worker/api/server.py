@@ -10,13 +10,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from pd.cors import enable_cors
 from pd.protocol import (
-    MAX_TOP_LOGPROBS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -121,10 +121,9 @@ def make_app(worker: Worker) -> web.Application:
     )
     # A body no prompt that fits could fill is refused before it is read whole or parsed
     # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
-    limit = worker.config.max_body_bytes or prompts.max_body_bytes
-    if worker.config.role == "decode" and not worker.config.max_body_bytes:
-        # P's params may carry the prompt's logprobs: ~40 bytes an alternative, a position.
-        limit += worker.engine.max_model_len * (MAX_TOP_LOGPROBS + 2) * 40
+    limit = worker.config.max_body_bytes or worker.role.body_limit(
+        prompts.max_body_bytes, worker.engine.max_model_len
+    )
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
@@ -155,7 +154,8 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/integrity", integrity)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
-    app.router.add_post("/kv/release", kv_release)
+    for path, serve in worker.role.routes().items():  # the role's own
+        app.router.add_post(path, _role_route(serve))
     app.router.add_post("/tokenize", tokenizer_endpoint)
     app.router.add_post("/detokenize", tokenizer_endpoint)
     enable_cors(app, worker.config.allowed_origins)
@@ -202,12 +202,12 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Prefill and decode roles: the transfer manager runs while the app does."""
-    role = app[WORKER].transfer
-    assert role is not None
-    await role.start()
+    """The transfer manager of a role that moves KV runs while the app does."""
+    transfer = app[WORKER].transfer
+    assert transfer is not None
+    await transfer.start()
     yield
-    await role.stop()
+    await transfer.stop()
 
 
 def _check_auth(worker: Worker, request: web.Request) -> None:
@@ -235,7 +235,7 @@ async def health(request: web.Request) -> web.Response:
         "status": "draining" if worker.draining else "ok",
         "ready": ready,  # /ready's answer (readiness.py): the router sends new requests only then
         "not_ready_reason": why,
-        "role": worker.config.role,
+        "role": worker.role.name,
         "model": worker.model_name,
         "instance": worker.instance_id,
         "pid": os.getpid(),
@@ -277,19 +277,19 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     return json_response({"dropped_pages": dropped, "kept_referenced_pages": kept})
 
 
-async def kv_release(request: web.Request) -> web.Response:
-    """Prefill role: release the pages pinned for a transfer no decode worker will pull (the
-    router calls it when D refused the params, no D was healthy, or the client left first)."""
-    worker = request.app[WORKER]
-    _check_auth(worker, request)
-    if worker.prefill is None:
-        raise APIError(400, f"this {worker.config.role} worker pins no KV", code="not_prefill")
-    body = parse_json_body(await request.read())
-    tid, reason = body.get("transfer_id"), body.get("reason", "released by the router")
-    if not isinstance(tid, str) or not isinstance(reason, str):
-        raise APIError(400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id")
-    released = worker.prefill.release(tid, reason[:200])
-    return json_response({"transfer_id": tid, "released": released})
+RoleRoute = Callable[[dict[str, Any]], dict[str, Any]]  # a role's JSON route (Role.routes)
+
+
+def _role_route(serve: RoleRoute) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A route of the worker's role (`Role.routes`): a JSON body in, a JSON answer out, behind
+    the API key."""
+
+    async def route(request: web.Request) -> web.Response:
+        worker = request.app[WORKER]
+        _check_auth(worker, request)
+        return json_response(serve(parse_json_body(await request.read())))
+
+    return route
 
 
 async def tokenizer_endpoint(request: web.Request) -> web.StreamResponse:
@@ -387,7 +387,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             worker.engine.abort(h)  # no-op when finished; frees pages when the client left
             worker.metrics.requests.labels(h.seq.finish_reason or "abort").inc()
             if not handles_out:  # cancelled (the router left) after P pinned: release now
-                _release_pins(worker, h, "the router left before P answered")
+                worker.role.unanswered(h, "the router left before P answered")
 
 
 def _check_signed(worker: Worker, remote: str | None, req: Request) -> None:
@@ -491,14 +491,6 @@ def _gone(request: web.Request) -> bool:
     """The client closed its connection (on P: the router left, its client did)."""
     transport = request.transport
     return transport is None or transport.is_closing()
-
-
-def _release_pins(worker: Worker, handle: RequestHandle, reason: str) -> None:
-    """Prefill: the pages pinned for a decode worker whose answer never left (the lease would
-    hold them for --lease-ttl-s)."""
-    params = handle.kv_transfer_params
-    if worker.prefill is not None and isinstance(params, dict) and "transfer_id" in params:
-        worker.prefill.release(str(params["transfer_id"]), reason)
 
 
 def _prompt_entries(b: ResponseBuilder) -> int:

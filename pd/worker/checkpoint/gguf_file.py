@@ -2,11 +2,11 @@
 descriptions, with their bytes memory-mapped; and the dequantization of those bytes.
 
 `gguf.GGUFReader` maps every field and tensor of the file into numpy views, one per array element
-(~50k for a vocabulary): ~3 s for the default model on an idle core, 12 s on a busy one, and its
-numpy dequantization another ~2 s. This reads the header in ~0.1 s and gives the same values as
-`{key: field.contents()}`; Q4_1, Q8_0, F16 and F32 dequantize in torch over whole tensors, to the
-bits gguf's numpy code gives (every other type goes through it). tests/worker/checkpoint/
-test_gguf_file.py checks both against the gguf package.
+(~50k for a vocabulary), which takes seconds for the default model, and its numpy dequantization
+seconds more (docs/EXPERIMENTS.md §10 and §23). This reads the header in a small fraction of that
+and gives the same values as `{key: field.contents()}`; Q4_1, Q8_0, F16 and F32 dequantize in
+torch over whole tensors, to the bits gguf's numpy code gives (every other type goes through it).
+tests/worker/checkpoint/test_gguf_file.py checks both against the gguf package.
 """
 
 from __future__ import annotations

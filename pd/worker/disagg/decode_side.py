@@ -28,7 +28,7 @@ from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_reque
 from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
 from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.disagg.page_wait import PageWaitQueue
-from pd.worker.engine import Engine, RequestHandle
+from pd.worker.engine import AdmitRequest, Engine, KVConnector, RequestHandle
 from pd.worker.text.token_rules import TokenRules
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,13 @@ log = logging.getLogger(__name__)
 QUARANTINE_POLL_S = 0.2  # how often a quarantined pull asks the transport whether it ended
 
 
-class DecodeSide(TransferRole):
+class DecodeSide(TransferRole, KVConnector):
+    """The decode worker's connector: a request with P's params waits for its KV (pulled into
+    pages the engine lends), its requests waiting for pages are counted in the engine's load."""
+
+    name = "decode"
+    lent_pages_field = "kv_pages_reserved"
+
     def __init__(
         self,
         manager: TransferManager,
@@ -49,8 +55,8 @@ class DecodeSide(TransferRole):
         self.engine = engine
         self.quarantine_s = quarantine_s
         # Pulls waiting for their pages: the engine tells it whenever pages may have come free.
-        self.page_wait = PageWaitQueue(engine.held_pages, page_wait_timeout_s)
-        engine.add_page_waiters(self.page_wait)
+        self.page_wait = PageWaitQueue(engine.lent_pages, page_wait_timeout_s)
+        engine.connect(self)
         self.quarantined = 0  # pulls whose pages went into quarantine (for tests and logs)
         # Token ids this worker can embed: the tokenizer's, within the model's (padded) rows.
         self.vocab_size = min(engine.tokenizer.vocab_size, runner.config.vocab_size)
@@ -135,15 +141,16 @@ class DecodeSide(TransferRole):
                 for lp, rank, top in kvp.prompt_logprobs
             ]
         # Raises if it cannot fit; P's prefix-cache hits are what this request's usage reports.
-        handle = self.engine.add_pulled(
-            kvp.prompt_token_ids,
-            options,
-            kvp.cached_tokens,
-            cache_salt,
-            rules,
-            n,
-            choice_rules,
-            given=kvp.output_token_ids,
+        handle = self.engine.add(
+            AdmitRequest(
+                kvp.prompt_token_ids,
+                options,
+                cache_salt,
+                (rules, *(choice_rules or [None] * (n - 1))),
+                kvp.output_token_ids,
+                kv_from_elsewhere=True,
+                cached_tokens=kvp.cached_tokens,
+            )
         )
         if prompt_logprobs is not None:
             handle.seq.prompt_logprobs = prompt_logprobs
@@ -166,12 +173,23 @@ class DecodeSide(TransferRole):
                     "kv_transfer_failed",
                 )
             for choice, token, lp in zip([handle, *handle.forks], firsts, lps):
-                self.engine.accept_first_token(choice, token, lp)
+                self.engine.accept_token(choice, token, lp)
         except BaseException:  # refused, or the client left during the handshake: tell P
             self.engine.abort(handle, "the decode request ended before the pull")
             raise
         self._spawn(self._pull(handle, rx, len(kvp.page_ids[KV_POOL])))
         return handle
+
+    # The engine's connector (pd/worker/engine/connector.py)
+
+    def waits_for_kv(self, request: AdmitRequest) -> bool:
+        return request.kv_from_elsewhere
+
+    def pages_freed(self) -> None:
+        self.page_wait.grant()
+
+    def waiting(self) -> tuple[int, int]:
+        return len(self.page_wait), self.page_wait.choices
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -191,7 +209,7 @@ class DecodeSide(TransferRole):
             if all(c.finished for c in [handle, *handle.forks]):  # by the first tokens, or
                 # aborted: no pull needed
                 rx.abort("request finished before the pull")
-                self.engine.release_held(key)
+                self.engine.give_back(key)
                 return
             rx.init({KV_POOL: pages})
             state = await rx.wait()
@@ -213,7 +231,7 @@ class DecodeSide(TransferRole):
             if metrics is not None and rx.started_at is not None and rx.finished_at is not None:
                 metrics.kv_pull.observe(rx.finished_at - rx.started_at)
                 metrics.kv_pull_bytes.inc(num_pages * self.page_bytes)
-            self.engine.admit_pulled(handle, key)
+            self.engine.kv_arrived(handle, key)
             return
         self._settle(rx, key)
         self._end(handle, rx)
@@ -244,7 +262,7 @@ class DecodeSide(TransferRole):
             self.quarantined += 1
             self._spawn(self._quarantine(rx, key))
             return
-        self.engine.release_held(key)
+        self.engine.give_back(key)
 
     async def _quarantine(self, rx: KVReceiver, key: str) -> None:
         deadline = asyncio.get_running_loop().time() + self.quarantine_s
@@ -253,7 +271,7 @@ class DecodeSide(TransferRole):
                 log.error("KV pull %s: releasing its pages after %ss", key, self.quarantine_s)
                 break
             await asyncio.sleep(QUARANTINE_POLL_S)
-        self.engine.release_held(key)
+        self.engine.give_back(key)
 
     async def stop(self) -> None:
         for task in list(self._tasks):

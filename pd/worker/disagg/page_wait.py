@@ -1,13 +1,12 @@
 """The decode side's prealloc queue: pulled requests wait here, first come first served, until
-the pages for their KV fit beside the running batch (`HeldPages.reserve`).
+the pages for their KV fit beside the running batch (`LentPages.lend_free`).
 
-The decode side owns it and hands it to the engine as its `PageWaiters` (engine/hooks.py), so
-the engine, which knows nothing else of it, calls `grant()` whenever pages may have come free
-(after each step, after an abort or a failure, after held pages are released) and counts its
-waiters in `load()`. Each waiter is woken by the
+The decode side owns it; as the engine's connector it is told whenever pages may have come free
+(after each step, after an abort or a failure, after lent pages are given back: `grant()` here)
+and reports its waiters for the engine's `load()`. Each waiter is woken by the
 grant of its pages, by its `until` future (the pull failed: P died, P aborted, the lease was lost
 or the client left), or by its deadline. A waiter that gives up leaves the queue at once and never
-holds a page; one granted pages owns them under its key (the caller releases them).
+holds a page; one granted pages owns them under its key (the caller gives them back).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pd.protocol import APIError
-from pd.worker.engine import HeldPages
+from pd.worker.engine import LentPages
 
 
 @dataclass(eq=False)
@@ -32,7 +31,7 @@ class _Waiter:
 
 
 class PageWaitQueue:
-    def __init__(self, pages: HeldPages, timeout_s: float) -> None:
+    def __init__(self, pages: LentPages, timeout_s: float) -> None:
         self.pages = pages
         self.timeout_s = timeout_s
         self._queue: deque[_Waiter] = deque()
@@ -55,7 +54,7 @@ class PageWaitQueue:
         """Pages for `num_pages` held under `key` (and running slots for `choices`), in arrival
         order; None when `until()` (e.g. the receiver's `wait`) finished first. Raises APIError
         503 when they do not fit within the queue's deadline."""
-        if not self._queue and (pages := self.pages.reserve(key, num_pages, choices)) is not None:
+        if not self._queue and (pages := self.pages.lend_free(key, num_pages, choices)) is not None:
             return pages
         waiter = _Waiter(key, num_pages, choices)
         self._queue.append(waiter)
@@ -89,7 +88,7 @@ class PageWaitQueue:
             if head.granted.done():  # cancelled meanwhile: `acquire` takes it out
                 self._queue.popleft()
                 continue
-            pages = self.pages.reserve(head.key, head.num_pages, head.choices)
+            pages = self.pages.lend_free(head.key, head.num_pages, head.choices)
             if pages is None:
                 return
             self._queue.popleft()
@@ -100,7 +99,7 @@ class PageWaitQueue:
         if waiter in self._queue:
             self._queue.remove(waiter)
         if waiter.granted.done() and not waiter.granted.cancelled():
-            self.pages.release(waiter.key)
+            self.pages.give_back(waiter.key)
             self.grant()
         else:
             waiter.granted.cancel()

@@ -1,31 +1,36 @@
 """Prefill role: hand a prefilled request's KV to a decode worker.
 
-When a request sent with `kv_transfer_params={"do_remote_decode": true}` has its first token,
-the engine calls `hand_off` (this side is its `RoleHooks`): the pages are pinned (held under the
-transfer id) and a `KVSender` offers them to the decode side. They are freed exactly once, when
-the sender releases them: on D's `done`, on an abort from either side, or when the lease runs out.
+When a request sent with `kv_transfer_params={"do_remote_decode": true}` (the prefill role
+`expect`s it) ends at its length, its first token out, the engine tells this side, its connector
+(`request_finished`): it pins the pages (lent by the engine under the transfer id), and a
+`KVSender` offers them to the decode side. They are freed exactly once, when the sender releases
+them: on D's `done`, on an abort from either side, or when the lease runs out.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from pd.protocol import KVTransferParams
 from pd.signing import sign_params
 from pd.transfer import KVSender, TransferManager
 from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
-from pd.worker.engine import HeldPages, LogprobEntry, Sequence
+from pd.worker.engine import FirstToken, KVConnector, LentPages, LogprobEntry, Sequence
 
 log = logging.getLogger(__name__)
 
 
-class PrefillSide(TransferRole):
+class PrefillSide(TransferRole, KVConnector):
+    name = "prefill"
+    lent_pages_field = "kv_pages_pinned"
+
     def __init__(
         self,
         manager: TransferManager,
         runner: KVRunner,
-        pages: HeldPages,
+        pages: LentPages,
         tp_size: int,
         token: bytes | None = None,
     ) -> None:
@@ -34,21 +39,29 @@ class PrefillSide(TransferRole):
         self.tp_size = tp_size
         self.token = token  # the cluster token: the params it answers are signed with it
         self.released: dict[str, int] = {}  # release reason -> count, for tests and metrics
+        self._remote: weakref.WeakSet[Sequence] = weakref.WeakSet()  # to hand off at the end
 
-    def hand_off(
-        self,
-        seq: Sequence,
-        first_logprobs: LogprobEntry | None,
-        choices: list[tuple[int, LogprobEntry | None]] | None = None,
-    ) -> dict[str, Any]:
+    def expect(self, seq: Sequence) -> None:
+        """`seq` decodes elsewhere: hand its KV off when it ends at its length."""
+        self._remote.add(seq)
+
+    def request_finished(
+        self, seq: Sequence, reasons: list[str], firsts: list[FirstToken]
+    ) -> dict[str, Any] | None:
+        if seq not in self._remote or "length" not in reasons:
+            return None
+        self._remote.discard(seq)
+        return self.hand_off(seq, firsts)
+
+    def hand_off(self, seq: Sequence, firsts: list[FirstToken]) -> dict[str, Any]:
         """Pin `seq`'s pages for a decode worker; returns the `kv_transfer_params` to answer
-        (with n > 1, every choice's first token: `choices` are choices 1.., one set of pages),
-        signed with the cluster token (pd/signing.py)."""
+        (with n > 1, every choice's first token, in `firsts`: one set of pages), signed with
+        the cluster token (pd/signing.py)."""
         # A continuation's first token follows its given outputs (prefilled with the prompt).
         given = seq.output_ids[: seq.num_given]
-        firsts = [(seq.output_ids[seq.num_given], first_logprobs), *(choices or [])]
+        first_logprobs = firsts[0][1]
         key = f"p-{seq.request_id}"
-        pages = self.pages.pin(seq, key)
+        pages = self.pages.lend(seq, key)
         sender: KVSender | None = None
         try:
             sender = self.manager.create_sender(
@@ -82,7 +95,7 @@ class PrefillSide(TransferRole):
         except Exception:
             if sender is not None:
                 sender.abort("hand-off failed")  # its release frees the pages
-            self.pages.release(key)  # idempotent
+            self.pages.give_back(key)  # idempotent
             raise
 
     def release(self, transfer_id: str, reason: str) -> bool:
@@ -91,7 +104,7 @@ class PrefillSide(TransferRole):
         return self.manager.abort_sender(transfer_id, reason)
 
     def _release(self, key: str, reason: str) -> None:
-        self.pages.release(key)
+        self.pages.give_back(key)
         self.released[reason] = self.released.get(reason, 0) + 1
         if reason != "done":
             log.info("released pinned KV %s: %s", key, reason)

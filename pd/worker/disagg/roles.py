@@ -4,8 +4,8 @@ calls `admit` and never asks which role it serves, so its 4xx paths run on a sta
 
 - `CoLocated` (`--role both`): prefills and decodes here; refuses `kv_transfer_params`.
 - `Prefill`: a request the router marked for remote decode (`{"do_remote_decode": true}`) keeps
-  its KV for a decode worker (the engine calls `PrefillSide.hand_off` when its first token is
-  out); a request without params is served as on a co-located worker.
+  its KV for a decode worker (`PrefillSide`, the engine's connector, takes its pages when its
+  first token is out); a request without params is served as on a co-located worker.
 - `Decode`: a request with P's params is validated and pulled (`DecodeSide`: D never
   re-tokenizes); one without is prefilled here (decode-local prefill, chosen by the router).
 
@@ -16,11 +16,18 @@ The prompt ids come as `prompt_ids`, awaited only on the paths that tokenize (th
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
-from pd.protocol import ChatCompletionRequest, CompletionRequest, bad_request
+from pd.protocol import (
+    MAX_TOP_LOGPROBS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+)
 from pd.worker.disagg.decode_side import DecodeSide
-from pd.worker.engine import Engine, RequestHandle
+from pd.worker.disagg.prefill_side import PrefillSide
+from pd.worker.engine import AdmitRequest, Engine, RequestHandle
 from pd.worker.text.token_rules import TokenRules
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -30,8 +37,29 @@ PromptIds = Callable[[], Awaitable[list[int]]]  # the request's prompt ids (toke
 ChoiceRules = list[TokenRules | None] | None  # n > 1: choices 1..n-1's rules (each its own)
 
 
+def every_choice(n: int, rules: TokenRules | None, choice_rules: ChoiceRules) -> tuple:
+    """One rules object per choice: `rules` for the first, `choice_rules` for the others."""
+    return (rules, *(choice_rules or [None] * (n - 1)))
+
+
+Route = Callable[[dict[str, Any]], dict[str, Any]]  # a JSON body in, a JSON answer out
+
+
 class Role(Protocol):
+    name: str  # what /health and the load report
     takes_params: bool  # it consumes P's kv_transfer_params (a decode worker)
+
+    def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
+        """The largest request body it reads, given a prompt's (`--max-body-bytes` unset)."""
+        ...
+
+    def routes(self) -> dict[str, Route]:
+        """Its own POST routes, by path."""
+        ...
+
+    def unanswered(self, handle: RequestHandle, reason: str) -> None:
+        """`handle`'s answer never left (the client left first): let go of what it kept."""
+        ...
 
     async def admit(
         self,
@@ -55,6 +83,15 @@ class CoLocated:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
+    def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
+        return prompt_limit
+
+    def routes(self) -> dict[str, Route]:
+        return {}
+
+    def unanswered(self, handle: RequestHandle, reason: str) -> None:
+        pass
+
     async def admit(
         self,
         req: Request,
@@ -68,19 +105,41 @@ class CoLocated:
                 f"{req.kv_transfer_params}",
                 param="kv_transfer_params",
             )
-        return self.engine.add_request(
-            await prompt_ids(),
-            req.options,
-            cache_salt=req.cache_salt,
-            rules=rules,
-            n=req.n,
-            choice_rules=choice_rules,
-            given=req.continuation,
+        return self.engine.add(
+            AdmitRequest(
+                await prompt_ids(),
+                req.options,
+                req.cache_salt,
+                every_choice(req.n, rules, choice_rules),
+                req.continuation,
+            )
         )
 
 
 class Prefill(CoLocated):
     name = "prefill"
+
+    def __init__(self, engine: Engine, side: PrefillSide) -> None:
+        super().__init__(engine)
+        self.side = side
+
+    def routes(self) -> dict[str, Route]:
+        return {"/kv/release": self.kv_release}
+
+    def kv_release(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Release the pages pinned for a transfer no decode worker will pull (the router calls
+        it when D refused the params, no D was healthy, or the client left first)."""
+        tid, reason = body.get("transfer_id"), body.get("reason", "released by the router")
+        if not isinstance(tid, str) or not isinstance(reason, str):
+            raise APIError(400, "expected {'transfer_id': str, 'reason': str}", param="transfer_id")
+        return {"transfer_id": tid, "released": self.side.release(tid, reason[:200])}
+
+    def unanswered(self, handle: RequestHandle, reason: str) -> None:
+        """The pages pinned for a decode worker whose answer never left (the lease would hold
+        them for --lease-ttl-s)."""
+        params = handle.kv_transfer_params
+        if isinstance(params, dict) and "transfer_id" in params:
+            self.side.release(str(params["transfer_id"]), reason)
 
     async def admit(
         self,
@@ -108,9 +167,18 @@ class Prefill(CoLocated):
         self.engine.capacity.max_tokens_for(len(ids), asked, req.n)  # the whole request (D's)
         # P samples the first token: its rules constrain it as D's constrain the rest.
         # A continuation: prompt + its output ids prefilled, one token sampled past them.
-        return self.engine.add_request(
-            ids, req.options, True, req.cache_salt, rules, req.n, choice_rules, req.continuation
+        handle = self.engine.add(
+            AdmitRequest(
+                ids,
+                req.options,
+                req.cache_salt,
+                every_choice(req.n, rules, choice_rules),
+                req.continuation,
+                budget_past_continuation=True,
+            )
         )
+        self.side.expect(handle.seq)  # its pages go to a decode worker when its token is out
+        return handle
 
 
 class Decode(CoLocated):
@@ -120,6 +188,10 @@ class Decode(CoLocated):
     def __init__(self, side: DecodeSide) -> None:
         super().__init__(side.engine)
         self.side = side
+
+    def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
+        # P's params may carry the prompt's logprobs: ~40 bytes an alternative, a position.
+        return prompt_limit + max_model_len * (MAX_TOP_LOGPROBS + 2) * 40
 
     async def admit(
         self,

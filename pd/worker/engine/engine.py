@@ -5,7 +5,7 @@ the event loop keeps serving HTTP (and `/health`) while a long prefill computes.
 the engine through `RequestHandle`s: an asyncio queue of `Delta`s per request.
 
 Who ends a request: the engine alone. Postprocess returns the requests that finished; the engine
-frees their pages (or, on a prefill worker, hands them off), forgets their handles, and queues
+frees their pages (or lends them to the connector), forgets their handles, and queues
 their last delta. The scheduler allocates and frees pages; a request that ends while the step
 that computes it runs (abort, error, a stop string found while the next step computes) is freed
 when that step ends, since the forward pass may still write into its pages.
@@ -23,11 +23,12 @@ from typing import Protocol
 
 import torch
 
-from pd.protocol import APIError, GenerationOptions, WorkerLoad, bad_request
+from pd.protocol import APIError, WorkerLoad, bad_request
 from pd.worker.engine.admission import Capacity
+from pd.worker.engine.admit_request import AdmitRequest
 from pd.worker.engine.batch import ScheduledBatch
+from pd.worker.engine.connector import FirstToken, KVConnector, LentPages
 from pd.worker.engine.fork import choice_options
-from pd.worker.engine.hooks import HeldPages, PageWaiters, RoleHooks
 from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
@@ -58,10 +59,9 @@ class Engine:
         scheduler: Scheduler,
         tokenizer: Tokenizer,
         *,
-        role: str,
         max_model_len: int,
         max_waiting: int,
-        hooks: RoleHooks | None = None,
+        connector: KVConnector | None = None,
         metrics: WorkerMetrics | None = None,
         executor: Executor | None = None,
         overlap: bool = True,
@@ -69,12 +69,12 @@ class Engine:
         self.runner = runner
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.role = role
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.cache.num_total)
-        self.hooks = hooks
+        # Whether KV comes from or goes to other workers (connector.py): `connect` plugs it in
+        self.connector = connector or KVConnector("")
         self.handles: dict[str, RequestHandle] = {}  # live requests: the engine alone pops them
         self.postprocess = OutputProcessor(tokenizer, max_model_len=max_model_len, metrics=metrics)
         # Overlap scheduling: the text of step N's tokens is produced while step N + 1 computes.
@@ -91,60 +91,55 @@ class Engine:
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
         self.steps = 0
         self._last_walk = "ok"  # the last full integrity walk's result
-        # The decode side's pulls waiting for pages (`add_page_waiters`), told whenever pages
-        # may have come free.
-        self._page_waiters: PageWaiters | None = None
 
     @property
-    def held_pages(self) -> HeldPages:
-        """Pages held outside the batch (pinned on P, reserved for a pull on D)."""
+    def lent_pages(self) -> LentPages:
+        """The pages the engine lends its connector by key (connector.py)."""
         return self.scheduler
 
-    def release_held(self, key: str) -> None:
-        """Free the pages held under `key` (idempotent); pulls waiting for pages may fit now."""
-        self.scheduler.release(key)
-        self._pages_freed()
+    def give_back(self, key: str) -> None:
+        """Free the pages lent under `key` (idempotent); the connector's waiters may fit now."""
+        self.scheduler.give_back(key)
+        self.connector.pages_freed()
 
-    def add_page_waiters(self, waiters: PageWaiters) -> None:
-        """Tell `waiters` whenever pages may have come free, and count them in `load` (the
-        decode side's queue of pulls, which it owns)."""
-        assert self._page_waiters is None, "one decode side per engine"
-        self._page_waiters = waiters
-
-    def _pages_freed(self) -> None:
-        if self._page_waiters is not None:
-            self._page_waiters.grant()
+    def connect(self, connector: KVConnector) -> None:
+        """Plug in the worker's connector (once, before requests come)."""
+        assert type(self.connector) is KVConnector, "one connector per engine"
+        self.connector = connector
 
     # ----------------------------------------------------------------------------- requests
 
-    def add_request(
-        self,
-        prompt_ids: list[int],
-        options: GenerationOptions,
-        remote_decode: bool = False,
-        cache_salt: str | None = None,
-        rules: TokenRules | None = None,
-        n: int = 1,
-        choice_rules: list[TokenRules | None] | None = None,
-        given: list[int] | None = None,
-    ) -> RequestHandle:
-        """Queue a request; raises APIError (400 too long, 503 queue full or not running).
-        `rules` (its grammar, min_tokens, ...) say what each next token may be. With `n` > 1 its
-        other choices (`handle.forks`, with `choice_rules`) fork from it (fork.py). `given`: a
-        continuation's output ids (docs/migration.md §3), prefilled after the prompt (on a
-        prefill worker, `remote_decode`, it samples one token past them)."""
-        handle = self._new_handle(prompt_ids, options, SeqStatus.WAITING, rules, given, n)
-        handle.seq.remote_decode = remote_decode
-        handle.seq.cache_salt = cache_salt
+    def add(self, request: AdmitRequest) -> RequestHandle:
+        """Queue a request; raises APIError (400 too long, 503 queue full or not running). Its
+        other choices (n > 1: `handle.forks`) fork from it (fork.py). A continuation's ids are
+        taken as its first outputs (postprocess `prime`) and prefilled after the prompt. A
+        request whose KV comes from elsewhere (`KVConnector.waits_for_kv`) is queued for
+        nothing: its tokens sampled elsewhere come through `accept_token`, and it joins the batch
+        when its KV arrived (`kv_arrived`)."""
+        elsewhere = self.connector.waits_for_kv(request)
+        status = SeqStatus.WAITING_FOR_KV if elsewhere else SeqStatus.WAITING
+        given = list(request.continuation) if request.continuation is not None else None
+        handle = self._new_handle(request, status, given)
+        seq = handle.seq
+        seq.cache_salt = request.cache_salt
+        if elsewhere:
+            seq.num_cached_tokens = request.cached_tokens
         if given is not None:
-            if remote_decode:  # P's budget is its one token past the given ones
-                handle.seq.max_tokens += len(given)
+            if request.budget_past_continuation:
+                seq.max_tokens += len(given)
             if (ends := self.postprocess.prime(handle, given)) is not None:
+                if elsewhere:  # its source sampled past them: it should not have been sent
+                    self.handles.pop(seq.request_id, None)
+                    raise bad_request(
+                        f"the continuation's output ids end the request already ({ends})",
+                        "pd_continuation",
+                    )
                 self._end_at_once(handle, ends)
                 return handle
-        self._add_forks(handle, n, choice_rules)
-        self.scheduler.add(handle.seq)
-        self._wake()
+        self._add_forks(handle, request.rules[1:])  # with KV from elsewhere: they fork from it
+        if not elsewhere:
+            self.scheduler.add(seq)
+            self._wake()
         return handle
 
     def _end_at_once(self, handle: RequestHandle, reason: str) -> None:
@@ -155,81 +150,44 @@ class Engine:
         handle.queue.put_nowait(Delta("", [], [], reason))
 
     def _add_forks(
-        self, handle: RequestHandle, n: int, choice_rules: list[TokenRules | None] | None
+        self, handle: RequestHandle, choice_rules: tuple[TokenRules | None, ...]
     ) -> None:
         seq = handle.seq
-        for i in range(1, n):
-            rules = choice_rules[i - 1] if choice_rules else None
+        for i, rules in enumerate(choice_rules, 1):
+            options = choice_options(seq.params, i)
             child = self._new_handle(
-                seq.prompt_ids, choice_options(seq.params, i), SeqStatus.FORKING, rules, n=0
+                AdmitRequest(seq.prompt_ids, options, rules=(rules,)), SeqStatus.FORKING, n=0
             )
             child.seq.cache_salt = seq.cache_salt
             child.seq.num_cached_tokens = seq.num_cached_tokens
             handle.forks.append(child)
         self.scheduler.add_children(seq, [c.seq for c in handle.forks])
 
-    def add_pulled(
-        self,
-        prompt_ids: list[int],
-        options: GenerationOptions,
-        cached_tokens: int = 0,
-        cache_salt: str | None = None,
-        rules: TokenRules | None = None,
-        n: int = 1,
-        choice_rules: list[TokenRules | None] | None = None,
-        given: list[int] | None = None,
-    ) -> RequestHandle:
-        """Decode role: a request whose KV will be pulled from a prefill worker (whose prefix
-        cache served `cached_tokens` of its prompt). It emits P's first token through
-        `accept_first_token` and joins the batch through `admit_pulled`. `given`: a
-        continuation's output ids, whose KV P computed after the prompt (nothing is emitted
-        for them; P's first token follows them)."""
-        # Its rules see P's first token first (`accept_first_token`), as P's did.
-        handle = self._new_handle(
-            prompt_ids, options, SeqStatus.TRANSFERRING, rules, given, n, pulled=True
-        )
-        handle.seq.num_cached_tokens = cached_tokens
-        handle.seq.cache_salt = cache_salt
-        if given is not None and (ends := self.postprocess.prime(handle, given)) is not None:
-            # P sampled past them, so the router should not have sent it: refused.
-            self.handles.pop(handle.seq.request_id, None)
-            raise bad_request(
-                f"the continuation's output ids end the request already ({ends})",
-                "pd_continuation",
-            )
-        self._add_forks(handle, n, choice_rules)  # they fork from the pulled pages
-        return handle
-
-    def accept_first_token(
-        self, handle: RequestHandle, token: int, raw_logprobs: list | None
-    ) -> None:
-        """Decode role: P's first token (with P's `[logprob, top]` when asked for), at once."""
+    def accept_token(self, handle: RequestHandle, token: int, raw_logprobs: list | None) -> None:
+        """A token sampled elsewhere (with its `[logprob, top]` when asked for), at once: the
+        first token of a request whose KV comes from elsewhere."""
         logprobs = first_logprobs(raw_logprobs, token) if handle.seq.params.wants_logprobs else []
         if (done := self.postprocess.accept(handle, token, logprobs, time.monotonic())) is not None:
             self._end(done)
 
-    def admit_pulled(self, handle: RequestHandle, key: str) -> None:
-        """Decode role: the pull into the pages held under `key` is done; decode from there."""
-        self.scheduler.admit_pulled(handle.seq, key)
+    def kv_arrived(self, handle: RequestHandle, key: str) -> None:
+        """The KV of `handle` (from elsewhere) is in the pages lent under `key`: it runs on them
+        from there."""
+        self.scheduler.admit_arrived(handle.seq, key)
         self._wake()
 
     def _new_handle(
-        self,
-        prompt_ids: list[int],
-        options: GenerationOptions,
-        status: SeqStatus,
-        rules: TokenRules | None = None,
-        given: list[int] | None = None,
-        n: int = 1,
-        pulled: bool = False,
+        self, request: AdmitRequest, status: SeqStatus, given: list[int] | None = None, n: int = -1
     ) -> RequestHandle:
-        """A request's handle once it is admissible: `n` choices (0: a choice after the first,
-        admitted with it) of which each fits the context and all the KV cache together, and
-        all a running batch; its choices within --max-waiting-requests (those waiting for
-        pages to be pulled into included)."""
+        """A request's handle once it is admissible: `n` choices (default: the request's; 0: a
+        choice after the first, admitted with it) of which each fits the context and all the KV
+        cache together, and all a running batch; its choices within --max-waiting-requests
+        (those the connector queues for pages included)."""
+        prompt_ids, options = list(request.prompt_ids), request.options
+        n = request.n if n < 0 else n
         max_tokens = self.capacity.max_tokens_for(len(prompt_ids), options.max_tokens, max(n, 1))
         sched = self.scheduler
-        most = sched.max_running - (0 if pulled else sched.pull_slots)
+        most = sched.max_running - (0 if request.kv_from_elsewhere else sched.arrival_slots)
         if n > most:
             raise APIError(
                 400,
@@ -265,7 +223,9 @@ class Engine:
             )
         request_id = f"req-{next(self._ids)}"
         handle = RequestHandle(
-            Sequence(request_id, prompt_ids, options, max_tokens, status=status, rules=rules),
+            Sequence(
+                request_id, prompt_ids, options, max_tokens, status=status, rules=request.rules[0]
+            ),
             IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens),
             StopChecker(options.stop, options.include_stop_str_in_output),
         )
@@ -273,7 +233,8 @@ class Engine:
         return handle
 
     def admit_blocker(self) -> str | None:
-        """What keeps any new request (a pull included) from being admitted now, or None."""
+        """What keeps any new request (KV from elsewhere included) from being admitted now, or
+        None."""
         sched = self.scheduler
         if self.queued_choices >= self.max_waiting:
             return f"the waiting queue is full ({self.max_waiting} choices)"
@@ -285,9 +246,8 @@ class Engine:
 
     @property
     def queued_choices(self) -> int:
-        """Choices waiting: for admission, and (decode) for pages to pull into."""
-        waiters = self._page_waiters.choices if self._page_waiters is not None else 0
-        return self.scheduler.waiting_choices + waiters
+        """Choices waiting: for admission, and in the connector's queue for pages."""
+        return self.scheduler.waiting_choices + self.connector.waiting()[1]
 
     def abort(self, handle: RequestHandle, reason: str = "the client left") -> None:
         """Stop a request (client gone), its other choices (n > 1) too. Its pages are freed at
@@ -304,7 +264,7 @@ class Engine:
 
     def fail(self, handle: RequestHandle, error: APIError) -> None:
         """End a request with an error (its pages are freed; see `abort` for a step in flight);
-        its side channel (a decode request's pull) is aborted too."""
+        its side channel (the connector's, for KV from elsewhere) is aborted too."""
         self._release(handle.seq, "error")
         self._tell_side_channel(handle, f"the request failed: {error.message}")
         self.handles.pop(handle.seq.request_id, None)
@@ -317,34 +277,28 @@ class Engine:
             self._end(done, [by_handle.get(c.seq.request_id) for c in done.handle.forks])
 
     def _end(self, done: Finished, choices: list[Finished | None] | None = None) -> None:
-        """End a request postprocess finished: hand its pages to a decode worker (a prefill
-        worker's remote-decode request that reached its length, or whose other `choices` did)
-        or free them, forget it, and queue its last delta (an error one when the hand-off
-        failed)."""
+        """End a request postprocess finished: its connector may keep its pages (for another
+        worker to read; the request's `kv_transfer_params` say where), else they are freed;
+        forget it, and queue its last delta (an error one when the connector failed)."""
         handle, last = done.handle, done.last
         seq = handle.seq
         choices = choices or []
-        goes_on = [last.finish_reason] + [c.last.finish_reason for c in choices if c is not None]
-        if "length" in goes_on and seq.remote_decode and self.hooks is not None:
-            try:
-                firsts = [  # every choice has its first token (they rode on seq's row)
-                    (c.seq.output_ids[0], d.last.logprobs[0] if d and d.last.logprobs else None)
-                    for c, d in zip(handle.forks, choices)
-                ]
-                handle.kv_transfer_params = self.hooks.hand_off(
-                    seq, last.logprobs[0] if last.logprobs else None, firsts
-                )
-            except Exception as e:  # answered as a 5xx, so the router retries or reports it
-                log.exception("cannot hand %s to a decode worker", seq.request_id)
-                error = APIError(
-                    503,
-                    f"cannot hand the KV to a decode worker: {e}",
-                    "server_busy",
-                    "kv_hand_off_failed",
-                )
-                last = Delta("", [], [], "error", error)
+        reasons = [last.finish_reason] + [c.last.finish_reason for c in choices if c is not None]
+        firsts = _first_tokens([done, *choices], [handle, *handle.forks])
+        try:
+            params = self.connector.request_finished(seq, [r for r in reasons if r], firsts)
+            handle.kv_transfer_params = params
+        except Exception as e:  # answered as a 5xx, so the router retries or reports it
+            log.exception("the connector cannot take %s", seq.request_id)
+            error = APIError(
+                503,
+                f"cannot hand the KV to another worker: {e}",
+                "server_busy",
+                "kv_hand_off_failed",
+            )
+            last = Delta("", [], [], "error", error)
         assert last.finish_reason is not None
-        self._release(seq, last.finish_reason)  # a no-op once handed off
+        self._release(seq, last.finish_reason)  # a no-op once lent
         if self.metrics:
             self.metrics.e2e.observe(time.monotonic() - seq.arrival_time)
         self.handles.pop(seq.request_id, None)
@@ -361,7 +315,7 @@ class Engine:
             self._deferred.append((seq, reason))
         else:
             self.scheduler.finish(seq, reason)
-            self._pages_freed()
+            self.connector.pages_freed()
 
     def _wake(self) -> None:
         if self._wakeup is not None:
@@ -369,23 +323,23 @@ class Engine:
 
     def load(self) -> WorkerLoad:
         cache = self.scheduler.cache
-        held = len(set().union(*cache.held.values()))  # shared pages once
-        waiting_for_pages = len(self._page_waiters) if self._page_waiters is not None else 0
+        lent = len(set().union(*cache.keyed.values()))  # shared pages once
+        waiting_for_pages = self.connector.waiting()[0]
+        lent_field = self.connector.lent_pages_field
         return WorkerLoad(
-            role=self.role,
+            role=self.connector.name,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             queued_prefill_tokens=self.scheduler.queued_prefill_tokens,
             kv_pages_total=cache.num_total,
             kv_pages_free=cache.num_free,  # free + evictable: what an allocation can have
-            inflight_transfers=len(cache.held) + waiting_for_pages,
-            kv_pages_held=held,
+            inflight_transfers=len(cache.keyed) + waiting_for_pages,
+            kv_pages_held=lent,
             kv_pages_cached=cache.num_cached,
             kv_pages_evictable=cache.num_evictable,
             kv_page_size=cache.page_size,
-            kv_pages_pinned=held if self.role == "prefill" else 0,
-            kv_pages_reserved=held if self.role == "decode" else 0,
             waiting_for_pages=waiting_for_pages,
+            **({lent_field: lent} if lent_field else {}),
         )
 
     def reset_prefix_cache(self) -> tuple[int, int]:
@@ -415,7 +369,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not self.scheduler.has_work and not self.scheduler.held
+        return not self.scheduler.has_work and not self.scheduler.lent
 
     # ----------------------------------------------------------------------------- the loop
 
@@ -484,7 +438,7 @@ class Engine:
         self._end_all(finished)  # before the next step is scheduled: none computes for them
         if not self.overlap:
             self._emit_pending_text()
-        self._pages_freed()  # finished requests freed pages; the batch may have shrunk
+        self.connector.pages_freed()  # finished requests freed pages; the batch may have shrunk
 
     def _emit_pending_text(self) -> None:
         pending, self._pending_text = self._pending_text, []
@@ -492,7 +446,7 @@ class Engine:
             # Requests aborted since their token was appended get no text.
             live = [p for p in pending if self.handles.get(p.handle.seq.request_id) is p.handle]
             self._end_all(self.postprocess.emit_text(live))
-            self._pages_freed()
+            self.connector.pages_freed()
 
     async def execute(
         self, batch: ScheduledBatch, while_running: Callable[[], None] | None = None
@@ -520,3 +474,15 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):
             self.fail(handle, APIError(500, message, "internal_error"))
+
+
+def _first_tokens(done: list[Finished | None], handles: list[RequestHandle]) -> list[FirstToken]:
+    """Each choice's first token sampled here (past a continuation's), with its logprobs when
+    the choice ended on it (`done`: the last deltas, choice 0's first)."""
+    firsts = []
+    for d, h in zip(done, handles):
+        sampled = h.seq.output_ids[h.seq.num_given :]
+        if sampled:
+            on_it = d is not None and len(sampled) == 1 and bool(d.last.logprobs)
+            firsts.append((sampled[0], d.last.logprobs[0] if d is not None and on_it else None))
+    return firsts

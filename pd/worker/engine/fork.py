@@ -14,9 +14,9 @@ children (status FORKING: no pages, in no queue) the scheduler keeps beside it (
    its own: recompute, not a copy of the KV page, so no KV write happens outside a forward pass.
 3. From there every choice is an ordinary sequence: it stops on its own and frees its own pages.
 
-On a decode worker the parent is the pulled request: the children fork from the pulled pages
-once the pull is done (`Scheduler.fork_pulled`), each from its own first token (P sampled them
-all, carried in `kv_transfer_params.first_token_ids`). A parent that ends before its first
+A request whose KV comes from elsewhere is a parent too: its children fork from its pages once
+the KV arrived (`Scheduler.admit_arrived`), each from its own first token (sampled where the KV
+was computed, and carried in `kv_transfer_params.first_token_ids`). A parent that ends before its first
 token (abort, error) leaves its children as ordinary waiting requests: they prefill themselves.
 """
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pd.worker.engine.batch import ScheduledBatch
-from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle
+from pd.worker.engine.request import Delta, LogprobEntry, RequestHandle, Sequence
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.sampler import SampleOutput
 from pd.worker.text.tokenizer import Tokenizer
@@ -114,7 +114,7 @@ class OutputProcessor:
     def accept(
         self, handle: RequestHandle, token: int, logprobs: list[LogprobEntry], now: float
     ) -> Finished | None:
-        """Both phases for one token (P's first token on D)."""
+        """Both phases for one token (one sampled elsewhere)."""
         return self._emit(handle, token, logprobs, self.append_token(handle, token, now))
 
     def prime(self, handle: RequestHandle, given: list[int]) -> str | None:
@@ -124,17 +124,13 @@ class OutputProcessor:
         first worker's were (the text they held back stays held), and `handle.given_text` is
         the text its client was shown. Returns why the given outputs end the request already
         ("stop" or "length"; then nothing more is sampled), or None."""
-        seq, params = handle.seq, handle.seq.params
+        seq = handle.seq
         assert not seq.output_ids, "a continuation starts with its given outputs"
         ends: str | None = None
         shown: list[str] = []
         for token in given:
             seq.output_ids.append(token)
-            if seq.rules is not None and not seq.rules.accept(token):
-                ends = "stop"
-            if token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.eos_token_ids
-            ):
+            if self._stops(seq, token):
                 ends = "stop"
             text, stopped = handle.stop.add(handle.detok.add(token))
             shown.append(text)
@@ -142,35 +138,41 @@ class OutputProcessor:
                 ends = "stop"
         seq.num_given = len(given)
         handle.given_text = "".join(shown)
-        if ends is None and seq.rules is not None and seq.rules.complete:
-            ends = "stop"
-        if ends is None and (
-            len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
-            ends = "length"
+        if ends is None and (after := self._ends_after(seq)) is not None:
+            ends = "stop" if after == "complete" else after
         return ends
 
     def append_token(self, handle: RequestHandle, token: int, now: float) -> str | None:
         """Append a sampled token to its request: the one place a token joins a request, once
-        per token and in order (P's first token on D included). Returns why the token ends the
-        request whatever its text: "stop" (a stop token id, or EOS: its text is not shown),
+        per token and in order (a token sampled elsewhere included). Returns why the token ends
+        the request whatever its text: "stop" (a stop token id, or EOS: its text is not shown),
         "complete" (its grammar allows nothing more: a stop, its text shown), "length"
         (max_tokens, or the context is full), or None (its text may still end it: `_emit`)."""
-        seq, params = handle.seq, handle.seq.params
+        seq = handle.seq
         if self.metrics:
             self._observe(handle, now)
         seq.output_ids.append(token)
-        # The request's rules (its grammar) advance by the token here, before the next step is
-        # scheduled, so its mask for that step is ready when the forward thread asks for it.
-        rules = seq.rules
-        if rules is not None and not rules.accept(token):  # never, with the mask applied
+        return "stop" if self._stops(seq, token) else self._ends_after(seq)
+
+    # The stop rule, in two halves: what a token says (`_stops`), then the request's state after
+    # it (`_ends_after`). Sampled tokens and a continuation's given ones both go through it.
+
+    def _stops(self, seq: Sequence, token: int) -> bool:
+        """Whether `token`, just appended, is a stop whose text is not shown: a stop token id,
+        EOS, or one its rules refuse. Its rules (grammar) advance by it here, before the next
+        step is scheduled, so its mask for that step is ready when the forward thread asks."""
+        params = seq.params
+        if seq.rules is not None and not seq.rules.accept(token):  # never, with the mask applied
             log.warning("%s: its grammar refused token %d", seq.request_id, token)
-            return "stop"
-        if token in params.stop_token_ids or (
+            return True
+        return token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
-        ):
-            return "stop"
-        if rules is not None and rules.complete:  # nothing but EOS may follow: it is done
+        )
+
+    def _ends_after(self, seq: Sequence) -> str | None:
+        """Whether the request is done after its last token: "complete" (its grammar allows
+        nothing but EOS), "length" (max_tokens, or the context is full), or None."""
+        if seq.rules is not None and seq.rules.complete:
             return "complete"
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

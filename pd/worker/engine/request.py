@@ -28,7 +28,7 @@ LogprobEntry = tuple[int, float, list[tuple[int, float]] | None]
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued; holds no pages (new, or preempted)
     RUNNING = "running"  # admitted; holds pages for its computed tokens
-    TRANSFERRING = "transferring"  # decode side: its KV is being pulled from prefill
+    WAITING_FOR_KV = "waiting_for_kv"  # its KV comes from elsewhere (the connector's)
     FORKING = "forking"  # a choice of n > 1 waiting for its parent's prompt (fork.py); no pages
     FINISHED = "finished"  # done or aborted; its pages are freed
 
@@ -43,20 +43,20 @@ class Sequence:
     page_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in `page_ids`
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "remote_decode"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "kv_lent"
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
-    remote_decode: bool = False  # prefill side: hand the KV to a decode worker when prefilled
     page_hashes: list[bytes] = field(default_factory=list)  # of its first pages, once cached
     # Prompt tokens found in the prefix cache at its first admission (None: not admitted yet);
-    # on D, those P reported. Answered as usage.prompt_tokens_details.cached_tokens.
+    # with KV from elsewhere, those its source reported. Answered as
+    # usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
     cache_salt: str | None = None  # the client's: its pages are shared only with the same salt
     rules: TokenRules | None = None  # what its next token may be (grammar, min_tokens, ...)
     # When params.prompt_logprobs asks: entry p for prompt token p + 1, filled as the prompt is
-    # prefilled (postprocess), or from P's params on D; complete once the first token is out.
+    # prefilled (postprocess), or from its KV's source; complete once the first token is out.
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     # A continuation (docs/migration.md §3): its first `num_given` outputs came with the request
     # (another worker generated them); they are prefilled with the prompt, never emitted.
@@ -105,10 +105,11 @@ class RequestHandle:
     detok: IncrementalDetokenizer
     stop: StopChecker
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    # Set by a role with a side channel for this request (decode: the KV pull), called once when
-    # the request is aborted, with the reason.
+    # Set by a connector with a side channel for this request (its KV from elsewhere), called
+    # once when the request is aborted, with the reason.
     on_abort: Callable[[str], None] | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # prefill role: what D needs, once handed off
+    # What another worker needs for its KV, once the connector kept its pages (request_finished)
+    kv_transfer_params: dict[str, Any] | None = None
     # n > 1: choices 1..n-1, each a request of its own forked from this one (fork.py)
     forks: list[RequestHandle] = field(default_factory=list)
     # A continuation: the text the given outputs showed on the first worker (what its client

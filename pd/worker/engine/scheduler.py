@@ -15,10 +15,9 @@ state; the scheduler decides when a request takes or drops its references: as to
 scheduled, and exactly once when it finishes, is aborted or is preempted. With the prefix cache,
 a request admitted from the queue first takes references on the cached pages of its longest
 cached prefix (whole pages, never its last token: the forward pass needs that token's logits) and
-computes only the rest; after each step its newly full pages become matchable. In a
-disaggregated pair pages are also held by key in the manager: on prefill, pinned for the decode
-side to pull until it is done, aborts, or the lease runs out; on decode, reserved while the pull
-is in flight. The PD roles use them through `HeldPages` (pd/worker/engine/hooks.py).
+computes only the rest; after each step its newly full pages become matchable. Pages are also
+lent to the engine's connector by key (`LentPages`, pd/worker/engine/connector.py): a finished
+request's, whose KV another worker reads, or free ones, for KV another worker writes.
 """
 
 from __future__ import annotations
@@ -37,20 +36,21 @@ class Scheduler:
         cache: KVCacheManager,
         chunk_size: int,
         max_running: int,
-        pull_slots: int = 0,
+        arrival_slots: int = 0,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.chunk_size = chunk_size
         # Running slots count choices: a request with n choices takes n (its children fork
-        # into the batch after its first token). `pull_slots` of them only pulls may take
-        # (decode: a client whose P answered is never starved by local requests).
+        # into the batch after its first token). `arrival_slots` of them only requests whose KV
+        # comes from elsewhere may take (their clients have their first token: never starved
+        # by requests computed here).
         self.max_running = max_running
-        self.pull_slots = pull_slots
+        self.arrival_slots = arrival_slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.forks: Forks = {}  # n > 1: parent -> its children until they fork (fork.py)
-        self._held_choices: dict[str, int] = {}  # decode: a reserved pull's choices, by key
+        self._lent_choices: dict[str, int] = {}  # by key: the choices of KV that arrives
 
     # ------------------------------------------------------------------------------ queues
 
@@ -84,9 +84,9 @@ class Scheduler:
     @property
     def running_choices(self) -> int:
         """Running slots taken: the running sequences, the children still to fork from running
-        parents, and the choices of the pulls pages are reserved for (decode)."""
+        parents, and the choices of the requests whose KV arrives into lent pages."""
         pending = sum(len(c) for p, c in self.forks.items() if p.status is SeqStatus.RUNNING)
-        return len(self.running) + pending + sum(self._held_choices.values())
+        return len(self.running) + pending + sum(self._lent_choices.values())
 
     @property
     def waiting_choices(self) -> int:
@@ -120,7 +120,7 @@ class Scheduler:
                 continue
             self._add(batch, seq, n)
             budget -= n
-        slots = self.max_running - self.pull_slots - self.running_choices  # local admission
+        slots = self.max_running - self.arrival_slots - self.running_choices  # computed here
         while self.waiting and budget > 0 and self.choices_of(self.waiting[0]) <= slots:
             seq = self.waiting[0]
             self._reuse_prefix(seq)
@@ -210,26 +210,26 @@ class Scheduler:
         seq.page_hashes = []
         seq.num_computed = 0
 
-    # ------------------------------------------------------------------------------ held pages
+    # ------------------------------------------------------------------------------ lent pages
 
-    def pin(self, seq: Sequence, key: str) -> list[int]:
-        """Prefill: finish a prefilled request but keep its pages (cached ones too), each
-        referenced under `key` until the decode side is done."""
-        assert seq.status is SeqStatus.RUNNING and key not in self.cache.held
+    def lend(self, seq: Sequence, key: str) -> list[int]:
+        """Finish a running request but keep its pages (cached ones too), each referenced under
+        `key` until given back (its KV is read elsewhere)."""
+        assert seq.status is SeqStatus.RUNNING and key not in self.cache.keyed
         self.running.remove(seq)
         pages, seq.page_ids, seq.page_hashes = seq.page_ids, [], []
         self.cache.hold(key, pages)
         seq.status = SeqStatus.FINISHED
-        seq.finish_reason = "remote_decode"
+        seq.finish_reason = "kv_lent"
         return pages
 
-    def reserve(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
-        """Decode: pages for a request's pulled KV, if no preempted request waits, they fit beside
-        the running batch's growth (one free or evictable page per running request stays in
-        reserve) and its `choices` fit in `max_running` (the pull slots included). New requests
-        waiting for admission do not hold a pull back: its client already has P's first
-        token."""
-        assert key not in self.cache.held
+    def lend_free(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
+        """Pages for a request's KV that arrives from elsewhere, if no preempted request waits,
+        they fit beside the running batch's growth (one free or evictable page per running
+        request stays in reserve) and its `choices` fit in `max_running` (the arrival slots
+        included). New requests waiting for admission do not hold it back: its client has its
+        first token already."""
+        assert key not in self.cache.keyed
         if any(s.num_preemptions for s in self.waiting):  # they get their pages back first
             return None
         if self.running_choices + choices > self.max_running:
@@ -239,31 +239,32 @@ class Scheduler:
         pages = self.cache.allocate(num_pages)
         if pages is not None:
             self.cache.hold(key, pages)
-            self._held_choices[key] = choices
+            self._lent_choices[key] = choices
         return pages
 
-    def release(self, key: str) -> None:
-        """Drop the pages held under `key` (idempotent: done, abort and lease expiry may race)."""
+    def give_back(self, key: str) -> None:
+        """Drop the pages lent under `key` (idempotent: done, abort and expiry may race)."""
         self.cache.release(key)
-        self._held_choices.pop(key, None)
+        self._lent_choices.pop(key, None)
 
-    def admit_pulled(self, seq: Sequence, key: str) -> None:
-        """Decode: the pull is done; the request runs on its held pages, whose KV covers the
-        prompt, from there (and its full prompt pages become matchable on this worker)."""
-        assert seq.status is SeqStatus.TRANSFERRING
+    def admit_arrived(self, seq: Sequence, key: str) -> None:
+        """The KV from elsewhere is in the pages lent under `key`: the request runs on them,
+        from there (and its full prompt pages become matchable on this worker)."""
+        assert seq.status is SeqStatus.WAITING_FOR_KV
         seq.page_ids = self.cache.take(key)
-        self._held_choices.pop(key, None)  # running now, its children with it
-        # The KV covers the prompt (and a continuation's given outputs); P's first token next.
+        self._lent_choices.pop(key, None)  # running now, its children with it
+        # The KV covers the prompt (and a continuation's given outputs); the token sampled
+        # elsewhere is next.
         seq.num_computed = len(seq.prompt_ids) + seq.num_given
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         self._cache_full_pages(seq)
-        self._fork_pulled(seq)
+        self._fork_arrived(seq)
 
     @property
-    def held(self) -> dict[str, list[int]]:
-        """Pages held by key (pinned on P, reserved on D)."""
-        return self.cache.held
+    def lent(self) -> dict[str, list[int]]:
+        """Pages lent by key."""
+        return self.cache.keyed
 
     # ------------------------------------------------------------------------------ results
 
@@ -282,9 +283,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ n > 1
 
-    def _fork_pulled(self, parent: Sequence) -> None:
-        """Decode, n > 1: the pull is done; the parent's children (each with its first token)
-        fork from its pages."""
+    def _fork_arrived(self, parent: Sequence) -> None:
+        """n > 1, KV from elsewhere: it arrived; the parent's children (each with its first
+        token) fork from its pages."""
         for child in self.forks.pop(parent, ()):
             self._fork(child, parent.page_ids, parent.page_hashes, child.num_cached_tokens)
 
@@ -311,7 +312,7 @@ class Scheduler:
 
     def _orphan(self, parent: Sequence) -> None:
         """`parent` ends before its children forked: they become ordinary requests, prefilling
-        the prompt (and the first token each has, on D) themselves."""
+        the prompt (and the first token each has, when sampled elsewhere) themselves."""
         for child in self.forks.pop(parent, ()):
             if child.status is SeqStatus.FORKING:
                 child.status = SeqStatus.WAITING

@@ -12,14 +12,14 @@ each kind at start-up, on scratch pages it zeroes afterwards: no request pays a 
 
 The K/V write goes through the pool seen as rows (`KVPool._rows`, a view made once, outside
 the graph), which inductor mutates in place: a view taken inside the graph was functionalized
-and the pool copied back whole on every step (~1.1 s a step with the default 3.8 GB pool). An
-opaque custom op did it in place too, at ~35 us of Python a layer (~1 ms a one-row step).
+and the pool copied back whole on every step (docs/BENCHMARKS.md, "The compiled step in the
+worker"). An opaque custom op did it in place too, but its Python body, called from the graph
+once a layer, cost more than the write itself (docs/EXPERIMENTS.md §11).
 
-Measured on the 2-core CPU (docs/BENCHMARKS.md, `pd-bench engine`, two rounds against eager):
-a bf16 worker decodes one stream in 25.3-25.7 ms a step against 30.6-30.8 (1.17-1.21x its
-linear layers), 8 streams 1.16-1.25x the tokens/s, 32 streams 1.06-1.08x; int4 one stream 8.6-8.9
-ms against 11.7-12.1. The warm-up takes ~2 min on a cold inductor cache and ~10 s on a warm one,
-so `--compile` is off by default.
+Compiled, a worker decodes faster than eager at every stream count, most at one stream, bf16 and
+int4 alike (docs/BENCHMARKS.md, "The compiled step in the worker": `pd-bench engine`, rounds
+against eager). But the warm-up takes minutes on a cold inductor cache (seconds on a warm one:
+the same section), so `--compile` is off by default.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _guard_on_inputs(entries: list[Any]) -> list[bool]:
     (their shapes, dtypes and the sizes marked dynamic) and on global state (grad mode, the
     symbolic shapes); not those on the model (`self`: ~300 weights, the pool, the config) or on
     the modules it calls, which do not change once the worker runs (and each model compiles
-    its own copy of the code: `_own_code`). Checking those cost ~0.5 ms a step."""
+    its own copy of the code: `_own_code`). Checking those cost a measurable share of a
+    one-row step (docs/BENCHMARKS.md, "The compiled step in the worker")."""
     return [
         e.name == "" or re.split(r"[\[.]", e.name, maxsplit=1)[0] in _STEP_ARGS for e in entries
     ]
@@ -68,7 +69,8 @@ def _guard_on_inputs_not_threads(entries: list[Any]) -> list[bool]:
     """`_guard_on_inputs` without the global state guard (torch's thread count, among what
     does not change once a worker runs): the one-row compile runs on a thread of one torch
     thread (one_row.py; with the serving thread's count, its second OpenMP team slowed the
-    serving thread's steps 1.3-2x), and the graph's loops take `cpp.threads` baked in."""
+    serving thread's steps: docs/EXPERIMENTS.md §9), and the graph's loops take `cpp.threads`
+    baked in."""
     keep = _guard_on_inputs(entries)
     return [k and e.guard_type != "GLOBAL_STATE" for k, e in zip(keep, entries)]
 
@@ -99,8 +101,9 @@ def compile_decode(model: LlamaModel, page_size: int, num_pages: int) -> float:
         )
     start = time.monotonic()
     compiled, marked = _compiled_layers(model)
-    # The C++ wrapper calls the graph's kernels without a Python line per kernel: on 2 cores,
-    # 26.4 ms against 29.1 ms a bf16 step with the Python wrapper (eager: 29.6).
+    # The C++ wrapper calls the graph's kernels without a Python line per kernel: a faster step
+    # than with the Python wrapper, whose gain over eager it mostly ate (docs/EXPERIMENTS.md §5
+    # and §23).
     model.compiled_decode = marked
     with torch._inductor.config.patch(cpp_wrapper=True):
         for batch, pages in WARMUP_SHAPES:

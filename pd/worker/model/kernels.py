@@ -7,10 +7,8 @@ weight-only int8/int4 ones, and the builders `pd-bench kernels` times them with.
   bf16 path: `onednn_refusal` says so before a worker is built on it.
 - `onednn-fp32`: the same with the weight in fp32: exact fp32 products (no bf16, no
   quantization), in oneDNN's blocked layout made once rather than MKL's sgemm repacking the
-  weight at every call. Under the AVX2 cap on a Zen 4 (2 threads, the 30 layers' distinct
-  weights in turn) it took 51 ms a 32-row pass against F.linear's 76, 20 against 36 at one row,
-  578 against 709 at a 512-row chunk, and the LM head 18 against 26 ms at 32 rows
-  (docs/EXPERIMENTS.md section 13).
+  weight at every call: under the AVX2 cap it was faster than `F.linear` at every batch timed,
+  the LM head's too (docs/EXPERIMENTS.md §13, "The linear layers at decode batches").
 - `fbgemm-int8` / `onednn-int8`: `quantized.linear_prepack` of per-channel symmetric int8 weights
   (`w = q * scale`, q in -127..127), `quantized.linear_dynamic` at each call: the activations are
   quantized per tensor to uint8 inside the kernel and the products summed in int32. With
@@ -40,9 +38,8 @@ DYNAMIC_INT8 = {"fbgemm-int8": "fbgemm", "onednn-int8": "onednn"}
 ONEDNN_BF16 = "onednn-bf16"
 ONEDNN_FP32 = "onednn-fp32"
 ONEDNN_DTYPES = {ONEDNN_BF16: torch.bfloat16, ONEDNN_FP32: torch.float32}  # weights and products
-# The batch a weight's oneDNN layout is reordered for. 32 against 1, both dtypes, 30 layers'
-# distinct weights (Zen 4, 2 threads): bf16 11.0 against 12.1 ms a pass at one row, 306 against
-# 421 at a 512-row chunk; fp32 49 against 68 at 32 rows, 583 against 726 at 512.
+# The batch a weight's oneDNN layout is reordered for: laid out for 32 rows, both dtypes ran
+# faster than laid out for one at every batch timed (docs/EXPERIMENTS.md §13).
 REORDER_ROWS = 32
 
 

@@ -32,15 +32,15 @@ class RMSNorm:
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dim, the variance in fp32 whatever the
     dtype.
 
-    On CPU, torch's `F.rms_norm` is a composite of ~20 ops (~16 us a call for one row, ~35 us
-    inside a step, where the weights streamed between calls evict torch's own code and data);
-    `layer_norm` is one fused kernel but subtracts the mean. The mean of `[x, -x]` is zero and its
-    mean square is x's, so the first half of `layer_norm([x, -x])` is x normalized by its RMS
-    (then times the weight, in the model's dtype: 0.82 ms off a one-row decode step of the
-    default model, 61 norms). The weight inside the fused kernel (one rounding, as `F.rms_norm` rounds)
-    is one op fewer, but bf16 int4's first token for "What is the capital of France?" is a near
-    tie (25.5 against 25.375 logits): that form made it an exact tie and the answer "L'Étoile",
-    this one keeps F.rms_norm's logits there and "Paris". On CUDA, `F.rms_norm` is fused."""
+    On CPU, torch's `F.rms_norm` is a composite of ~20 ops, slower inside a step than alone, where
+    the weights streamed between calls evict torch's own code and data; `layer_norm` is one fused
+    kernel but subtracts the mean. The mean of `[x, -x]` is zero and its mean square is x's, so the
+    first half of `layer_norm([x, -x])` is x normalized by its RMS (then times the weight, in the
+    model's dtype). The weight inside the fused kernel (one rounding, as `F.rms_norm` rounds) is one
+    op fewer, but bf16 int4's first token for "What is the capital of France?" is a near tie: that
+    form made it an exact tie and the answer "L'Étoile", this one keeps F.rms_norm's logits there
+    and "Paris" (docs/EXPERIMENTS.md §8, "RMS norm", with what each form took off a one-row step;
+    §23). On CUDA, `F.rms_norm` is fused."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         self.weight, self.eps = weight, eps

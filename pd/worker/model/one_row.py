@@ -8,10 +8,10 @@ inductor cache (far too long to wait for at start-up, as `--compile` does) and s
 one. So the worker serves eagerly from the start while a thread of its own compiles the step for
 one row on scratch pages (`compile_one_row`: its own attention backends, 3 pages past the
 allocator's), which fills the cache; then, at a moment when the engine is idle, the torch thread
-compiles it again from the warm cache (~8-13 s; a request arriving then waits), times it against
-the same layers eager, in turns, and installs it (`LlamaModel.compiled_one_row`) only when it is
-faster. A served call whose inputs no graph takes runs eagerly (never a compile on the serving
-thread). Batches of more than one row stay eager.
+compiles it again from the warm cache (seconds, docs/EXPERIMENTS.md §9 and §23; a request arriving
+then waits), times it against the same layers eager, in turns, and installs it
+(`LlamaModel.compiled_one_row`) only when it is faster. A served call whose inputs no graph takes
+runs eagerly (never a compile on the serving thread). Batches of more than one row stay eager.
 
 The inductor cache lives under pd's cache directory (`$PD_CACHE_DIR/inductor/<this CPU>`, unless
 `TORCHINDUCTOR_CACHE_DIR` says otherwise), beside the kernel search's. While the thread compiles,
@@ -139,7 +139,8 @@ class BackgroundCompile:
         """The long part, on this thread while the torch thread serves: inductor's cache filled
         with the graph the torch thread compiles next (the same options: the graph's loops at
         `threads`). This thread keeps one torch thread: at the serving thread's count, its
-        OpenMP team of its own slowed the torch thread's steps ~2x, after it too."""
+        OpenMP team of its own slowed the torch thread's steps, after it too
+        (docs/EXPERIMENTS.md §9)."""
         torch.set_num_threads(1)
         interval = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -157,8 +158,9 @@ class BackgroundCompile:
 
     def _time_rounds(self, compiled: Callable[..., torch.Tensor]) -> tuple[float, float]:
         """Each arm's best median over a few timing rounds on the torch thread, between
-        steps, seconds apart: right after a compile the same layers timed 3-4x slower there
-        for a few seconds (one such round alone kept eager once, the graph being 1.6x faster)."""
+        steps, seconds apart: right after a compile the same layers timed several times slower
+        there for a few seconds, and one such round alone once kept eager though the graph was
+        the faster (docs/EXPERIMENTS.md §9, "Timing where it serves, in rounds")."""
         assert self._executor is not None
         rounds = []
         for _ in range(TIMING_ROUNDS):

@@ -13,9 +13,9 @@ Q4_1 blocks are (32 weights, a scale `d` and a minimum `m` each): it maps onto t
 exactly (`zero = low + 8 * scale`), so such weights are packed as they are, never rounded through
 bf16. Everything else is quantized at load from its float weights. Only the weights are stored
 quantized; activations are the model's dtype, except inside the kernels: torch's CPU kernels have
-a vectorized path for bf16 only (measured with AVX512: 369 rows x 576 -> 1536, int8 225 ms in
-fp32 and 4.8 ms in bf16; int4 291 ms and 4.4 ms; one row 0.40 and 0.03 ms), so an fp32 model runs
-them on bf16 activations (`_kernel_dtype`) and gets fp32 back.
+a vectorized path for bf16 only (on fp32 activations they ran tens of times slower:
+docs/EXPERIMENTS.md §23), so an fp32 model runs them on bf16 activations (`_kernel_dtype`) and
+gets fp32 back.
 """
 
 from __future__ import annotations
@@ -266,10 +266,10 @@ def make_linear(
 def head_quantization(quantization: str, dtype: torch.dtype) -> str:
     """The LM head's format for the layers' `quantization` in `dtype`: the same kernel, except
     int4 layers get an int8 head (the largest matrix a step reads, kept at 8 bits), and
-    smooth-int8 ones (no calibration for the head: scaled per row alone it was 1.045x fp32's
-    perplexity under the AVX2 cap) an exact one, in oneDNN's layout where it runs, and int4-fp32
-    ones the exact fp32 head (the GGUF's head is not Q4_1: int4 groups made from it again were
-    1.078x fp32's perplexity); a split's
+    smooth-int8 ones (no calibration for the head, and scaled per row alone it failed the
+    perplexity bound under the AVX2 cap: docs/EXPERIMENTS.md §14) an exact one, in oneDNN's
+    layout where it runs, and int4-fp32 ones the exact fp32 head (the GGUF's head is not Q4_1:
+    int4 groups made from it again failed the bound, docs/EXPERIMENTS.md §20); a split's
     halves each so (the head stays a split unless both halves come out the same)."""
     split = split_quantization(quantization)
     if split is not None:

@@ -86,8 +86,8 @@ class Sampler:
 
         token_ids = [0] * B
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        # NOTE: max(dim).indices, not argmax: the same first index of the largest value, and on
-        # CPU 2.5x faster (0.4 against 1.0 ms for 32 rows of 49,152, 2 threads).
+        # NOTE: max(dim).indices, not argmax: the same first index of the largest value, and
+        # faster on CPU (docs/BENCHMARKS.md, "Sampling").
         if len(greedy) == B:
             token_ids = logits.max(dim=-1).indices.tolist()
         else:

@@ -2,12 +2,12 @@
 every forward pass (the engine's executor). The event loop's thread runs no torch op of its own.
 
 Why one thread: torch's CPU kernels parallelize with OpenMP, which keeps a team of threads per
-calling thread. Measured on this 2-core machine (default model, bf16, one decode step): 31 ms when
-a single thread does all the torch work, 44-48 ms when the main thread has run multi-threaded ops
-(loading the checkpoint) and the forward pass then runs in a second thread with a team of its own,
-even with the first team idle. So the calling thread drops to one torch thread before the torch
-thread starts (torch's setting also sets MKL's process-wide count: the order matters), and the
-torch thread gets all of `--threads`.
+calling thread. When the main thread has run multi-threaded ops (loading the checkpoint) and the
+forward pass then runs in a second thread with a team of its own, a decode step is far slower than
+when a single thread does all the torch work, even with the first team idle (docs/BENCHMARKS.md,
+"Against the machine's bound, per quantization"). So the calling thread drops to one torch thread
+before the torch thread starts (torch's setting also sets MKL's process-wide count: the order
+matters), and the torch thread gets all of `--threads`.
 """
 
 from __future__ import annotations

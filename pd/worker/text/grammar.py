@@ -7,10 +7,10 @@ the worker: its size limits are checked (`grammar_source.check_limits`), then it
 grammar child (`grammar_pool`: its own process, memory capped, killed at `--grammar-timeout-s`),
 and only a grammar that compiled there is built here, on a thread of the same stack size
 (`stack_threads`). Building is the costly part (the lexer and parser tables; llguidance drops
-the GIL meanwhile, 0.1 to 1 s for huge grammars); an LRU of built matchers keyed by the
-constraint gives a request seen before a copy (`deep_copy`) of the cached one. A constraint that
-does not compile, is over a limit, crashes its child or runs past the deadline is a 400 naming
-the problem.
+the GIL meanwhile, seconds for huge grammars: docs/EXPERIMENTS.md §16); an LRU of built
+matchers keyed by the constraint gives a request seen before a copy (`deep_copy`) of the cached
+one. A constraint that does not compile, is over a limit, crashes its child or runs past the
+deadline is a 400 naming the problem.
 
 Per request, a `GrammarMatcher` fills the next token's allowed set as a bitmask row (one bit per
 token id, llguidance's layout: int32 words, bit i of word w is token 32 w + i) and consumes each
@@ -82,8 +82,8 @@ class GrammarMatcher:
 
 
 # What a compiled matcher is reckoned to hold in memory (the cache's bound is in these bytes):
-# llguidance does not say, and measured (RSS, SmolLM2's tokenizer, enum and object schemas of
-# 100 to 10,000 entries) it was ~0.2-0.3 MB, plus 20-200 bytes per byte of the grammar's text.
+# llguidance does not say, so these round up what RSS showed for matchers of SmolLM2's
+# vocabulary (docs/EXPERIMENTS.md §23).
 MATCHER_BASE_BYTES = 256 << 10
 MATCHER_BYTES_PER_CHAR = 128
 
@@ -119,7 +119,9 @@ class GrammarCompiler:
         self.cache_bytes = cache_bytes
         self.cached_bytes = 0  # reckoned memory of the cached matchers
         self._sizes: dict[tuple[str, str], int] = {}
-        self._source = tok  # llguidance's tokenizer is built on the first compile (~0.25 s)
+        # llguidance's tokenizer is built on the first compile (most of that compile's time:
+        # docs/BENCHMARKS.md, "Structured outputs")
+        self._source = tok
         self._tok: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the cache is read on the loop and written on a thread

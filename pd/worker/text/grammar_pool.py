@@ -9,9 +9,10 @@ place, so the next request compiles again. Several children serve at once: one c
 takes seconds holds one child, never the others' requests. A child outlives a caller that
 leaves mid-compile: it finishes, and goes back to the pool.
 
-Children start at the first constraint (~1 s: Python, llguidance and the tokenizer), all of them
-at once. The deadline runs from when a child takes the constraint; waiting for a free child is
-bounded too (`START_GRACE_S` beyond the deadline: then a 503, `GrammarUnavailable`).
+Children start at the first constraint (Python, llguidance and the tokenizer to load:
+docs/EXPERIMENTS.md §16), all of them at once. The deadline runs from when a child takes the
+constraint; waiting for a free child is bounded too (`START_GRACE_S` beyond the deadline: then a
+503, `GrammarUnavailable`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pd.worker.text.grammar_source import GrammarError
 
 log = logging.getLogger("pd.worker")
 
-START_TIMEOUT_S = 60.0  # a child's import and tokenizer build (~1 s)
+# A child's import and tokenizer build, with a wide margin over a start (docs/EXPERIMENTS.md §16)
+START_TIMEOUT_S = 60.0
 START_GRACE_S = 10.0  # beyond the deadline, how long a constraint may wait for a free child
 RESPAWN_DELAY_S = 1.0  # after a child that failed to start
 

@@ -7,9 +7,10 @@ child (`grammar_child`), never on a worker's event loop.
 
 `check_limits(kind, spec)` is the cheap first guard, run on the loop before anything compiles:
 llguidance compiles a schema's `$ref` chain and a grammar's rule chain recursively on the native
-stack, and ~3,000 links overflow an 8 MiB one (SIGSEGV). The bounds sit well below that and well
-above what real schemas and grammars use (docs/security.md). What the limits miss (nesting inside
-one rule, an inline `%json` schema) still compiles in a child first, under the same stack size.
+stack, and a chain some thousands of links long overflows an 8 MiB one (SIGSEGV:
+docs/EXPERIMENTS.md §16, "Crash classes"). The bounds sit well below that and well above what
+real schemas and grammars use (docs/security.md). What the limits miss (nesting inside one rule,
+an inline `%json` schema) still compiles in a child first, under the same stack size.
 
 Imports only llguidance and pure Python: the grammar child loads this module alone.
 """
@@ -70,7 +71,8 @@ def grammar_text(kind: str, spec: str) -> str:
 
 
 def new_tokenizer(tokenizer_json: str, n_vocab: int, eos: list[int]) -> llguidance.LLTokenizer:
-    """llguidance's tokenizer from a Hugging Face tokenizer.json (~0.25 s for SmolLM2's)."""
+    """llguidance's tokenizer from a Hugging Face tokenizer.json (most of a first compile's
+    time: docs/BENCHMARKS.md, "Structured outputs")."""
     return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos or None)
 
 

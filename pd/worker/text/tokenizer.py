@@ -85,7 +85,8 @@ class Tokenizer:
 
     @functools.cached_property
     def token_strings(self) -> list[str | None]:
-        """`id_to_token` of every id, as a list (built once: ~30 ms for 49k entries)."""
+        """`id_to_token` of every id, as a list (built once: a Python call per id,
+        docs/EXPERIMENTS.md §23)."""
         return [self.backend.id_to_token(i) for i in range(self.vocab_size)]
 
     @functools.cached_property

@@ -57,7 +57,7 @@ def make_worker() -> Worker:
     # otherwise, as choices count against the running batch and the KV cache).
     scheduler = Scheduler(KVCacheManager(640, 16), chunk_size=128, max_running=16)
     engine = Engine(
-        Runner(min(tok.eos_token_ids)), scheduler, tok, role="both",
+        Runner(min(tok.eos_token_ids)), scheduler, tok, 
         max_model_len=MAX_MODEL_LEN, max_waiting=64,
     )  # fmt: skip
     return Worker(

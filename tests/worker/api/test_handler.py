@@ -64,11 +64,21 @@ class StandInEngine:
 class StandInRole:
     """Admits with the handler's prompt ids and answers "hi" at once, or refuses."""
 
+    name = "both"
     takes_params = False  # P's kv_transfer_params go unchecked (as on a prefill worker)
 
     def __init__(self, refuse: APIError | None = None) -> None:
         self.refuse = refuse
         self.prompts: list[list[int]] = []
+
+    def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
+        return prompt_limit
+
+    def routes(self) -> dict:
+        return {}
+
+    def unanswered(self, handle: RequestHandle, reason: str) -> None:
+        pass
 
     async def admit(self, req, prompt_ids, rules=None, choice_rules=None) -> RequestHandle:
         ids = await prompt_ids()  # the handler's PromptBuilder: its 400s come from here

@@ -14,6 +14,7 @@ from pd.worker.api.openai_format import SSE_MIGRATE, ResponseBuilder
 from pd.worker.engine import Delta
 from pd.worker.tools.segments import segmenter
 from pd.worker.tools.stream import ToolStream
+from tests.admit import admit
 
 IDS_LINE = re.compile(rb": pd-ids (\d+)((?: \d+)+)\n")
 
@@ -174,11 +175,11 @@ async def test_the_engine_primes_a_continuation_and_prefills_prompt_and_outputs(
 
     cache = KVCacheManager(num_pages=32, page_size=4)
     scheduler = Scheduler(cache, chunk_size=64, max_running=4)
-    engine = Engine(Runner(), scheduler, Tok(), role="both", max_model_len=64, max_waiting=8)
+    engine = Engine(Runner(), scheduler, Tok(), max_model_len=64, max_waiting=8)
     engine.start()
     try:
         opts = GenerationOptions(max_tokens=6, temperature=0.0, stop=("cd",))
-        h = engine.add_request([1, 2, 3], opts, given=[1, 2])  # text "bc": "c" held back
+        h = engine.add(admit([1, 2, 3], opts, given=[1, 2]))  # text "bc": "c" held back
         assert h.seq.output_ids == [1, 2] and h.seq.num_given == 2 and h.given_text == "b"
         deltas = []
         while not deltas or deltas[-1].finish_reason is None:
@@ -187,18 +188,18 @@ async def test_the_engine_primes_a_continuation_and_prefills_prompt_and_outputs(
         assert "".join(d.text for d in deltas) == "c" + "f" * 4
         assert seen[0] == (0, 2)  # one prefill of prompt + given; sampled at output position 2
         # A stop string the first new token completes ("c" held, then "d").
-        h = engine.add_request([1, 2, 3], GenerationOptions(max_tokens=6, stop=("cf",)), given=[2])
+        h = engine.add(admit([1, 2, 3], GenerationOptions(max_tokens=6, stop=("cf",)), given=[2]))
         d = await asyncio.wait_for(h.queue.get(), 5)
         assert d.finish_reason == "stop" and d.text == "" and d.token_ids == [5]
         # The budget spent, or EOS given: it ends at once, nothing sampled, no page taken.
         for given, reason in (([1] * 6, "length"), ([1, 0], "stop")):
-            h = engine.add_request([1, 2, 3], opts, given=given)
+            h = engine.add(admit([1, 2, 3], opts, given=given))
             d = await asyncio.wait_for(h.queue.get(), 5)
             assert (d.finish_reason, d.token_ids, d.text) == (reason, [], "")
             assert h.finished and not engine.handles
         # More ids than the context allows: a 400.
         with pytest.raises(APIError) as e:
-            engine.add_request([1, 2, 3], GenerationOptions(max_tokens=None), given=[1] * 61)
+            engine.add(admit([1, 2, 3], GenerationOptions(max_tokens=None), given=[1] * 61))
         assert e.value.param == "pd_continuation"
         for _ in range(500):  # a step that ran beside the stop ends before its pages go
             if not scheduler.has_work:

@@ -14,6 +14,7 @@ from pd.worker.build import Worker
 from pd.worker.checkpoint.default_model import default_model_path
 from pd.worker.checkpoint.gguf_file import read_gguf_metadata
 from pd.worker.checkpoint.gguf_tokenizer import tokenizer_from_gguf_metadata
+from pd.worker.disagg import CoLocated
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.text import Tokenizer
 
@@ -37,8 +38,8 @@ class StandInEngine:
 
 def worker(tok: Tokenizer, **config) -> Worker:
     return Worker(
-        WorkerConfig(served_model_name="stub", **config), tok, StandInEngine(), WorkerMetrics(),
-        "stub", role=None, accepted_names=frozenset({"stub"}),
+        WorkerConfig(served_model_name="stub", **config), tok, engine := StandInEngine(),
+        WorkerMetrics(), "stub", role=CoLocated(engine), accepted_names=frozenset({"stub"}),
     )  # type: ignore[arg-type]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from pd.worker.disagg import DecodeSide, KVContract, PrefillSide
 from pd.worker.disagg.contract import runtime_format
 from pd.worker.engine import Engine, RequestHandle, Scheduler
 from pd.worker.model import ModelConfig, ModelRunner, RunnerConfig, SampleOutput
+from tests.admit import add_remote
 from tests.worker.checkpoint.test_digest import gguf_file
 
 PAGE = 4
@@ -108,12 +109,12 @@ class Pair:
         p_mgr = create_manager(TransferConfig(backend="fake", cluster_token=TOKEN, **FAST))
         self.prefill = PrefillSide(p_mgr, p_runner, p_sched, tp_size=1)
         self.p = Engine(
-            p_runner, p_sched, TOKENIZER, role="prefill", max_model_len=64, max_waiting=8,
-            hooks=self.prefill,
+            p_runner, p_sched, TOKENIZER, max_model_len=64, max_waiting=8,
+            connector=self.prefill,
         )  # fmt: skip
         d_sched = Scheduler(KVCacheManager(32, PAGE), chunk_size=64, max_running=8)
         self.d = Engine(
-            d_runner, d_sched, TOKENIZER, role="decode", max_model_len=64, max_waiting=8,
+            d_runner, d_sched, TOKENIZER, max_model_len=64, max_waiting=8,
         )  # fmt: skip
         d_mgr = create_manager(
             TransferConfig(backend="fake", cluster_token=TOKEN, serve=False, **FAST)
@@ -134,7 +135,7 @@ class Pair:
         await self.p.stop()
 
     async def prefilled(self) -> dict:
-        h = self.p.add_request(PROMPT, GenerationOptions(max_tokens=1), remote_decode=True)
+        h = add_remote(self.p, self.prefill, PROMPT, GenerationOptions(max_tokens=1))
         delta = await asyncio.wait_for(h.queue.get(), 5)
         assert delta.error is None and h.kv_transfer_params is not None
         self.p.abort(h)

@@ -21,6 +21,7 @@ from pd.worker.disagg import DecodeSide, PrefillSide
 from pd.worker.engine import Engine, RequestHandle, Scheduler
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model import ModelConfig, SampleOutput
+from tests.admit import add_remote
 
 PAGE = 4
 CONFIG = ModelConfig("m", "llama", 64, 16, 32, 2, 2, 1, 8, 1e4, 1e-5, 128, True)
@@ -54,12 +55,12 @@ class Pair:
         )
         self.prefill = PrefillSide(p_mgr, Runner(32), p_sched, tp_size=1)
         self.p = Engine(
-            Runner(32), p_sched, TOKENIZER, role="prefill", max_model_len=64, max_waiting=8,
-            hooks=self.prefill,
+            Runner(32), p_sched, TOKENIZER, max_model_len=64, max_waiting=8,
+            connector=self.prefill,
         )  # fmt: skip
         d_sched = Scheduler(KVCacheManager(d_pages, PAGE), chunk_size=64, max_running=8)
         self.d = Engine(
-            Runner(d_pages), d_sched, TOKENIZER, role="decode", max_model_len=64, max_waiting=8,
+            Runner(d_pages), d_sched, TOKENIZER, max_model_len=64, max_waiting=8,
             metrics=WorkerMetrics(),
         )  # fmt: skip
         d_mgr = create_manager(
@@ -87,7 +88,7 @@ class Pair:
 
     async def prefilled(self) -> dict:
         """P prefills PROMPT for a decode worker; its kv_transfer_params."""
-        h = self.p.add_request(PROMPT, GenerationOptions(max_tokens=1), remote_decode=True)
+        h = add_remote(self.p, self.prefill, PROMPT, GenerationOptions(max_tokens=1))
         delta = await asyncio.wait_for(h.queue.get(), 5)
         assert delta.error is None and h.kv_transfer_params is not None
         self.p.abort(h)  # the HTTP handler's finally: a no-op once finished

@@ -12,6 +12,7 @@ import pytest
 from pd.protocol import APIError, GenerationOptions
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
+from tests.admit import add_remote
 from tests.worker.disagg.test_lifecycle import PROMPT, drain, until
 from tests.worker.disagg.test_lifecycle import make_pair as make_pair  # a fixture
 
@@ -19,7 +20,7 @@ from tests.worker.disagg.test_lifecycle import make_pair as make_pair  # a fixtu
 async def test_a_continuation_rides_ps_params_to_d(make_pair):
     pair = await make_pair()
     given = [9, 8]
-    h = pair.p.add_request(PROMPT, GenerationOptions(max_tokens=1), remote_decode=True, given=given)
+    h = add_remote(pair.p, pair.prefill, PROMPT, GenerationOptions(max_tokens=1), given=given)
     delta = await asyncio.wait_for(h.queue.get(), 5)
     assert delta.error is None and delta.token_ids == [7], delta
     kvp = h.kv_transfer_params

@@ -1,4 +1,4 @@
-"""D's prealloc queue against a stub `HeldPages`: first come first served, woken by grants, by
+"""D's prealloc queue against a stub `LentPages`: first come first served, woken by grants, by
 the pull failing meanwhile, or by its deadline; a waiter that gives up never holds a page."""
 
 from __future__ import annotations
@@ -12,23 +12,23 @@ from pd.worker.disagg.page_wait import PageWaitQueue
 
 
 class Pages:
-    """`HeldPages` with a plain free count."""
+    """`LentPages` with a plain free count."""
 
     def __init__(self, free: int) -> None:
         self.free = free
         self.held: dict[str, int] = {}
 
-    def reserve(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
+    def lend_free(self, key: str, num_pages: int, choices: int = 1) -> list[int] | None:
         if num_pages > self.free:
             return None
         self.free -= num_pages
         self.held[key] = num_pages
         return list(range(num_pages))
 
-    def release(self, key: str) -> None:
+    def give_back(self, key: str) -> None:
         self.free += self.held.pop(key, 0)
 
-    def pin(self, seq, key):  # pragma: no cover - prefill only
+    def lend(self, seq, key):  # pragma: no cover - a finished request's pages
         raise NotImplementedError
 
 

@@ -8,8 +8,14 @@ import pytest
 
 from pd.protocol import APIError, GenerationOptions
 from pd.worker.model import SampleOutput
-from tests.worker.disagg.test_lifecycle import PROMPT, Runner, drain, until
-from tests.worker.disagg.test_lifecycle import make_pair  # noqa: F401 (a fixture)
+from tests.admit import add_remote
+from tests.worker.disagg.test_lifecycle import (
+    PROMPT,
+    Runner,
+    drain,
+    make_pair,  # noqa: F401 (a fixture)
+    until,
+)
 
 
 class PromptRunner(Runner):
@@ -31,7 +37,7 @@ OPTIONS = GenerationOptions(max_tokens=3, prompt_logprobs=1)
 async def test_p_carries_the_prompt_logprobs_to_d_which_answers_them(make_pair):
     pair = await make_pair()
     pair.p.runner = PromptRunner(32)
-    h = pair.p.add_request(PROMPT, GenerationOptions(max_tokens=1, prompt_logprobs=1), True)
+    h = add_remote(pair.p, pair.prefill, PROMPT, GenerationOptions(max_tokens=1, prompt_logprobs=1))
     delta = await h.queue.get()
     assert delta.error is None and h.kv_transfer_params is not None
     pair.p.abort(h)

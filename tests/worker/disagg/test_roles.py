@@ -17,6 +17,7 @@ from pd.worker.disagg import KV_POOL, CoLocated, Decode, DecodeSide, Prefill, Pr
 from pd.worker.disagg.contract import KV_LAYOUT
 from pd.worker.engine import Capacity, Engine, Scheduler
 from pd.worker.model import ModelConfig, SampleOutput
+from tests.admit import add_remote
 
 PAGE = 4
 CONFIG = ModelConfig("m", "llama", 64, 16, 32, 2, 2, 1, 8, 1e4, 1e-5, 128, True)
@@ -63,7 +64,7 @@ def make(hooks_for, num_pages: int = 16):
     hooks = hooks_for(scheduler)
     engine = Engine(
         Runner(), scheduler, SimpleNamespace(eos_token_ids=frozenset({0}), decode=lambda *a, **k: "x", vocab_size=60),
-        role="prefill", max_model_len=64, max_waiting=8, hooks=hooks,
+        max_model_len=64, max_waiting=8, connector=hooks,
     )  # fmt: skip
     return engine, hooks
 
@@ -73,7 +74,7 @@ async def test_prefill_pins_pages_until_the_sender_releases_them():
     engine, prefill = make(lambda s: PrefillSide(manager, Runner(), s, tp_size=1))
     engine.start()
     try:
-        handle = engine.add_request(list(range(1, 10)), GenerationOptions(max_tokens=1), True)
+        handle = add_remote(engine, prefill, list(range(1, 10)), GenerationOptions(max_tokens=1))
         delta = await asyncio.wait_for(handle.queue.get(), 5)
         assert delta.finish_reason == "length" and delta.token_ids == [7]
         kvp = handle.kv_transfer_params
@@ -90,10 +91,10 @@ async def test_prefill_pins_pages_until_the_sender_releases_them():
 
 
 async def test_prefill_hand_off_failure_is_a_503_and_frees_the_pages():
-    engine, _ = make(lambda s: PrefillSide(Manager(fail=True), Runner(), s, tp_size=1))
+    engine, prefill = make(lambda s: PrefillSide(Manager(fail=True), Runner(), s, tp_size=1))
     engine.start()
     try:
-        handle = engine.add_request(list(range(1, 10)), GenerationOptions(max_tokens=1), True)
+        handle = add_remote(engine, prefill, list(range(1, 10)), GenerationOptions(max_tokens=1))
         delta = await asyncio.wait_for(handle.queue.get(), 5)
         assert delta.error is not None and delta.error.status == 503
         assert engine.scheduler.cache.num_used == 0 and engine.integrity() == "ok"
@@ -202,20 +203,35 @@ class QueueingEngine:
     def __init__(self, max_model_len: int = 64) -> None:
         self.capacity = Capacity(max_model_len, PAGE, 64)
         self.queued: list[tuple[list[int], bool, str | None]] = []
+        self.expected: list[str] = []  # the handles a prefill side was told to hand off
 
-    def add_request(
-        self,
-        ids,
-        options,
-        remote_decode=False,
-        cache_salt=None,
-        rules=None,
-        n=1,
-        choice_rules=None,
-        given=None,
-    ):
-        self.queued.append((ids, remote_decode, cache_salt))
-        return f"handle-{len(self.queued)}"
+    def add(self, request):
+        self.queued.append(
+            (list(request.prompt_ids), request.budget_past_continuation, request.cache_salt)
+        )
+        return Handle(f"handle-{len(self.queued)}")
+
+
+class Handle(str):
+    """A stand-in handle: its own `seq`."""
+
+    @property
+    def seq(self):
+        return self
+
+
+class ExpectingSide:
+    """Stands in for the prefill side: records the requests it is to hand off."""
+
+    def __init__(self, engine: QueueingEngine) -> None:
+        self.engine = engine
+
+    def expect(self, seq) -> None:
+        self.engine.expected.append(seq)
+
+
+def prefill_role(engine: QueueingEngine) -> Prefill:
+    return Prefill(engine, ExpectingSide(engine))  # type: ignore[arg-type]
 
 
 def completion(**body):
@@ -240,19 +256,20 @@ async def test_each_role_queues_what_it_serves_with_the_salt():
     both, prefill = QueueingEngine(), QueueingEngine()
     ids, _ = tokenized()
     assert await CoLocated(both).admit(completion(cache_salt="s"), ids) == "handle-1"
-    await Prefill(prefill).admit(completion(), ids)  # no params: served as co-located
-    await Prefill(prefill).admit(completion(cache_salt="t", **REMOTE), ids)
-    assert both.queued == [([1, 2, 3], False, "s")]
+    await prefill_role(prefill).admit(completion(), ids)  # no params: served as co-located
+    await prefill_role(prefill).admit(completion(cache_salt="t", **REMOTE), ids)
+    assert both.queued == [([1, 2, 3], False, "s")] and both.expected == []
     assert prefill.queued == [([1, 2, 3], False, None), ([1, 2, 3], True, "t")]
+    assert prefill.expected == ["handle-2"]  # its KV goes to a decode worker
 
 
 @pytest.mark.parametrize(
     "role, body, param",
     [
         (CoLocated, REMOTE, "kv_transfer_params"),
-        (Prefill, {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params"),
-        (Prefill, {**REMOTE, "stream": True}, "stream"),
-        (Prefill, {"kv_transfer_params": {"do_remote_decode": True, "max_tokens": 0}},
+        (prefill_role, {"kv_transfer_params": {"do_remote_decode": "yes"}}, "kv_transfer_params"),
+        (prefill_role, {**REMOTE, "stream": True}, "stream"),
+        (prefill_role, {"kv_transfer_params": {"do_remote_decode": True, "max_tokens": 0}},
          "kv_transfer_params"),
     ],
 )  # fmt: skip
@@ -270,7 +287,7 @@ async def test_prefill_refuses_a_remote_decode_the_context_cannot_hold_after_tok
     ids, calls = tokenized(range(1, 11))
     body = {"kv_transfer_params": {"do_remote_decode": True, "max_tokens": 7}}  # 10 + 7 > 16
     with pytest.raises(APIError) as e:
-        await Prefill(engine).admit(completion(max_tokens=1, **body), ids)
+        await prefill_role(engine).admit(completion(max_tokens=1, **body), ids)
     assert e.value.code == "context_length_exceeded" and calls and not engine.queued
 
 

@@ -9,9 +9,11 @@ import pytest
 
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import APIError, GenerationOptions
+from pd.worker.engine import KVConnector
 from pd.worker.engine.engine import Engine
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.model.sampler import SampleOutput
+from tests.admit import admit
 
 PAGE = 4
 
@@ -41,11 +43,11 @@ class Tok:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_engine(num_pages: int = 16, hooks=None) -> tuple[Engine, SlowRunner]:
+def make_engine(num_pages: int = 16, connector=None) -> tuple[Engine, SlowRunner]:
     runner = SlowRunner()
     scheduler = Scheduler(KVCacheManager(num_pages, PAGE), chunk_size=64, max_running=8)
     engine = Engine(
-        runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8, hooks=hooks
+        runner, scheduler, Tok(), max_model_len=64, max_waiting=8, connector=connector
     )
     return engine, runner
 
@@ -59,7 +61,7 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
     engine, runner = make_engine()
     engine.start()
     try:
-        handle = engine.add_request(list(range(10)), GenerationOptions(max_tokens=8))
+        handle = engine.add(admit(list(range(10)), GenerationOptions(max_tokens=8)))
         await wait_in_step(runner)
         engine.abort(handle)  # the client left while the forward pass writes into its pages
         alloc = engine.scheduler.cache
@@ -78,16 +80,16 @@ async def test_abort_during_a_step_frees_pages_only_after_the_step():
 
 
 async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
-    class BrokenHandOff:
-        def hand_off(self, seq, first_logprobs, choices=()):
-            engine.scheduler.pin(seq, "k")
-            engine.scheduler.release("k")
+    class BrokenHandOff(KVConnector):
+        def request_finished(self, seq, reasons, firsts):
+            engine.scheduler.lend(seq, "k")
+            engine.scheduler.give_back("k")
             raise RuntimeError("no transfer manager")
 
-    engine, runner = make_engine(hooks=BrokenHandOff())
+    engine, runner = make_engine(connector=BrokenHandOff())
     engine.start()
     try:
-        handle = engine.add_request(list(range(6)), GenerationOptions(max_tokens=1), True)
+        handle = engine.add(admit(list(range(6)), GenerationOptions(max_tokens=1)))
         await wait_in_step(runner)
         runner.go.set()
         delta = await asyncio.wait_for(handle.queue.get(), 5)
@@ -103,7 +105,7 @@ async def test_a_failed_hand_off_is_an_error_answer_and_frees_the_pages():
 async def test_stopping_fails_queued_requests_and_frees_everything():
     engine, runner = make_engine()
     engine.start()
-    handle = engine.add_request(list(range(6)), GenerationOptions(max_tokens=8))
+    handle = engine.add(admit(list(range(6)), GenerationOptions(max_tokens=8)))
     await wait_in_step(runner)
     runner.free_run = True
     runner.go.set()
@@ -145,16 +147,16 @@ async def test_choices_count_against_the_running_and_waiting_limits():
     engine.start()
     try:
         with pytest.raises(APIError) as e:
-            engine.add_request([1, 2, 3], GenerationOptions(max_tokens=2), n=9)
+            engine.add(admit([1, 2, 3], GenerationOptions(max_tokens=2), n=9))
         assert e.value.status == 400 and e.value.param == "n"
         with pytest.raises(APIError) as e:  # 7 shared pages + 8 x 8 > 64
-            engine.add_request(list(range(30)), GenerationOptions(max_tokens=30), n=8)
+            engine.add(admit(list(range(30)), GenerationOptions(max_tokens=30), n=8))
         assert e.value.status == 400 and "8 choices" in e.value.message
-        first = engine.add_request([1, 2, 3], GenerationOptions(max_tokens=2), n=8)
+        first = engine.add(admit([1, 2, 3], GenerationOptions(max_tokens=2), n=8))
         await wait_in_step(runner)  # running: 8 choices, the batch full
-        waiting = [engine.add_request([4, 5], GenerationOptions(max_tokens=2), n=4) for _ in "ab"]
+        waiting = [engine.add(admit([4, 5], GenerationOptions(max_tokens=2), n=4)) for _ in "ab"]
         with pytest.raises(APIError) as e:
-            engine.add_request([6], GenerationOptions(max_tokens=2))
+            engine.add(admit([6], GenerationOptions(max_tokens=2)))
         assert e.value.status == 503 and e.value.code == "queue_full"
         for h in (first, *waiting):
             engine.abort(h)

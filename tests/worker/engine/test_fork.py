@@ -8,10 +8,12 @@ import pytest
 
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.protocol import GenerationOptions
+from pd.worker.engine import AdmitRequest, KVConnector
 from pd.worker.engine.engine import Engine
 from pd.worker.engine.request import RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.model.sampler import SampleOutput
+from tests.admit import admit
 from tests.model_fixtures import default_checkpoint, make_runner
 
 PAGE = 16
@@ -26,7 +28,7 @@ def runner():
 def make_engine(runner, **kw) -> Engine:
     scheduler = Scheduler(KVCacheManager(96, PAGE, **kw), chunk_size=256, max_running=32)
     return Engine(
-        runner, scheduler, default_checkpoint().tokenizer, role="both", max_model_len=2048,
+        runner, scheduler, default_checkpoint().tokenizer, max_model_len=2048,
         max_waiting=64,
     )  # fmt: skip
 
@@ -45,7 +47,7 @@ async def texts(handle: RequestHandle) -> list[tuple[list[int], str]]:
 
 
 async def run(engine: Engine, options: GenerationOptions, n: int, prompt=PROMPT):
-    handle = engine.add_request(list(prompt), options, n=n)
+    handle = engine.add(admit(list(prompt), options, n=n))
     return await texts(handle)
 
 
@@ -103,7 +105,7 @@ async def test_children_share_the_full_pages_and_own_their_partial_page(runner):
     engine.start()
     try:
         opts = GenerationOptions(max_tokens=40, temperature=1.0, seed=1, ignore_eos=True)
-        handle = engine.add_request(list(PROMPT), opts, n=4)
+        handle = engine.add(admit(list(PROMPT), opts, n=4))
         seqs = [c.seq for c in (handle, *handle.forks)]
         # Each choice has its first tokens and a few steps: look at the pages.
         for s in seqs:
@@ -131,7 +133,7 @@ async def test_each_choice_stops_on_its_own(runner):
     try:
         # Choice 0 is short; the others go on to their length.
         opts = GenerationOptions(max_tokens=12, temperature=1.0, seed=3)
-        handle = engine.add_request(list(PROMPT), opts, n=3)
+        handle = engine.add(admit(list(PROMPT), opts, n=3))
         handle.forks[0].seq.max_tokens = 2
         out = await texts(handle)
         assert len(out[1][0]) <= 2
@@ -145,7 +147,7 @@ async def test_an_abort_before_the_first_token_frees_everything(runner):
     engine = make_engine(runner)
     engine.start()
     try:
-        handle = engine.add_request(list(PROMPT) * 3, GenerationOptions(max_tokens=20), n=4)
+        handle = engine.add(admit(list(PROMPT) * 3, GenerationOptions(max_tokens=20), n=4))
         assert all(c.seq.status is SeqStatus.FORKING for c in handle.forks)
         engine.abort(handle)  # choice 0 goes first: the others would prefill alone...
         for c in handle.forks:  # ...until the client's abort reaches them too
@@ -204,42 +206,49 @@ def test_riders_come_after_the_sampled_rows():
 async def test_prefill_samples_n_first_tokens_and_hands_off_one_set_of_pages(runner):
     calls = []
 
-    class Hooks:
-        def hand_off(self, seq, first_logprobs, choices):
-            calls.append((list(seq.output_ids), choices))
-            pages = engine.scheduler.pin(seq, "k")
+    class Hooks(KVConnector):
+        def request_finished(self, seq, reasons, firsts):
+            if seq is not handle.seq:  # a choice of it: its pages go with the parent's
+                return None
+            calls.append((list(seq.output_ids), firsts[1:]))
+            pages = engine.scheduler.lend(seq, "k")
             return {"pages": pages}
 
     engine = make_engine(runner)
-    engine.hooks = Hooks()
+    engine.connect(Hooks())
     engine.start()
     try:
         opts = GenerationOptions(max_tokens=1, temperature=1.0, seed=11, logprobs=True)
-        handle = engine.add_request(list(PROMPT), opts, True, n=3)
+        handle = engine.add(admit(list(PROMPT), opts, n=3))
         out = await texts(handle)
         [(first, choices)] = calls  # one hand-off for the three choices
         assert [first[0], *(t for t, _ in choices)] == [ids[0] for ids, _ in out]
         assert all(lp is not None and lp[0] == t for t, lp in choices)
-        assert handle.kv_transfer_params == {"pages": engine.scheduler.held["k"]}
+        assert handle.kv_transfer_params == {"pages": engine.scheduler.lent["k"]}
         assert all(not c.seq.page_ids for c in handle.forks)  # they never took a page
         engine.scheduler.check_integrity()
-        engine.release_held("k")
+        engine.give_back("k")
         await settle(engine)
     finally:
         await engine.stop()
 
 
 async def test_decode_forks_the_choices_from_the_one_pull(runner):
+    class Loads(KVConnector):
+        def waits_for_kv(self, request):
+            return request.kv_from_elsewhere
+
     engine = make_engine(runner)
+    engine.connect(Loads())
     engine.start()
     try:
         opts = GenerationOptions(max_tokens=5, temperature=0.0)
-        handle = engine.add_pulled(list(PROMPT), opts, n=3)
+        handle = engine.add(AdmitRequest(list(PROMPT), opts, rules=(None,) * 3, kv_from_elsewhere=True))
         for choice, token in zip((handle, *handle.forks), (11, 12, 13)):
-            engine.accept_first_token(choice, token, None)
-        pages = engine.scheduler.reserve("d", -(-len(PROMPT) // PAGE))
+            engine.accept_token(choice, token, None)
+        pages = engine.scheduler.lend_free("d", -(-len(PROMPT) // PAGE))
         assert pages is not None
-        engine.admit_pulled(handle, "d")  # (the "pulled" KV is whatever the pages hold)
+        engine.kv_arrived(handle, "d")  # (the KV "from elsewhere" is whatever the pages hold)
         full = len(PROMPT) // PAGE
         refs = engine.scheduler.cache._refs
         assert all(c.seq.page_ids[:full] == pages[:full] for c in handle.forks)

@@ -14,6 +14,7 @@ from pd.worker.engine.engine import Engine
 from pd.worker.engine.postprocess import OutputProcessor
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.model.sampler import SampleOutput
+from tests.admit import admit
 
 PAGE = 4
 VOCAB = 26
@@ -65,7 +66,7 @@ async def run_all(
     runner = ChainRunner()
     scheduler = Scheduler(KVCacheManager(64, PAGE), chunk_size=16, max_running=8)
     engine = Engine(
-        runner, scheduler, Tok(), role="both", max_model_len=48, max_waiting=16, overlap=overlap
+        runner, scheduler, Tok(), max_model_len=48, max_waiting=16, overlap=overlap
     )
     emitted_while_busy = []
     emit = engine.postprocess.emit_text
@@ -80,7 +81,7 @@ async def run_all(
     try:
 
         async def one(prompt, options):
-            handle = engine.add_request(prompt, options)
+            handle = engine.add(admit(prompt, options))
             text, ids, finish = "", [], None
             while finish is None:
                 delta = await asyncio.wait_for(handle.queue.get(), 10)
@@ -131,12 +132,12 @@ async def test_abort_with_text_pending_frees_everything(overlap):
     runner = ChainRunner()
     scheduler = Scheduler(KVCacheManager(32, PAGE), chunk_size=16, max_running=8)
     engine = Engine(
-        runner, scheduler, Tok(), role="both", max_model_len=64, max_waiting=8, overlap=overlap
+        runner, scheduler, Tok(), max_model_len=64, max_waiting=8, overlap=overlap
     )
     engine.start()
     try:
         handles = [
-            engine.add_request(list(range(1, 6)), GenerationOptions(max_tokens=30))
+            engine.add(admit(list(range(1, 6)), GenerationOptions(max_tokens=30)))
             for _ in range(3)
         ]
         await asyncio.wait_for(handles[0].queue.get(), 5)

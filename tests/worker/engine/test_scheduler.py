@@ -148,12 +148,12 @@ def test_prefill_pins_pages_until_released():
     a = seq("a", 10)
     s.add(a)
     run_step(s)
-    pages = s.pin(a, "t1")
-    assert a.is_finished and a.finish_reason == "remote_decode" and not s.running
+    pages = s.lend(a, "t1")
+    assert a.is_finished and a.finish_reason == "kv_lent" and not s.running
     assert len(pages) == 3 and s.cache.num_used == 3
     s.check_integrity()
-    s.release("t1")
-    s.release("t1")  # done, abort and lease expiry may race: freed once
+    s.give_back("t1")
+    s.give_back("t1")  # done, abort and lease expiry may race: freed once
     assert s.cache.num_used == 0
     s.check_integrity()
 
@@ -162,12 +162,12 @@ def test_decode_reserves_pages_then_runs_the_pulled_request():
     s = make(num_pages=8)
     b = seq("b", 10)
     b.output_ids = [7]
-    b.status = SeqStatus.TRANSFERRING
-    pages = s.reserve("t2", 3)
+    b.status = SeqStatus.WAITING_FOR_KV
+    pages = s.lend_free("t2", 3)
     assert pages == [0, 1, 2]
     s.check_integrity()
     b.num_computed = 10
-    s.admit_pulled(b, "t2")
+    s.admit_arrived(b, "t2")
     batch = run_step(s)
     assert batch.seqs == [b] and batch.num_cached == [10] and batch.num_new == [1]
     s.finish(b, "stop")
@@ -179,10 +179,10 @@ def test_decode_reservation_leaves_room_for_running_growth_and_max_running():
     a = seq("a", 8)
     s.add(a)
     run_step(s)  # a holds 2 pages, 4 free
-    assert s.reserve("x", 4) is None  # would leave no page for a to grow
-    assert s.reserve("x", 3) == [2, 3, 4]
-    assert s.reserve("y", 1) is None  # max_running: a + one transfer
-    s.release("x")
+    assert s.lend_free("x", 4) is None  # would leave no page for a to grow
+    assert s.lend_free("x", 3) == [2, 3, 4]
+    assert s.lend_free("y", 1) is None  # max_running: a + one transfer
+    s.give_back("x")
     s.finish(a, "stop")
     s.check_integrity()
 
@@ -192,12 +192,12 @@ def test_a_pull_is_not_starved_by_new_local_requests_only_by_preempted_ones():
     # admission must not hold the pull back (a page-wait timeout mid-stream cannot be retried).
     s = make(num_pages=1000, max_running=8)
     s.add(seq("new", 8))
-    assert s.reserve("pull", 3) is not None
-    s.release("pull")
+    assert s.lend_free("pull", 3) is not None
+    s.give_back("pull")
     victim = seq("preempted", 8)
     victim.num_preemptions = 1
     s.waiting.appendleft(victim)
-    assert s.reserve("pull", 3) is None  # a preempted request gets its pages back first
+    assert s.lend_free("pull", 3) is None  # a preempted request gets its pages back first
     s.check_integrity()
 
 
@@ -236,14 +236,14 @@ def test_each_choice_takes_a_running_slot_from_admission_on():
 def test_pull_slots_are_kept_from_local_requests():
     """Decode: with 2 of 8 slots kept for pulls, local choices stop at 6, and a pull of 2
     choices is still reserved."""
-    s = Scheduler(KVCacheManager(200, PAGE, prefix_cache=False), 64, 8, pull_slots=2)
+    s = Scheduler(KVCacheManager(200, PAGE, prefix_cache=False), 64, 8, arrival_slots=2)
     local = forked(s, "local", 6, 4)
     more = forked(s, "more", 6, 4)  # 4 + 4 > 6: waits
     run_step(s)
     assert list(s.waiting) == [more] and s.running_choices == 4
-    assert s.reserve("pull", 2, choices=2) is not None and s.running_choices == 6
-    assert s.reserve("pull2", 2, choices=3) is None  # 6 + 3 > 8
-    s.release("pull")
+    assert s.lend_free("pull", 2, choices=2) is not None and s.running_choices == 6
+    assert s.lend_free("pull2", 2, choices=3) is None  # 6 + 3 > 8
+    s.give_back("pull")
     assert s.running_choices == 4
     s.finish(local, "stop")
     s.finish(more, "stop")

@@ -82,12 +82,12 @@ def test_a_full_hit_recomputes_the_last_token_and_dedups_its_page():
 def test_decode_keeps_a_pulled_requests_kv_for_the_next_turn():
     s = make()
     prompt = list(range(10))
-    pages = s.reserve("d-1", 3)
+    pages = s.lend_free("d-1", 3)
     assert pages is not None
     d = seq("d", prompt, max_tokens=9)
-    d.status = SeqStatus.TRANSFERRING
+    d.status = SeqStatus.WAITING_FOR_KV
     d.output_ids.append(50)  # P's first token
-    s.admit_pulled(d, "d-1")
+    s.admit_arrived(d, "d-1")
     assert s.cache.num_cached == 2  # the prompt's full pages are matchable at once
     drain(s, d)  # 8 more tokens decoded on D
     history = prompt + d.output_ids  # 19 tokens: 4 full pages of prompt + answer
@@ -101,8 +101,8 @@ def test_reservations_count_evictable_pages_as_free():
     s.add(a)
     drain(s, a)  # 24 + 4 tokens in 7 pages, 6 of them full and cached, then released
     assert s.cache.num_evictable == 6 and s.cache.num_free == 8
-    assert s.reserve("d-2", 8) is not None  # evicts what it needs
-    s.release("d-2")
+    assert s.lend_free("d-2", 8) is not None  # evicts what it needs
+    s.give_back("d-2")
     s.check_integrity()
 
 

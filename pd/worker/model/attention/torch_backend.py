@@ -399,8 +399,8 @@ def _decode_rows(
     # The G query heads sharing a KV head become G query rows: no K/V repeat for GQA.
     q_g = q.reshape(bd, hkv, group, d).permute(1, 0, 2, 3)  # [Hkv, Bd, G, D]
     # One path for every batch: a matmul-softmax-matmul path for fp32 from 8 sequences on
-    # (faster there: 201-331 against 478 us a layer at 32 sequences, Zen 4 under the AVX2 cap)
-    # rounded otherwise than SDPA, so a stream's tokens changed when an eighth joined it.
+    # (faster there under the AVX2 cap: docs/EXPERIMENTS.md §13) rounded otherwise than SDPA,
+    # so a stream's tokens changed when an eighth joined it.
     o = F.scaled_dot_product_attention(
         q_g, kv_dec[0], kv_dec[1], attn_mask=mask, scale=sm_scale
     )  # [Hkv, Bd, G, D]

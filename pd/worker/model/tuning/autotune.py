@@ -324,8 +324,8 @@ def choose_head(
     knobs.HEAD_GAIN (or the rule itself fails); the rule where no head passes. Passing is computing
     rows the same at any batch, the perplexity bound and `accepts` (the answer judge), asked in
     that order. At a co-located worker's batches half the weight is the prefill
-    chunk, where the head is ~1% of the step: a head 1.5 ms faster at one row (of a ~9 ms
-    step) scores ~3% better."""
+    chunk, where the head is a small share of the step: even a head much faster at one row
+    (fbgemm-int8's against int8's, docs/EXPERIMENTS.md §12) scores only a few percent better."""
     ratios: dict[Candidate, float] = {}
 
     answers: dict[Candidate, bool] = {}

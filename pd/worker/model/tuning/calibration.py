@@ -42,7 +42,7 @@ def activation_maxima(
     encode: Callable[[str], Sequence[int]],
 ) -> ActivationMaxima:
     """The maxima, from one prefill of the calibration text by the fp32 dense model on one rank
-    (built for it and dropped after; ~1 s for the default model on two cores)."""
+    (built for it and dropped after; cheap for the default model: docs/EXPERIMENTS.md §23)."""
     ids = list(encode(calibration_text()))
     rc = RunnerConfig(
         tp=1, dtype=torch.float32, device="cpu",

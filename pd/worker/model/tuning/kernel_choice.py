@@ -60,10 +60,11 @@ def available_bytes() -> float:
 
 
 def layer_formats(formats: list[str]) -> list[str]:
-    """The formats auto times for the linear layers: all of `formats` but the plain dynamic
-    int8 ones where smooth-int8 runs (the same kernel without its rescalings: 1.6-3.1x fp32's
-    perplexity on both machine kinds measured, never within the bound, and ~15 s of a search
-    to time and judge); they stay formats of the LM head, judged a row or a few at a time."""
+    """The formats auto times for the linear layers: all of `formats` but the plain dynamic int8
+    ones where smooth-int8 runs (the same kernel without its rescalings: never within the bound on
+    either machine kind measured, and a large share of a search to time and judge:
+    docs/EXPERIMENTS.md §14, "The search", and §23); they stay formats of the LM head, judged a row
+    or a few at a time."""
     if SMOOTH_INT8 not in formats:
         return formats
     return [q for q in formats if q not in DYNAMIC_INT8]
@@ -152,7 +153,7 @@ def _search(
     those that do (all where none does), judge their perplexity best first and choose
     (autotune.choose); then the LM head. A format whose rows differ is never timed: it cannot
     win, and the drop rule would otherwise leave out a slow one that can (int4 at a prefill
-    chunk, over 4x onednn-bf16's at one thread)."""
+    chunk, several times onednn-bf16's: docs/BENCHMARKS.md, "Faithful by default")."""
     tp, group_size, head = inp.tp, inp.group_size, inp.lm_head_quantization
     chunk_size, max_running = inp.chunk_size, inp.max_running
     start = time.perf_counter()

@@ -2,25 +2,25 @@
 candidate timed on the model's own linear layers at the search's batch sizes, and the model's
 perplexity on the shipped text for the candidates the rule asks about.
 
-Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of each layer, built
-by `quant.make_linear` from random weights of those shapes: a kernel's time does not depend on
-the values), every layer distinct up to `WEIGHT_BUDGET` (`layer_groups`), run in the model's
-order, all candidates side by side in rounds (`time_candidates`); a step's time is the fastest
-round's pass scaled to the layer count and TP ranks (one process drives every rank in turn),
-plus the LM head at the step's sampled rows (one at a prefill chunk). Distinct layers matter:
-one layer of each shape called again and again stays in the core's L2, and at decode batches a
-kernel that reads twice the bytes then times the same as one that reads half (int8 against int4
-here: 5.3 against 5.6 ms a step hot, 12.2 against 7.2 in the model). Activations are in the
-candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
-(attention, norms) is not. A batch of `COMPUTE_ROWS` or more (a prefill chunk) is compute-bound
-and timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is
-not timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
-candidates would otherwise spend seconds a pass at a prefill chunk. A batch under
-`DROP_FROM_ROWS` drops nothing (`DropRule`): there a format's time is the bytes it reads, and
-one that reads 4x the bytes (bf16 against int4) can still be the fastest at a prefill chunk, the
-large half of a split (dropped at one row under a noisy neighbour, onednn-bf16 was in no split;
-under the AVX2 cap fp32 `none`, 5.7x fbgemm-int8 at 8 rows, was dropped there and never timed at
-512, where it is within 10% of the best that passes the perplexity bound). Only the layers are
+Timing: the model's linear layers on one TP rank (q/k/v, o, gate/up, down of each layer, built by
+`quant.make_linear` from random weights of those shapes: a kernel's time does not depend on the
+values), every layer distinct up to `WEIGHT_BUDGET` (`layer_groups`), run in the model's order, all
+candidates side by side in rounds (`time_candidates`); a step's time is the fastest round's pass
+scaled to the layer count and TP ranks (one process drives every rank in turn), plus the LM head at
+the step's sampled rows (one at a prefill chunk). Distinct layers matter: one layer of each shape
+called again and again stays in the core's L2, and at decode batches a kernel that reads twice the
+bytes then times the same as one that reads half (int8 against int4: docs/BENCHMARKS.md, "Linear
+kernels per machine kind", the caveat on the AMX table; and docs/EXPERIMENTS.md §23). Activations
+are in the candidate's compute dtype, so the layers' conversions are in the time; the rest of a step
+(attention, norms) is not. A batch of `COMPUTE_ROWS` or more (a prefill chunk) is compute-bound and
+timed on a few layers only. A candidate `DROP_FACTOR`x slower than the fastest at a batch is not
+timed at the larger ones (it scores infinity): on a CPU without bf16 dot products the bf16
+candidates would otherwise spend seconds a pass at a prefill chunk. A batch under `DROP_FROM_ROWS`
+drops nothing (`DropRule`): there a format's time is the bytes it reads, and one that reads 4x the
+bytes (bf16 against int4) can still be the fastest at a prefill chunk, the large half of a split
+(dropped at one row under a noisy neighbour, onednn-bf16 was in no split; under the AVX2 cap fp32
+`none`, far behind fbgemm-int8 at 8 rows, was dropped there and never timed at 512, where it is
+close to the best that passes the perplexity bound: docs/EXPERIMENTS.md §13). Only the layers are
 built; the perplexity builds the whole model (a `ModelRunner`) in that configuration.
 """
 
@@ -222,18 +222,18 @@ def time_candidates(
     weights the last one did not leave in the caches, as a step does; a step is the pass scaled
     to the model's layer count, plus the head (one row of it at a batch of `prefill_rows`).
 
-    The candidates are built up front, as many at once as `memory_bytes` holds at their fp32
-    size (all of them, for a small model), and each batch, smallest first, is timed in `reps`
-    rounds of one pass of every candidate still in, the order rotated from round to round (a
-    first pass over `LONG_PASS_S` leaves that candidate one more round only). So a slow spell of
-    the machine (a neighbour's burst, seconds long) falls on them all instead of on whichever
-    was being timed: timed one after another, a kernel's figure moved by 40% from one search to
-    the next on a noisy two-core machine, and a search under the AVX2 cap chose bfloat16
-    because float32/int4 had timed 17.4 ms at one row (10.5 in other searches). A candidate's
+    The candidates are built up front, as many at once as `memory_bytes` holds at their fp32 size
+    (all of them, for a small model), and each batch, smallest first, is timed in `reps` rounds of
+    one pass of every candidate still in, the order rotated from round to round (a first pass over
+    `LONG_PASS_S` leaves that candidate one more round only). So a slow spell of the machine (a
+    neighbour's burst, seconds long) falls on them all instead of on whichever was being timed:
+    timed one after another, a kernel's figure moved from one search to the next by more than the
+    candidates differ, and a search under the AVX2 cap chose bfloat16 on a slow spell of
+    float32/int4's (docs/EXPERIMENTS.md §13, "The search chose by the noise"; §23). A candidate's
     time is its fastest round: noise only adds time, and the first round, where a kernel packs,
-    allocates and builds its primitives for the batch, is its warm-up. After each batch
-    `DropRule` leaves out the candidates far behind (freed): not timed at the larger batches,
-    they score infinity."""
+    allocates and builds its primitives for the batch, is its warm-up. After each batch `DropRule`
+    leaves out the candidates far behind (freed): not timed at the larger batches, they score
+    infinity."""
     shapes, rows = linear_shapes(config, tp), sorted(rows)
     weights = RandomWeights.make(shapes, layer_groups(shapes))
     at_once = max(
@@ -290,7 +290,7 @@ def time_heads(
     """(ms of the LM head alone in each of `formats` at each batch in `rows`, its bytes): the
     head at a step's sampled rows (one at a prefill chunk), after a read of `FLUSH_BYTES` that
     evicts it from the caches, as a step's layers do between two heads (a hot head times several
-    times faster than one a step reads: docs/EXPERIMENTS.md)."""
+    times faster than one a step reads: docs/EXPERIMENTS.md §12)."""
     head = next(s for s in linear_shapes(config, 1) if s.name == "lm_head")
     w = RandomWeights.make([head], 1).head[1]
     flush = torch.ones(int(knobs.FLUSH_BYTES) // 4)
@@ -321,7 +321,8 @@ class ChunkedLinear:
     (decode batches of up to ROWS rows), for its perplexity. Weight-only formats give the same
     answer either way; a dynamic int8 kernel quantizes its activations once per call, so over a
     whole text at once (369 rows in one call) it is judged far harsher than it runs: an
-    fbgemm-int8 head 1.023x fp32's perplexity in one call, 1.005x a row at a time."""
+    fbgemm-int8 head fails the bound in one call and passes it a row at a time
+    (docs/EXPERIMENTS.md §12, "Their quality, as they run")."""
 
     def __init__(self, layer: quant.Linear, rows: int) -> None:
         self.layer, self.rows, self.nbytes = layer, rows, layer.nbytes

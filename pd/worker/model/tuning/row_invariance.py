@@ -3,16 +3,15 @@ format out of `auto` when a request's answer would depend on the load.
 
 A kernel may take another path for one row than for many (a matrix-vector product against a
 matrix one), or block the rows and sum in another order beyond a block's size; a greedy answer
-then changes with the number of requests decoding beside it. Measured on a Xeon with AMX
-(2 threads, docs/EXPERIMENTS.md section 15): `int4` (groups of 32, the GGUF's Q4_1 as written)
-and `int8` give every row the same bits at 1 to 512 rows; fp32 `none` differs between one row
-and two (gemv) and again from 16; bf16 `none` and `onednn-bf16` from 33; `onednn-fp32` is the same
-at every batch for 576 -> 1536 but not for 1536 -> 576; the dynamic int8 formats quantize the
-activations with one scale a call, so a row's neighbours change it. Since it depends on the
-machine and on each shape, it is measured: on every linear layer shape of one rank and on the LM
-head, with seeded random weights (a kernel's path does not depend on the values), a batch of each
-size in `batch_rows` against the one before (every row they share) and its last row against
-the same row alone, bit for bit.
+then changes with the number of requests decoding beside it. The weight-only `int4` (the GGUF's
+Q4_1 as written) and `int8` walk rows one by one; fp32 `none` takes a matrix-vector kernel for
+one row, bf16 `none` and `onednn-bf16` block the rows, `onednn-fp32` differs on one layer shape
+and not on another, and the dynamic int8 formats quantize the activations with one scale a
+call, so a row's neighbours change it (which format differs at which batch, on each machine
+kind: docs/EXPERIMENTS.md §15). Since it depends on the machine and on each shape, it is
+measured: on every linear layer shape of one rank and on the LM head, with seeded random weights
+(a kernel's path does not depend on the values), a batch of each size in `batch_rows` against the
+one before (every row they share) and its last row against the same row alone, bit for bit.
 """
 
 from __future__ import annotations
