@@ -28,12 +28,10 @@ from typing import Any
 import orjson
 
 from pd.protocol import APIError
+from pd.protocol.names import CONTINUATION, KV_PARAMS, SIG
 
-SIG = "pd_sig"
 FLAG = "--cluster-token"
 TOKEN_ENV = "PD_CLUSTER_TOKEN"
-CONTINUATION = "pd_continuation"
-KV_PARAMS = "kv_transfer_params"
 # Each field its own label: a signature of one kind is never valid as another.
 _LABELS = {KV_PARAMS: b"pd-kv-params-v1", CONTINUATION: b"pd-continuation-v1"}
 

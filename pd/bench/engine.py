@@ -238,7 +238,7 @@ async def one_stream(
     i: int,
     constrained: bool = False,
     no_eos: dict | None = None,
-):
+) -> list[float]:
     """One streamed completion; the time of each SSE chunk. `no_eos`: what replaces pd's
     `ignore_eos` in the body (llama.cpp's logit bias; None: pd's worker)."""
     body = {
@@ -364,7 +364,7 @@ def parse_configs(text: str, formats: list[str]) -> list[Config]:
     return out
 
 
-def start_worker(args, config: Config) -> tuple[subprocess.Popen, str]:
+def start_worker(args: argparse.Namespace, config: Config) -> tuple[subprocess.Popen, str]:
     """A `pd-worker --role both` in `config`, and its URL once ready; how long that took is
     `READY_S[url]` (a cold start: the kernel search, with an empty cache directory)."""
     t0 = time.perf_counter()
@@ -437,7 +437,9 @@ def wait_for_background_compile(url: str, timeout_s: float = COMPILE_WAIT_S) -> 
         time.sleep(1.0)
 
 
-def measure_worker(args, config: Config, levels: list[int], prompts: list[str]) -> dict:
+def measure_worker(
+    args: argparse.Namespace, config: Config, levels: list[int], prompts: list[str]
+) -> dict:
     """The worker's resolved kernels, decode at each stream count, and prefill."""
     proc = None
     url = args.url
@@ -478,7 +480,7 @@ def _llama_cpp_model() -> tuple[str, dict]:
     return model, llama_cpp.decode_body(load_tokenizer(model).eos_token_ids)
 
 
-def measure_llama_cpp(args, threads: int, prompts: list[str]) -> dict:
+def measure_llama_cpp(args: argparse.Namespace, threads: int, prompts: list[str]) -> dict:
     """llama.cpp's server on the same GGUF and threads: decode at one stream, and prefill; or
     why it did not run."""
     from pd.bench import llama_cpp
@@ -578,7 +580,7 @@ def targets(
 HEAD_TO_HEAD_ROUNDS = 5
 
 
-def head_to_head(args, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
+def head_to_head(args: argparse.Namespace, threads: int, rounds: int = HEAD_TO_HEAD_ROUNDS) -> dict:
     """The default worker and llama.cpp's server up at once, one stream on each in turns, `rounds`
     times: the 1-stream target from the medians. On a machine with noisy neighbours (one stream of
     the same worker moved widely from minute to minute: docs/BENCHMARKS.md, "Fourth session, a noisy
@@ -633,7 +635,10 @@ def fastest_explicit(runs: list[dict], levels: list[int]) -> dict[int, str]:
 
 
 def default_against_best(
-    args, configs: dict[str, Config], best: dict[int, str], rounds: int = DUEL_ROUNDS
+    args: argparse.Namespace,
+    configs: dict[str, Config],
+    best: dict[int, str],
+    rounds: int = DUEL_ROUNDS,
 ) -> dict[int, dict]:
     """The default and the fastest explicit configuration at each level (`best`), both servers
     up at once and measured in turns `rounds` times, as `head_to_head`: measured each in its

@@ -49,7 +49,9 @@ def cells(
     return sorted(out, key=lambda cell: cell[1])  # by batch (stable): smaller batches first
 
 
-def shape_weights(weights: Mapping[str, Weight], cfg: ModelConfig, layer: int):
+def shape_weights(
+    weights: Mapping[str, Weight], cfg: ModelConfig, layer: int
+) -> dict[str, torch.Tensor]:
     """{shape name: fp32 weight [out, in]} from a checkpoint's Hugging Face names."""
 
     def w(name: str) -> torch.Tensor:

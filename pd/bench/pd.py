@@ -64,7 +64,7 @@ async def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float 
     raise RuntimeError(f"{url} did not become healthy")
 
 
-def start_setup(kind: str, args) -> tuple[str, list[subprocess.Popen]]:
+def start_setup(kind: str, args: argparse.Namespace) -> tuple[str, list[subprocess.Popen]]:
     """Start the co-located worker ("both") or P + D + router ("pd"); returns the client URL."""
     common = ["--dtype", args.dtype, "--max-model-len", "4096"]
     if kind == "both":

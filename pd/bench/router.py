@@ -193,7 +193,14 @@ async def _one(
     return perf_counter() - t
 
 
-async def _closed_loop(session, url, payload, headers, concurrency, duration):
+async def _closed_loop(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: bytes,
+    headers: dict[str, str],
+    concurrency: int,
+    duration: float,
+) -> tuple[list[float], float]:
     latencies: list[float] = []
     stop = perf_counter() + duration
 

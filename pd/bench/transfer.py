@@ -19,7 +19,14 @@ import numpy as np
 import orjson
 import torch
 
-from pd.transfer import KVPoll, TransferConfig, TransferParams, create_manager, import_nixl
+from pd.transfer import (
+    KVPoll,
+    ManagerState,
+    TransferConfig,
+    TransferParams,
+    create_manager,
+    import_nixl,
+)
 from pd.transfer.messages import unb64
 from pd.transfer.peerproc import PeerProcess, PoolSpec, pool_desc, pool_tensors
 
@@ -47,7 +54,14 @@ def _page_ids(args: argparse.Namespace, n: int, pool: int, rng: random.Random) -
     return rng.sample(range(pool), n)
 
 
-async def _interleaved(args, peer: PeerProcess, spec: PoolSpec, n: int, page_bytes: int, rng):
+async def _interleaved(
+    args: argparse.Namespace,
+    peer: PeerProcess,
+    spec: PoolSpec,
+    n: int,
+    page_bytes: int,
+    rng: random.Random,
+) -> tuple[list[float], list[float], list[float], ManagerState]:
     """Ours and bare NIXL alternate, so both see the same machine load."""
     # The reading side progresses UCX from its own checks (ours: the poller; bare: its loop), so
     # neither D agent runs NIXL's progress thread, which spins a core.
@@ -101,7 +115,7 @@ class _BareNixl:
         self.remote_base = peer.ready["pools"][0]["ranks"][0][0]
         self.spec, self.page_bytes = spec, page_bytes
 
-    def once(self, args, n: int, rng) -> float:
+    def once(self, args: argparse.Namespace, n: int, rng: random.Random) -> float:
         agent, dst, spec, page_bytes = self.agent, self.dst, self.spec, self.page_bytes
         remote, remote_base = self.remote, self.remote_base
         src = np.array(_page_ids(args, n, spec.num_slots, rng), dtype=np.uint64)
@@ -139,7 +153,9 @@ class _BareNixl:
         self.agent.remove_remote_agent(self.remote)
 
 
-def _memcpy(args, spec: PoolSpec, n: int, page_bytes: int, rng) -> list[float]:
+def _memcpy(
+    args: argparse.Namespace, spec: PoolSpec, n: int, page_bytes: int, rng: random.Random
+) -> list[float]:
     src = torch.randint(0, 255, (spec.num_slots, page_bytes), dtype=torch.uint8)
     out = torch.empty((n, page_bytes), dtype=torch.uint8)
     times = []

@@ -8,6 +8,7 @@
 - `requests`: the parsed OpenAI requests (`CompletionRequest`, `ChatCompletionRequest`).
 - `fields`: the field table (`FIELDS`): every request field served, accepted or refused.
 - `wire`: router <-> worker: `WorkerLoad` (`/health`), `KVTransferParams` (DESIGN.md §3).
+- `names`: pd's headers, SSE lines and internal request fields, each declared once.
 
 Validation happens here, at the edge; everything past `parse_*` may trust its types. The names
 below are the package's face; its modules import each other, never this file.

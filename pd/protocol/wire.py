@@ -49,24 +49,53 @@ class WorkerLoad:
 PD_VERSION = 1
 
 
-@dataclass
-class KVTransferParams:
-    """What P answers in `kv_transfer_params` and D consumes (DESIGN.md §3)."""
+@dataclass(frozen=True)
+class TransferParams:
+    """The transfer part of `kv_transfer_params`: what D needs to find and pull a request's
+    slots (pd.transfer's sender makes it, its receiver takes it)."""
 
-    remote_engine_id: str
-    remote_host: str
+    remote_host: str  # P's bootstrap host
     remote_port: int  # P's bootstrap port
+    remote_engine_id: str  # P's engine id (changes when P restarts)
     transfer_id: str
+    page_ids: dict[str, list[int]]  # pool name -> P's slot ids
+    lease_ttl_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TransferParams:
+        """The transfer part of params (a ValueError when it is malformed)."""
+        try:
+            p = TransferParams(
+                remote_host=str(d["remote_host"]),
+                remote_port=int(d["remote_port"]),
+                remote_engine_id=str(d["remote_engine_id"]),
+                transfer_id=str(d["transfer_id"]),
+                page_ids={str(k): [int(i) for i in v] for k, v in dict(d["page_ids"]).items()},
+                lease_ttl_s=float(d["lease_ttl_s"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"invalid transfer params: {e!r}") from None
+        if not (0 < p.remote_port < 65536) or p.lease_ttl_s <= 0 or not p.transfer_id:
+            raise ValueError("invalid transfer params: port, lease or transfer id out of range")
+        return p
+
+
+@dataclass(frozen=True)
+class KVTransferParams(TransferParams):
+    """What P answers in `kv_transfer_params` and D consumes (DESIGN.md §3): the transfer part
+    and the request's (its ids, its first token, the KV's shape)."""
+
     prompt_token_ids: list[int]
     first_token_id: int
-    page_ids: dict[str, list[int]]  # per pool name
     num_tokens: int  # tokens whose KV P holds (the prompt, and a continuation's output ids)
     page_size: int
     tp_size: int
     kv_layout: str
     dtype: str
     model_fingerprint: str
-    lease_ttl_s: float
     # [logprob, [[token id, logprob], ...]] of the first token when the request asked for them
     first_token_logprobs: list | None = None
     # With n > 1: every choice's first token (first_token_id is the first), all sampled by P from
@@ -84,8 +113,10 @@ class KVTransferParams:
     do_remote_prefill: bool = True
     pd_version: int = PD_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @classmethod
+    def extending(cls, transfer: TransferParams, **request: Any) -> KVTransferParams:
+        """P's params: the sender's transfer part and the request's fields."""
+        return cls(**{f.name: getattr(transfer, f.name) for f in fields(TransferParams)}, **request)
 
     @classmethod
     def from_dict(cls, d: Any) -> KVTransferParams:

@@ -12,6 +12,7 @@ from time import perf_counter
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import pd.router.admin as admin
@@ -30,6 +31,7 @@ from pd.protocol import (
     require_json,
     unknown_fields,
 )
+from pd.protocol.names import REQUEST_ID_HEADER
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.exchange import Exchange
@@ -57,11 +59,11 @@ def _error(
 _AUTHED = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
 
 
-def _middleware(cfg: RouterConfig):
+def _middleware(cfg: RouterConfig) -> Middleware:
     expected = f"Bearer {cfg.api_key}".encode() if cfg.api_key else None
 
     @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Client auth on /v1/*, and every error as an OpenAI-style JSON body (one place)."""
         try:
             if (
@@ -136,9 +138,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             for name in unknown_fields(body, chat):
                 del body[name]
         headers = proxy.headers
-        request_id = request.headers.get("X-Request-Id")
+        request_id = request.headers.get(REQUEST_ID_HEADER)
         if request_id:
-            headers = {**headers, "X-Request-Id": request_id}
+            headers = {**headers, REQUEST_ID_HEADER: request_id}
         key = request.headers.get("X-Room-Id") or req.room_key
 
         prompts = len(req.batch) if isinstance(req, CompletionRequest) and req.batch else 1

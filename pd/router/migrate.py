@@ -22,9 +22,10 @@ import aiohttp
 import orjson
 
 from pd.protocol import APIError
+from pd.protocol.names import CONTINUATION, REQUEST_ID_HEADER
 from pd.router.exchange import Exchange
 from pd.router.tracker import Tracker
-from pd.signing import CONTINUATION, sign_continuation
+from pd.signing import sign_continuation
 
 if TYPE_CHECKING:
     from pd.router.config import RouterConfig
@@ -138,7 +139,7 @@ def head_of(track: Tracker) -> dict[str, Any]:
 
 
 def request_id(ex: Exchange, head: dict[str, Any]) -> str:
-    return ex.request.headers.get("X-Request-Id") or str(head.get("id"))
+    return ex.request.headers.get(REQUEST_ID_HEADER) or str(head.get("id"))
 
 
 class Relay(Protocol):

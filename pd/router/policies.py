@@ -53,7 +53,13 @@ class RoundRobin(Policy):
         super().__init__()
         self._next = 0
 
-    def choose(self, healthy, key=None, exclude=(), prompt=None):
+    def choose(
+        self,
+        healthy: Sequence[Worker],
+        key: str | None = None,
+        exclude: Sequence[Worker] = (),
+        prompt: PromptKey | None = None,
+    ) -> Worker | None:
         n = len(healthy)
         for i in range(n):
             w = healthy[(self._next + i) % n]
@@ -89,7 +95,13 @@ class LoadAware(Policy):
         super().__init__()
         self._rng = rng or random.Random()
 
-    def choose(self, healthy, key=None, exclude=(), prompt=None):
+    def choose(
+        self,
+        healthy: Sequence[Worker],
+        key: str | None = None,
+        exclude: Sequence[Worker] = (),
+        prompt: PromptKey | None = None,
+    ) -> Worker | None:
         cands = [w for w in healthy if w not in exclude] if exclude else healthy
         n = len(cands)
         self.count("least_loaded_of_two")
@@ -163,7 +175,7 @@ class StickyToRoom(Policy):
         # room_id -> (home, last use)
         self._rooms: OrderedDict[bytes, tuple[Worker, float]] = OrderedDict()
 
-    def rebuild(self, workers):
+    def rebuild(self, workers: Sequence[Worker]) -> None:
         ring = sorted(
             (_hash(f"{w.url}#{i}"), w.url, w) for w in workers for i in range(self.vnodes)
         )
@@ -221,7 +233,13 @@ class StickyToRoom(Policy):
         total = sum(w.inflight for w in healthy) + 1
         return self.load_factor * total / len(healthy) + self.slack
 
-    def choose(self, healthy, key=None, exclude=(), prompt=None):
+    def choose(
+        self,
+        healthy: Sequence[Worker],
+        key: str | None = None,
+        exclude: Sequence[Worker] = (),
+        prompt: PromptKey | None = None,
+    ) -> Worker | None:
         if key is None or not healthy:
             self.count("no_room_key")
             return self.fallback.choose(healthy, key, exclude, prompt)
@@ -277,7 +295,13 @@ class CacheAware(Policy):
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
-    def choose(self, healthy, key=None, exclude=(), prompt=None):
+    def choose(
+        self,
+        healthy: Sequence[Worker],
+        key: str | None = None,
+        exclude: Sequence[Worker] = (),
+        prompt: PromptKey | None = None,
+    ) -> Worker | None:
         cands = [w for w in healthy if w not in exclude] if exclude else list(healthy)
         if not cands:
             return None

@@ -60,6 +60,8 @@ from aiohttp import web
 
 from pd._compat import asyncio_timeout
 from pd.protocol import error_body
+from pd.protocol.names import KV_PARAMS, TOKEN_IDS_HEADER
+from pd.protocol.names import SSE_DONE as DONE
 from pd.router.answer_size import too_large
 from pd.router.config import RouterConfig
 from pd.router.exchange import Exchange
@@ -71,14 +73,14 @@ from pd.router.migrate import resume
 from pd.router.pairing import describe, same_format
 from pd.router.prefix_index import answer_bytes
 from pd.router.registry import Pool, Registry
-from pd.router.sse import DONE, SSECollector, StreamError, answer_to_sse, stream_text
-from pd.router.tracker import TOKEN_IDS_HEADER, Tracker
+from pd.router.sse import SSECollector, StreamError, answer_to_sse, stream_text
+from pd.router.tracker import Tracker
 from pd.router.worker import Worker
 from pd.signing import optional_token
 
 log = logging.getLogger("pd.router")
 
-KV = "kv_transfer_params"
+KV = KV_PARAMS
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _USAGE = {"include_usage": True}  # asked of a stream the router collects, for the answer's usage
 R = TypeVar("R")

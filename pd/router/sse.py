@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-DONE = b"data: [DONE]\n\n"
+from pd.protocol.names import SSE_DONE
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -37,7 +37,7 @@ def answer_to_sse(answer: dict[str, Any], chat: bool, include_usage: bool) -> by
     if include_usage and answer.get("usage") is not None:
         head.pop("prompt_logprobs", None)  # a chat answer's (vLLM's place): in its first event
         events.append(_event({**head, "choices": [], "usage": answer["usage"]}))
-    events.append(DONE)
+    events.append(SSE_DONE)
     return b"".join(events)
 
 
@@ -67,7 +67,7 @@ def stream_text(data: bytes) -> tuple[str, dict[str, Any] | None] | None:
     when it carried an error event or did not end with [DONE]. The router reads back every chat
     stream it relays, to learn what the worker now has cached."""
     tail = data.rstrip()
-    if not tail.endswith(b"data: [DONE]") or b'data: {"error"' in data:
+    if not tail.endswith(SSE_DONE.rstrip()) or b'data: {"error"' in data:
         return None
     strings = _CONTENT.findall(data)
     try:
@@ -129,7 +129,7 @@ class SSECollector:
 
     def _on_data(self, payload: bytes) -> None:
         """One event; ValueError when it is no JSON object (orjson's JSONDecodeError is one)."""
-        if payload == b"[DONE]":
+        if payload == SSE_DONE[len(b"data: ") :].rstrip():
             self.done = True
             return
         obj = orjson.loads(payload)

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from pd.protocol.names import MIGRATE_MARK, SSE_IDS, SSE_PD
+
 if TYPE_CHECKING:
     from pd.router.worker import Worker
 
 
-TOKEN_IDS_HEADER = "X-PD-Token-Ids"
-_PD = b": pd-"
-_IDS = b": pd-ids "
-_AT_PD = b"\n: pd-"  # a `: pd-` line (at a line's start: JSON has no raw newline)
-_AT_IDS = b"\n: pd-ids "
+_PD, _IDS = SSE_PD, SSE_IDS
+_AT_PD = b"\n" + SSE_PD  # a `: pd-` line (at a line's start: JSON has no raw newline)
+_AT_IDS = b"\n" + SSE_IDS
 _FINISH = b'"finish_reason":"'
 _USAGE = b'"usage":{'
 
@@ -121,7 +121,7 @@ class Tracker:
                     kept.append(line)
                 elif line.startswith(_IDS):
                     self.lines.append(line)
-                elif line.split(b" ", 2)[1] == b"pd-migrate" and not self.migrate:
+                elif line.split(b" ", 2)[1] == MIGRATE_MARK and not self.migrate:
                     self.migrate = True
                     if self.on_drain is not None:
                         self.on_drain()

@@ -19,6 +19,7 @@ Decode (D)::
     if await rx.wait() is KVPoll.Failed: raise ... rx.failure_reason
 """
 
+from pd.protocol.wire import TransferParams
 from pd.transfer.base import KVBootstrapServer, KVManager, KVReceiver, KVSender, SlotIds
 from pd.transfer.config import TransferConfig
 from pd.transfer.errors import (
@@ -35,7 +36,6 @@ from pd.transfer.errors import (
 from pd.transfer.factory import BACKENDS, create_manager, make_backend
 from pd.transfer.manager import ManagerState, TransferManager
 from pd.transfer.nixl_compat import import_nixl, nixl_available
-from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll
 from pd.transfer.pools import (
     PoolDesc,

@@ -21,17 +21,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from pd.transfer.params import TransferParams
+from pd.protocol.wire import TransferParams
 from pd.transfer.poll import KVPoll
 from pd.transfer.pools import PoolDesc
 
 if TYPE_CHECKING:
     from pd.transfer.backend import Backend
-    from pd.transfer.session import Session
     from pd.transfer.config import TransferConfig
     from pd.transfer.messages import Message
     from pd.transfer.peer import LinkClient
     from pd.transfer.poller import Poller
+    from pd.transfer.session import Session
 
 SlotIds = dict[str, list[int]]  # pool name -> slot (page) ids, in transfer order
 

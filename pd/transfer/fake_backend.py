@@ -13,6 +13,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 
 from pd.transfer.backend import Backend, BackendCounts, MemRegion, XferState
@@ -71,7 +72,7 @@ class FakeBackend(Backend):
             self.release(xid)
         self._peers.discard(agent)
 
-    def _covered(self, regions: list[MemRegion], kind: str, descs) -> bool:
+    def _covered(self, regions: list[MemRegion], kind: str, descs: np.ndarray) -> bool:
         for addr, n, dev in descs.tolist():
             if not any(
                 r.kind == kind

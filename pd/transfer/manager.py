@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
+from pd.protocol.wire import TransferParams
 from pd.transfer.auth import resolve_token
 from pd.transfer.backend import Backend, BackendCounts, MemRegion
 from pd.transfer.base import KVManager, KVReceiver, KVSender, ReleaseCallback, SlotIds
@@ -25,7 +26,6 @@ from pd.transfer.config import TransferConfig
 from pd.transfer.errors import HandshakeError, PoolError, TransferError
 from pd.transfer.messages import Abort, Done, Heartbeat, HeartbeatAck, Message, Welcome, b64
 from pd.transfer.pairing import check_contract, describe
-from pd.transfer.params import TransferParams
 from pd.transfer.peer import PeerLink
 from pd.transfer.poller import Poller
 from pd.transfer.pools import PoolDesc

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import torch
 
+from pd.transfer.base import KVSender
 from pd.transfer.config import TransferConfig
 from pd.transfer.factory import create_manager
 from pd.transfer.messages import b64
@@ -133,7 +134,7 @@ async def _main(spec: dict[str, Any]) -> None:
         }
     )
 
-    def released(sender, reason: str) -> None:
+    def released(sender: KVSender, reason: str) -> None:
         _emit({"event": "released", "transfer_id": sender.transfer_id, "reason": reason})
 
     while True:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pd.protocol.wire import TransferParams
 from pd.transfer.base import KVReceiver, ReceiverHost, ReceiverLink, SlotIds
 from pd.transfer.errors import PoolError, TransferError
 from pd.transfer.messages import Abort, Done
-from pd.transfer.params import TransferParams
 from pd.transfer.plan import ReadBatch, plan_reads, rank_segments
 from pd.transfer.poll import KVPoll, PollState
 

@@ -17,9 +17,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from pd.protocol.wire import TransferParams
 from pd.transfer.base import KVSender, ReleaseCallback, SenderHost, SlotIds
 from pd.transfer.messages import Abort
-from pd.transfer.params import TransferParams
 from pd.transfer.poll import KVPoll, PollState
 
 if TYPE_CHECKING:

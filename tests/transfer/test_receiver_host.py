@@ -22,7 +22,7 @@ from pd.transfer.config import TransferConfig
 from pd.transfer.errors import HandshakeError, PoolError, TransferError
 from pd.transfer.fake_backend import FakeBackend
 from pd.transfer.messages import Abort, Done, Message
-from pd.transfer.params import TransferParams
+from pd.protocol.wire import TransferParams
 from pd.transfer.peer import LinkClient
 from pd.transfer.peerproc import PoolSpec, pool_desc, pool_tensors
 from pd.transfer.plan import ReadBatch

@@ -10,17 +10,13 @@ from typing import Any
 
 import orjson
 
+from pd.protocol.names import SSE_IDS
 from pd.worker.api.echo import PromptPart
 from pd.worker.engine import Delta
 from pd.worker.tools import ToolStream
 
-SSE_DONE = b"data: [DONE]\n\n"
-# docs/migration.md: the router's request header, and the end of a stream a drain migrates.
-TOKEN_IDS_HEADER = "X-PD-Token-Ids"
-SSE_MIGRATE = b": pd-migrate draining\n\n"
-# A comment written when a stream has been silent this long (a request that waits for the
-# batch or for pages, or prefills): proxies and the router's idle watch see it alive.
-SSE_KEEPALIVE = b": keep-alive\n\n"
+# SSE_KEEPALIVE is written when a stream has been silent this long (a request that waits for
+# the batch or for pages, or prefills): proxies and the router's idle watch see it alive.
 KEEPALIVE_S = 5.0
 
 
@@ -211,7 +207,7 @@ class ResponseBuilder:
         """The `: pd-ids` line of an event with new tokens, when announced (else nothing)."""
         if not self.announce_ids or delta is None or not delta.token_ids:
             return b""
-        return f": pd-ids {self.index} {' '.join(map(str, delta.token_ids))}\n".encode()
+        return SSE_IDS + f"{self.index} {' '.join(map(str, delta.token_ids))}\n".encode()
 
     def _tool_chunks(self, delta: Delta, top: dict[str, Any]) -> bytes:
         """The events of a delta parsed for tool calls: one per content or call piece (none

@@ -27,15 +27,20 @@ from pd.protocol import (
     parse_json_body,
     require_json,
 )
-from pd.signing import CONTINUATION, KV_PARAMS, SIG, continuation_payload, unsigned
-from pd.worker.api.choices import choices_of, collect, interleave, usage
-from pd.worker.api.echo import PromptPart, once, prompt_part
-from pd.worker.api.openai_format import (
-    KEEPALIVE_S,
+from pd.protocol.names import (
+    CONTINUATION,
+    KV_PARAMS,
+    SIG,
     SSE_DONE,
     SSE_KEEPALIVE,
     SSE_MIGRATE,
     TOKEN_IDS_HEADER,
+)
+from pd.signing import continuation_payload, unsigned
+from pd.worker.api.choices import choices_of, collect, interleave, usage
+from pd.worker.api.echo import PromptPart, once, prompt_part
+from pd.worker.api.openai_format import (
+    KEEPALIVE_S,
     ResponseBuilder,
     sse,
 )
@@ -58,7 +63,7 @@ TOOLS = web.AppKey("tools", ToolCalling)
 BODY_LIMIT = web.AppKey("body_limit", int)
 TOKEN_TEXT = web.AppKey[Callable[[int], str]]("token_text")  # a token's text, cached by id
 # An echoed prompt or prompt logprobs of this many entries (positions x alternatives) or more are
-# rendered on the text thread (~7 us an entry, on the event loop otherwise).
+# rendered on the text thread: on the event loop they would stall every stream (EXPERIMENTS §23).
 LARGE_PROMPT_PART = 4096
 
 
@@ -68,8 +73,8 @@ ANSWER_SLICE_BYTES = 256 << 10
 
 async def send_json(request: web.Request, data: bytes) -> web.StreamResponse:
     """A JSON answer already serialized. A large one goes out a slice at a time: handing the
-    transport megabytes at once holds the event loop for tens of milliseconds (82 ms measured
-    for a 6 MB /tokenize answer, `pd-bench stall --kinds tokenize`)."""
+    transport megabytes at once holds the event loop for as long as it copies them
+    (docs/EXPERIMENTS.md §16, `pd-bench stall --kinds tokenize`)."""
     if len(data) < LARGE_ANSWER_BYTES:
         return web.Response(body=data, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -120,7 +125,7 @@ def make_app(worker: Worker) -> web.Application:
         worker.tokenizer, worker.engine.max_model_len, worker.config.ignore_unknown_fields
     )
     # A body no prompt that fits could fill is refused before it is read whole or parsed
-    # (orjson holds the GIL: ~7 ms a MiB of token ids on this loop).
+    # (orjson holds the GIL while it parses: EXPERIMENTS §23).
     limit = worker.config.max_body_bytes or worker.role.body_limit(
         prompts.max_body_bytes, worker.engine.max_model_len
     )
@@ -262,7 +267,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def integrity(request: web.Request) -> web.Response:
-    """Walk every page's accounting (197 ms at 500k pages: behind the API key, unlike /health)."""
+    """Walk every page's accounting (its time grows with the pool, EXPERIMENTS §23: behind the
+    API key, unlike /health)."""
     worker = request.app[WORKER]
     _check_auth(worker, request)
     return json_response({"integrity": worker.engine.check_integrity()})
@@ -472,7 +478,7 @@ async def _answer(
     await collect(choices, builders, lambda b: readies[id(b)]())
 
     def answer() -> bytes:
-        body = builders[0].final({"kv_transfer_params": handles[0].kv_transfer_params})
+        body = builders[0].final({KV_PARAMS: handles[0].kv_transfer_params})
         if len(builders) > 1:
             body["choices"] = [b.choice() for b in builders]
             body["usage"] = usage(per_prompt, builders)

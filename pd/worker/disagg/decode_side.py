@@ -25,7 +25,7 @@ import logging
 from typing import Any
 
 from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_request
-from pd.transfer import KVPoll, KVReceiver, TransferManager, TransferParams
+from pd.transfer import KVPoll, KVReceiver, TransferManager
 from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.disagg.page_wait import PageWaitQueue
 from pd.worker.engine import AdmitRequest, Engine, KVConnector, RequestHandle
@@ -155,7 +155,7 @@ class DecodeSide(TransferRole, KVConnector):
         if prompt_logprobs is not None:
             handle.seq.prompt_logprobs = prompt_logprobs
         try:
-            rx = self.manager.create_receiver(TransferParams.from_dict(kvp.to_dict()))
+            rx = self.manager.create_receiver(kvp)  # its transfer part
         except BaseException:
             self.engine.abort(handle)
             raise

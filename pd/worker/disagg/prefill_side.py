@@ -68,8 +68,8 @@ class PrefillSide(TransferRole, KVConnector):
                 {KV_POOL: pages}, on_release=lambda s, why: self._release(key, why)
             )
             c = self.contract
-            params = KVTransferParams(
-                **sender.params().to_dict(),
+            params = KVTransferParams.extending(
+                sender.params(),
                 prompt_token_ids=seq.prompt_ids,
                 first_token_id=firsts[0][0],
                 output_token_ids=given if seq.num_given else None,

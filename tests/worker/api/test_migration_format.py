@@ -10,7 +10,8 @@ import re
 import pytest
 
 from pd.protocol import APIError, KVTransferParams, parse_continuation, parse_request
-from pd.worker.api.openai_format import SSE_MIGRATE, ResponseBuilder
+from pd.protocol.names import SSE_MIGRATE
+from pd.worker.api.openai_format import ResponseBuilder
 from pd.worker.engine import Delta
 from pd.worker.tools.segments import segmenter
 from pd.worker.tools.stream import ToolStream
