@@ -34,7 +34,7 @@ from pd.protocol import (
 from pd.protocol.names import REQUEST_ID_HEADER
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
-from pd.router.exchange import Exchange
+from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
@@ -151,21 +151,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
             _check_prompt_size(proxy.cfg, data, sub)
             tokens = proxy.registry.estimate.tokens(len(data)) + 1
             check_expected(sub, 1, tokens, answer_limit)
-            return Exchange(
-                request=request,
+            facts = RequestFacts(
                 path=request.path,
                 body=body,
                 chat=chat,
                 stream=req.stream,
                 include_usage=req.include_usage,
                 max_tokens=req.options.max_tokens,
+                n=req.n,
+                seed=req.options.seed,
+                prompt_logprobs=req.options.prompt_logprobs is not None,
                 key=key,
                 prompt=PromptKey.of(data, sub.cache_salt, hashed=cfg.prefix_index_blocks > 0),
                 tokens=tokens,
                 headers=headers,
-                t0=t0,
-                answer_limit=answer_limit,
             )
+            return Exchange(request, facts, t0, answer_limit=answer_limit)
 
         if isinstance(req, CompletionRequest) and req.batch is not None:
             # A list of prompts: one sub-exchange each, routed by its own prompt (fanout.py).

@@ -1,6 +1,6 @@
-"""One client request on its way through the router (`Exchange`): the request's facts, as the
-proxy parsed them, and the state of its relay (route, first token, the stream's tracker, the
-workers not to try again).
+"""One client request on its way through the router (`Exchange`): the request's facts, parsed
+once at the edge (`RequestFacts`, frozen), and the state of its relay (route, first token, the
+stream's tracker, the workers not to try again).
 """
 
 from __future__ import annotations
@@ -16,21 +16,31 @@ if TYPE_CHECKING:
     from pd.router.worker import Worker
 
 
-@dataclass(slots=True, eq=False)
-class Exchange:
-    """One client request on its way through the router."""
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    """What the client asked, parsed once at the edge (app.py); the relay never changes them."""
 
-    request: web.Request
     path: str  # the OpenAI path, the same on the workers
-    body: dict[str, Any]  # the client's body, without kv_transfer_params
+    body: dict[str, Any]  # the client's body, without kv_transfer_params (legs send copies)
     chat: bool
     stream: bool  # the client's stream flag
     include_usage: bool
     max_tokens: int | None  # the client's
+    n: int  # choices
+    seed: int | None
+    prompt_logprobs: bool  # it asks for the prompt's logprobs (vLLM's, or echo with logprobs)
     key: str | None  # room key for sticky-to-room
     prompt: PromptKey  # the prompt as the prefix index sees it
     tokens: int  # estimated prompt tokens (P is charged those it lacks while it works)
     headers: dict[str, str]  # to send to workers
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One client request on its way through the router: its facts, and its relay's state."""
+
+    request: web.Request
+    facts: RequestFacts
     t0: float
     route: str | None = None  # "local" when served decode-local (else the registry's route)
     ttft: float | None = None

@@ -12,6 +12,7 @@ What it needs of the router is a `Relay` (the proxy is one).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -162,7 +163,7 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
     t_break = perf_counter()
     head = head_of(track)
     ident: dict[str, Any] = {k: head[k] for k in ("id", "created") if k in head}
-    n = ex.body.get("n") or 1
+    n = ex.facts.n
     n = n if type(n) is int and n > 0 else 1
     ids = {i: track.ids_of(i) for i in range(n)}
     completion = track.count()
@@ -189,7 +190,7 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
                 reason,
                 legs,
             )
-            sink = _Leg(emit, ident, i, ex.include_usage)
+            sink = _Leg(emit, ident, i, ex.facts.include_usage)
             leg = _leg_exchange(ex, i, ids[i], exclude, sink, proxy.token)
             try:
                 route = proxy.registry.route()
@@ -239,7 +240,7 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
             t_break = perf_counter()
     if track.usage is not None:  # the first leg's usage went out already
         return Outcome(True, head=head)
-    if not ex.include_usage and ex.stream:  # the client's stream has no usage chunk
+    if not ex.facts.include_usage and ex.facts.stream:  # the client's stream has no usage chunk
         return Outcome(True, head=head)
     if prompt_usage is None:
         prompt_usage = await _probe_usage(proxy, ex, ids.get(0, []), exclude)
@@ -260,28 +261,27 @@ def _leg_exchange(
     ex: Exchange, i: int, ids: list[int], exclude: list[Worker], sink: _Leg, token: bytes | None
 ) -> Exchange:
     body = {
-        **ex.body,
+        **ex.facts.body,
         "n": 1,
         "stream": True,
         "stream_options": {"include_usage": True},
         CONTINUATION: {"output_token_ids": ids},
     }
-    seed = ex.body.get("seed")
-    if type(seed) is int and (ex.body.get("n") or 1) > 1:
+    seed = ex.facts.seed
+    if seed is not None and ex.facts.n > 1:
         body["seed"] = seed + i  # the seed choice i was sampled with (engine/fork.py)
-    return Exchange(
-        request=ex.request,
-        path=ex.path,
+    facts = dataclasses.replace(
+        ex.facts,
         body=sign_continuation(token, body),
-        chat=ex.chat,
         stream=True,
         include_usage=True,
-        max_tokens=ex.max_tokens,
-        key=ex.key,
-        prompt=ex.prompt,
-        tokens=ex.tokens,
-        headers=ex.headers,
-        t0=perf_counter(),
+        n=1,
+        seed=body.get("seed"),
+    )
+    return Exchange(
+        ex.request,
+        facts,
+        perf_counter(),
         sink=sink,
         leg=True,
         exclude=tuple(exclude),
@@ -294,7 +294,7 @@ async def _probe_usage(
     """Every choice finished but the usage never came: ask a worker (P, or a co-located one)
     for choice 0's continuation with no budget left (it ends at once, no token) and take its
     usage's prompt tokens. None when no worker answers."""
-    body = {**ex.body, "n": 1, "stream": False, "max_tokens": len(ids)}
+    body = {**ex.facts.body, "n": 1, "stream": False, "max_tokens": len(ids)}
     body.pop("stream_options", None)
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = len(ids)
@@ -305,15 +305,15 @@ async def _probe_usage(
     except APIError:
         return None
     pool = proxy.registry.prefill if route == "pd" else proxy.registry.both
-    w = pool.choose(ex.key, exclude, ex.prompt)
+    w = pool.choose(ex.facts.key, exclude, ex.facts.prompt)
     if w is None:
         return None
     w.acquire(0)
     try:
         async with proxy.session.post(  # type: ignore[union-attr]
-            w.url + ex.path,
+            w.url + ex.facts.path,
             data=orjson.dumps(body),
-            headers=ex.headers,
+            headers=ex.facts.headers,
             timeout=proxy.release_timeout,
         ) as resp:
             data = await resp.read()

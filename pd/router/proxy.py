@@ -152,25 +152,25 @@ class Proxy:
     def plan(self, ex: Exchange, route: str) -> Plan:
         """What to do with `ex` on `route` (the registry's: "pd" or "both"), decided before any
         bytes move: decode-local or PD, the D picked ahead, and the body each worker gets."""
-        body = ex.body
+        body = ex.facts.body
         # A client without a stream is served from a stream the router collects: one code path
         # on the workers, and a first chunk to time TTFT by.
-        stream = body if ex.stream else {**body, "stream": True, "stream_options": _USAGE}
+        stream = body if ex.facts.stream else {**body, "stream": True, "stream_options": _USAGE}
         if route == "both":
             return Plan("both", stream)
         # max_tokens 0 (echo: the prompt and its logprobs alone) stays 0.
-        prefill = {**body, "stream": False, "max_tokens": 0 if ex.max_tokens == 0 else 1}
+        prefill = {**body, "stream": False, "max_tokens": 0 if ex.facts.max_tokens == 0 else 1}
         prefill.pop("stream_options", None)
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
         # A client asking one token (or none) gets it from P alone: P keeps no KV for D.
-        final = ex.max_tokens in (0, 1)
+        final = ex.facts.max_tokens in (0, 1)
         if not final:
-            prefill[KV] = {"do_remote_decode": True, "max_tokens": ex.max_tokens}
+            prefill[KV] = {"do_remote_decode": True, "max_tokens": ex.facts.max_tokens}
         decode = self.registry.decode
         # The prompt's logprobs need the whole prompt prefilled (no cache hit serves them): P's.
-        local = self.cfg.local_prefill_max_tokens and not _wants_prompt_logprobs(body)
-        d = decode.choose(ex.key, ex.exclude, ex.prompt) if local else None
+        local = self.cfg.local_prefill_max_tokens and not ex.facts.prompt_logprobs
+        d = decode.choose(ex.facts.key, ex.exclude, ex.facts.prompt) if local else None
         if d is not None:
             lacks = self._lacks(decode, d, ex)
             log.debug("decode worker %s lacks ~%d prompt tokens", d.url, lacks)
@@ -232,7 +232,7 @@ class Proxy:
             if n == 0 and first is not None and first in pool.healthy and first not in skip:
                 w: Worker | None = first
             else:
-                w = pool.choose(ex.key, skip, ex.prompt)
+                w = pool.choose(ex.facts.key, skip, ex.facts.prompt)
             if w is None:
                 if unfit and not tried:
                     return self._no_pair(pool)
@@ -268,8 +268,8 @@ class Proxy:
         p_attempt = partial(self._prefill_once, ex, orjson.dumps(plan.prefill))
 
         def p_charge(w: Worker) -> int:  # what P is expected to compute: the prompt less its hit
-            expected = prefill.expected_cached_bytes(w, ex.prompt)
-            return max(1, ex.tokens - prefill.estimate.tokens(expected))
+            expected = prefill.expected_cached_bytes(w, ex.facts.prompt)
+            return max(1, ex.facts.tokens - prefill.estimate.tokens(expected))
 
         held: tuple[Worker, Any] | None = None  # P and its params, until a D try takes them
 
@@ -320,10 +320,10 @@ class Proxy:
     def _final(self, ex: Exchange, answer: dict[str, Any]) -> web.Response:
         """P's answer is the client's: as JSON, or as the SSE events a stream would carry."""
         ex.ttft = perf_counter() - ex.t0
-        if not ex.stream:
+        if not ex.facts.stream:
             return json_response(answer)
         return web.Response(
-            body=answer_to_sse(answer, ex.chat, ex.include_usage), headers=SSE_HEADERS
+            body=answer_to_sse(answer, ex.facts.chat, ex.facts.include_usage), headers=SSE_HEADERS
         )
 
     def _release_read_answer(self, p: Worker, data: bytes | None, reason: str) -> None:
@@ -372,8 +372,8 @@ class Proxy:
 
     def _lacks(self, pool: Pool, w: Worker, ex: Exchange) -> int:
         """Estimated prompt tokens `w` would have to prefill itself."""
-        cached = pool.expected_cached_bytes(w, ex.prompt)
-        return pool.estimate.tokens(len(ex.prompt.data) - cached)
+        cached = pool.expected_cached_bytes(w, ex.facts.prompt)
+        return pool.estimate.tokens(len(ex.facts.prompt.data) - cached)
 
     async def _local(self, ex: Exchange, plan: Plan) -> web.StreamResponse | None:
         """Decode-local: D prefills and decodes; None when it failed before its first byte."""
@@ -405,7 +405,7 @@ class Proxy:
     ) -> tuple[Worker, dict[str, Any]] | Failure:
         """One try of P (charged by `retry`): its answer, and which P gave it."""
         pool = self.registry.prefill
-        expected = pool.expected_cached_bytes(w, ex.prompt)
+        expected = pool.expected_cached_bytes(w, ex.facts.prompt)
         # Its deadline grows with the tokens ahead of it on that worker (its own included).
         deadline = min(
             self.cfg.prefill_timeout,
@@ -415,7 +415,10 @@ class Proxy:
         try:
             async with _Deadline(w, deadline):
                 async with self._client.post(
-                    w.url + ex.path, data=payload, headers=ex.headers, timeout=self.stream_timeout
+                    w.url + ex.facts.path,
+                    data=payload,
+                    headers=ex.facts.headers,
+                    timeout=self.stream_timeout,
                 ) as resp:
                     data = await resp.read()
             if resp.status != 200:
@@ -428,7 +431,7 @@ class Proxy:
                 return Failure.local(
                     502, f"prefill worker {w.url} answered no JSON object", "prefill_failed"
                 )
-            self._learn(pool, w, ex, ex.prompt.blocks, expected, answer.get("usage"))
+            self._learn(pool, w, ex, ex.facts.prompt.blocks, expected, answer.get("usage"))
             return w, answer
         except TimeoutError:
             self._release_read_answer(w, data, "the prefill's deadline ran out")
@@ -464,9 +467,9 @@ class Proxy:
         try:
             async with _Deadline(w, self.cfg.read_timeout):  # up to the first byte
                 resp = await self._client.post(
-                    w.url + ex.path,
+                    w.url + ex.facts.path,
                     data=payload,
-                    headers={**ex.headers, TOKEN_IDS_HEADER: "1"},
+                    headers={**ex.facts.headers, TOKEN_IDS_HEADER: "1"},
                     timeout=self.stream_timeout,
                 )
                 if resp.status != 200:
@@ -493,12 +496,12 @@ class Proxy:
         # A PD decode answer reports P's cache hits: only local and co-located ones are this
         # worker's own, to hold against what the index expected.
         own = pool.name != "decode" or ex.route == "local"
-        expected = pool.expected_cached_bytes(w, ex.prompt) if own else None
+        expected = pool.expected_cached_bytes(w, ex.facts.prompt) if own else None
         # Chat answers come back as the next turn's assistant message, so a worker that
         # generated one holds the KV of the conversation so far: the relayed stream is kept (up
         # to --prefix-index-answer-bytes) and read back for the index. (A completion's prompt
         # rarely grows by its own answer: its prompt alone is recorded, its stream not kept.)
-        keep = self.cfg.prefix_index_answer_bytes if pool.index.enabled and ex.chat else 0
+        keep = self.cfg.prefix_index_answer_bytes if pool.index.enabled and ex.facts.chat else 0
         self.idle.watch(ex, resp)
 
         def ejected() -> None:  # the pending read fails: the relay ends the stream with an error
@@ -509,10 +512,10 @@ class Proxy:
         ex.track = Tracker(w, partial(self._drained, pool, w))
 
         def learn(text: str | None, usage: Any) -> None:
-            blocks = ex.prompt.blocks
-            answer = answer_bytes(text, ex.chat) if text and ex.chat else b""
+            blocks = ex.facts.prompt.blocks
+            answer = answer_bytes(text, ex.facts.chat) if text and ex.facts.chat else b""
             if answer and len(answer) <= self.cfg.prefix_index_answer_bytes:
-                blocks = ex.prompt.extended(answer)
+                blocks = ex.facts.prompt.extended(answer)
             self._learn(pool, w, ex, blocks, expected, usage)
 
         def learn_stream(read: _StreamRead) -> None:
@@ -521,13 +524,13 @@ class Proxy:
             learn(*(text or (None, None)))
 
         try:
-            if ex.stream:
+            if ex.facts.stream:
                 # Learnt before the stream's last bytes leave: the client's next turn may be
                 # routed as soon as they arrive.
                 return await self._pipe(ex, resp, first, _StreamRead(keep), learn_stream)
             out, answer = await self._collect(ex, resp, first)
             if answer is not None:
-                learn(_answer_text(answer, ex.chat), answer.get("usage"))
+                learn(_answer_text(answer, ex.facts.chat), answer.get("usage"))
             return out
         finally:
             w.cancels.discard(ejected)
@@ -550,7 +553,7 @@ class Proxy:
             return
         prompt_tokens = usage.get("prompt_tokens")
         if isinstance(prompt_tokens, int):
-            pool.estimate.observe(len(ex.prompt.data), prompt_tokens)
+            pool.estimate.observe(len(ex.facts.prompt.data), prompt_tokens)
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if expected_bytes is not None and isinstance(cached, int):
@@ -636,8 +639,8 @@ class Proxy:
             return resp
         with contextlib.suppress(ConnectionResetError):  # the client may be gone too
             if out.ok:
-                if out.usage is not None and ex.include_usage:
-                    await resp.write(_usage_event(out.head, ex.chat, out.usage))
+                if out.usage is not None and ex.facts.include_usage:
+                    await resp.write(_usage_event(out.head, ex.facts.chat, out.usage))
                 await resp.write_eof(DONE)
                 return resp
             ex.status = "stream_error"
@@ -665,7 +668,7 @@ class Proxy:
         stream that breaks before [DONE] migrates, its continuation collected too."""
         ex.ttft = perf_counter() - ex.t0
         limit = ex.answer_limit or self.cfg.max_answer_bytes
-        collector = SSECollector(ex.chat, limit)
+        collector = SSECollector(ex.facts.chat, limit)
         track = ex.track
         assert track is not None, "_serve sets the tracker"
         reason: str | None = None
@@ -709,7 +712,7 @@ class Proxy:
             if collector.overflow:  # (a continuation's events past the limit were dropped)
                 return error_response(too_large(limit)), None
             if out.usage is not None:
-                collector.feed(_usage_event(out.head, ex.chat, out.usage))
+                collector.feed(_usage_event(out.head, ex.facts.chat, out.usage))
             collector.feed(DONE)
         answer = collector.result()
         return json_response(answer), answer
@@ -909,13 +912,6 @@ class _Deadline:
 def _usage_event(head: dict[str, Any], chat: bool, usage: dict[str, Any]) -> bytes:
     obj = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
     return b"data: " + orjson.dumps({**obj, "choices": [], "usage": usage}) + b"\n\n"
-
-
-def _wants_prompt_logprobs(body: dict[str, Any]) -> bool:
-    """vLLM's prompt_logprobs, or completions' echo with logprobs."""
-    return body.get("prompt_logprobs") is not None or (
-        body.get("echo") is True and body.get("logprobs") is not None
-    )
 
 
 def _answer_text(answer: dict[str, Any], chat: bool) -> str | None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pd.router.config import RouterConfig
-from pd.router.exchange import Exchange
+from pd.router.exchange import Exchange, RequestFacts
 from pd.router.failure import Failure
 from pd.router.metrics import RouterMetrics
 from pd.router.prefix_index import PromptKey
@@ -33,20 +33,23 @@ def proxy(**kw: Any) -> Proxy:
 
 
 def exchange(body: dict[str, Any], prompt: bytes = b"hi", chat: bool = False) -> Exchange:
-    return Exchange(
-        request=None,  # type: ignore[arg-type]  # neither plan nor retry reads it
+    facts = RequestFacts(
         path="/v1/completions",
         body=body,
         chat=chat,
         stream=bool(body.get("stream")),
         include_usage=bool((body.get("stream_options") or {}).get("include_usage")),
         max_tokens=body.get("max_tokens", body.get("max_completion_tokens")),
+        n=body.get("n") or 1,
+        seed=body.get("seed"),
+        prompt_logprobs=body.get("prompt_logprobs") is not None
+        or (body.get("echo") is True and body.get("logprobs") is not None),
         key=None,
         prompt=PromptKey.of(prompt),
         tokens=len(prompt) // 4 + 1,
         headers={},
-        t0=0.0,
     )
+    return Exchange(None, facts, 0.0)  # type: ignore[arg-type]  # neither plan nor retry reads it
 
 
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 8}
