@@ -7,7 +7,8 @@ the other, on another worker by the usual plan, with the client's body for that 
 `pd_continuation`. A continuation leg's relay writes into a `_Leg` instead of the client: it
 drops the chat role chunk, rewrites `id`, `created` and `index` to the first leg's, and keeps the
 usage and [DONE] for the end (usage summed: prompt tokens once, completion tokens of every leg).
-What it needs of the router is a `Relay` (the proxy is one).
+What it needs of the router is a `Migration`: a function that goes on with a leg, one that
+asks a worker, and its settings.
 """
 
 from __future__ import annotations
@@ -17,21 +18,17 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 
-from pd.protocol import APIError
 from pd.protocol.names import CONTINUATION, REQUEST_ID_HEADER
 from pd.router.exchange import Exchange
 from pd.router.tracker import Tracker
 from pd.signing import sign_continuation
 
 if TYPE_CHECKING:
-    from pd.router.config import RouterConfig
     from pd.router.metrics import RouterMetrics
-    from pd.router.registry import Registry
     from pd.router.worker import Worker
 
 log = logging.getLogger("pd.router")
@@ -143,21 +140,25 @@ def request_id(ex: Exchange, head: dict[str, Any]) -> str:
     return ex.request.headers.get(REQUEST_ID_HEADER) or str(head.get("id"))
 
 
-class Relay(Protocol):
-    """What a migration needs of the router (`Proxy` is one): its settings, metrics and
-    workers, the cluster token that signs a continuation, and a way to run a leg."""
+class NoRoute(Exception):
+    """No worker can take a leg now (the registry's refusal)."""
 
-    cfg: RouterConfig
+
+@dataclass(frozen=True)
+class Migration:
+    """What resuming a stream needs of the router: how to go on with a leg (`go_on`: by the
+    usual plan, on a route the router picks; raising `NoRoute` when there is none) and how to ask
+    one worker for a non-streaming answer (`ask`: its JSON, None when none answers), the limit of
+    legs a choice, where migrations are counted, and the token that signs a continuation."""
+
+    go_on: Callable[[Exchange], Awaitable[Any]]
+    ask: Callable[[Exchange], Awaitable[dict[str, Any] | None]]
+    limit: int
     metrics: RouterMetrics
-    registry: Registry
     token: bytes | None
-    session: aiohttp.ClientSession | None
-    release_timeout: aiohttp.ClientTimeout
-
-    async def handle(self, ex: Exchange, route: str) -> Any: ...
 
 
-async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
+async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
     """Continue every unfinished choice of `ex` after its stream (read by `track`) broke for
     `reason`; their events go out through `emit`. At most --migration-limit legs a choice."""
     t_break = perf_counter()
@@ -177,10 +178,10 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
         # The limit is per choice: one break of an n-choice stream is one migration of each.
         legs, reason, broken = 0, first_reason, track.worker
         while True:
-            if legs >= proxy.cfg.migration_limit:
+            if legs >= m.limit:
                 return Outcome(False, why=f"choice {i}'s stream broke {legs + 1} times ({reason})")
             legs += 1
-            proxy.metrics.migrations[reason] = proxy.metrics.migrations.get(reason, 0) + 1
+            m.metrics.migrations[reason] = m.metrics.migrations.get(reason, 0) + 1
             log.info(
                 "request %s: choice %d migrates after %d tokens from %s (%s), migration %d",
                 request_id(ex, head),
@@ -191,13 +192,11 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
                 legs,
             )
             sink = _Leg(emit, ident, i, ex.facts.include_usage)
-            leg = _leg_exchange(ex, i, ids[i], exclude, sink, proxy.token)
+            leg = _leg_exchange(ex, i, ids[i], exclude, sink, m.token)
             try:
-                route = proxy.registry.route()
-            except APIError as e:
+                resp = await m.go_on(leg)
+            except NoRoute as e:
                 return Outcome(False, why=f"no worker to continue on: {e}")
-            try:
-                resp = await proxy.handle(leg, route)
             except ConnectionResetError:
                 return Outcome(False, gone=True)
             if resp is not sink:  # P's final answer, or the failure of every try
@@ -210,7 +209,7 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
                     return Outcome(False, gone=True)
             if sink.first_at is not None:
                 wait = sink.first_at - t_break
-                proxy.metrics.migration_wait.observe(wait)
+                m.metrics.migration_wait.observe(wait)
                 log.info(
                     "request %s: choice %d resumed %.3f s after the break, migration %d",
                     request_id(ex, head),
@@ -243,7 +242,7 @@ async def resume(proxy: Relay, ex: Exchange, track: Tracker, emit: Emit, reason:
     if not ex.facts.include_usage and ex.facts.stream:  # the client's stream has no usage chunk
         return Outcome(True, head=head)
     if prompt_usage is None:
-        prompt_usage = await _probe_usage(proxy, ex, ids.get(0, []), exclude)
+        prompt_usage = await _probe_usage(m, ex, ids.get(0, []), exclude)
     prompt = prompt_usage.get("prompt_tokens") if prompt_usage else None
     prompt = prompt if isinstance(prompt, int) else 0
     usage: dict[str, Any] = {
@@ -289,7 +288,7 @@ def _leg_exchange(
 
 
 async def _probe_usage(
-    proxy: Relay, ex: Exchange, ids: list[int], exclude: list[Worker]
+    m: Migration, ex: Exchange, ids: list[int], exclude: list[Worker]
 ) -> dict[str, Any] | None:
     """Every choice finished but the usage never came: ask a worker (P, or a co-located one)
     for choice 0's continuation with no budget left (it ends at once, no token) and take its
@@ -299,28 +298,9 @@ async def _probe_usage(
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = len(ids)
     body[CONTINUATION] = {"output_token_ids": ids}
-    body = sign_continuation(proxy.token, body)
-    try:
-        route = proxy.registry.route()
-    except APIError:
-        return None
-    pool = proxy.registry.prefill if route == "pd" else proxy.registry.both
-    w = pool.choose(ex.facts.key, exclude, ex.facts.prompt)
-    if w is None:
-        return None
-    w.acquire(0)
-    try:
-        async with proxy.session.post(  # type: ignore[union-attr]
-            w.url + ex.facts.path,
-            data=orjson.dumps(body),
-            headers=ex.facts.headers,
-            timeout=proxy.release_timeout,
-        ) as resp:
-            data = await resp.read()
-        answer = orjson.loads(data) if resp.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
-        return None
-    finally:
-        w.release(0)
+    facts = dataclasses.replace(
+        ex.facts, body=sign_continuation(m.token, body), stream=False, include_usage=False, n=1
+    )
+    answer = await m.ask(Exchange(ex.request, facts, perf_counter(), exclude=tuple(exclude)))
     usage = answer.get("usage") if isinstance(answer, dict) else None
     return usage if isinstance(usage, dict) else None

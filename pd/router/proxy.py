@@ -59,7 +59,7 @@ import orjson
 from aiohttp import web
 
 from pd._compat import asyncio_timeout
-from pd.protocol import error_body
+from pd.protocol import APIError, error_body
 from pd.protocol.names import KV_PARAMS, TOKEN_IDS_HEADER
 from pd.protocol.names import SSE_DONE as DONE
 from pd.router.answer_size import too_large
@@ -69,7 +69,7 @@ from pd.router.failure import JSON, Failure, error_response, json_response
 from pd.router.health import HealthChecker
 from pd.router.idle import IdleWatch
 from pd.router.metrics import RouterMetrics
-from pd.router.migrate import resume
+from pd.router.migrate import Migration, NoRoute, resume
 from pd.router.pairing import describe, same_format
 from pd.router.prefix_index import answer_bytes
 from pd.router.registry import Pool, Registry
@@ -141,6 +141,9 @@ class Proxy:
         # Signs the continuations of migrated streams (pd/signing.py); None: sent unsigned.
         self.token = optional_token(cfg.cluster_token)
         self._background: set[asyncio.Future] = set()  # releases sent to P
+        # How a broken stream goes on (migrate.py): a leg by the usual plan, and a question to
+        # one worker (the usage of a request whose legs never sent it)
+        self.migration = Migration(self._go_on, self._ask, cfg.migration_limit, metrics, self.token)
 
     @property
     def _client(self) -> aiohttp.ClientSession:
@@ -177,6 +180,41 @@ class Proxy:
             if lacks <= self.cfg.local_prefill_max_tokens:
                 return Plan("local", stream, prefill, d, final)
         return Plan("pd", stream, prefill, d, final)
+
+    async def _go_on(self, leg: Exchange) -> web.StreamResponse:
+        """A migration's leg, by the usual plan."""
+        try:
+            route = self.registry.route()
+        except APIError as e:
+            raise NoRoute(e) from e
+        return await self.handle(leg, route)
+
+    async def _ask(self, ex: Exchange) -> dict[str, Any] | None:
+        """`ex`'s non-streaming answer from one worker that computes prompts (P, or a co-located
+        one) not in `ex.exclude`: its JSON, or None when no worker answers."""
+        try:
+            route = self.registry.route()
+        except APIError:
+            return None
+        pool = self.registry.prefill if route == "pd" else self.registry.both
+        w = pool.choose(ex.facts.key, ex.exclude, ex.facts.prompt)
+        if w is None or self.session is None:
+            return None
+        w.acquire(0)
+        try:
+            async with self.session.post(
+                w.url + ex.facts.path,
+                data=orjson.dumps(ex.facts.body),
+                headers=ex.facts.headers,
+                timeout=self.release_timeout,
+            ) as resp:
+                data = await resp.read()
+            answer = orjson.loads(data) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError):
+            return None
+        finally:
+            w.release(0)
+        return answer if isinstance(answer, dict) else None
 
     async def handle(self, ex: Exchange, route: str) -> web.StreamResponse:
         """Plan `ex`, then carry the plan out."""
@@ -631,7 +669,7 @@ class Proxy:
             return resp
         self._let_go(ex, upstream)
         try:
-            out = await resume(self, ex, track, resp.write, reason)
+            out = await resume(self.migration, ex, track, resp.write, reason)
         except ConnectionResetError:
             out = None
         if out is None or out.gone:
@@ -696,7 +734,7 @@ class Proxy:
                 collector.feed(data)
 
             try:
-                out = await resume(self, ex, track, emit, reason)
+                out = await resume(self.migration, ex, track, emit, reason)
             except StreamError as e:
                 return json_response(e.body, 502), None
             except ValueError:

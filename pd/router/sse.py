@@ -9,6 +9,9 @@ import orjson
 
 from pd.protocol.names import SSE_DONE
 
+_DONE_LINE = SSE_DONE.rstrip()  # b"data: [DONE]"
+_DONE_PAYLOAD = _DONE_LINE[len(b"data: ") :]  # b"[DONE]"
+
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -67,7 +70,7 @@ def stream_text(data: bytes) -> tuple[str, dict[str, Any] | None] | None:
     when it carried an error event or did not end with [DONE]. The router reads back every chat
     stream it relays, to learn what the worker now has cached."""
     tail = data.rstrip()
-    if not tail.endswith(SSE_DONE.rstrip()) or b'data: {"error"' in data:
+    if not tail.endswith(_DONE_LINE) or b'data: {"error"' in data:
         return None
     strings = _CONTENT.findall(data)
     try:
@@ -129,7 +132,7 @@ class SSECollector:
 
     def _on_data(self, payload: bytes) -> None:
         """One event; ValueError when it is no JSON object (orjson's JSONDecodeError is one)."""
-        if payload == SSE_DONE[len(b"data: ") :].rstrip():
+        if payload == _DONE_PAYLOAD:
             self.done = True
             return
         obj = orjson.loads(payload)

@@ -9,7 +9,7 @@ back to the front of the queue with its pages freed). Roles differ after a promp
 a prefill worker hands the request off (its pages stay pinned until the pull is done), a decode
 or co-located worker decodes it. A decode worker takes a pulled request's pages when no
 preempted request waits, it is under `max_running` (pulls in flight count) and one free page per
-running request stays in reserve (`Scheduler.reserve`).
+running request stays in reserve (`Scheduler.lend_free`).
 
 Decode rows are kept in aggregate (decode_rows.py): a step costs O(1) in the batch's size.
 """
@@ -90,7 +90,7 @@ class SimWorker:
         self.pulls.append(seq)
 
     def grant(self) -> list[Seq]:
-        """Decode side: the pulls that get their pages now (`Scheduler.reserve`'s rule)."""
+        """Decode side: the pulls that get their pages now (`Scheduler.lend_free`'s rule)."""
         granted = []
         while self.pulls and not self.waiting:  # preempted requests get their pages first
             if len(self.running) + self.held >= self.max_running:
