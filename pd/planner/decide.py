@@ -1,0 +1,228 @@
+"""How many prefill and decode workers: one decision per observation.
+
+Per role, the estimate against the SLO, from tokens:
+
+- prefill: a new request's TTFT with `n` prefill workers is the uncached prompt tokens queued on
+  them spread over `n`, plus its own, over the fitted prefill rate (tokens a busy second);
+- decode: the ITL with `n` decode workers is the fitted step time (`StepFit`) at the running rows
+  and KV tokens spread over `n`.
+
+The target is the largest of: the workers there are; a predictive floor, from the arrival rate
+and mean lengths (prefill: the offered prompt tokens a second over the rate, each worker at most
+`target_load` busy; decode: by Little's law the rows in flight if every request decodes at the
+SLO's pace, and the fewest workers whose fitted step at those rows meets the ITL); and one worker
+more when the estimate misses the SLO (a reactive step). A role shrinks by one worker only when
+its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
+of the SLO, and `cooldown_s` has passed since its last change: so a constant load never turns it
+back and forth. Bounds per role, and a budget of workers both roles share: when the two targets
+exceed it, the role further from its SLO keeps its growth first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from pd.planner.fit import RateFit, StepFit
+from pd.planner.signals import Observation
+
+log = logging.getLogger("pd.planner")
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_prefill: int = 1
+    max_prefill: int = 8
+    min_decode: int = 1
+    max_decode: int = 8
+    budget: int = 16  # workers (GPUs, or cores here) both roles share
+
+    def of(self, role: str) -> tuple[int, int]:
+        return (
+            (self.min_prefill, self.max_prefill)
+            if role == "prefill"
+            else (self.min_decode, self.max_decode)
+        )
+
+
+@dataclass(frozen=True)
+class PlannerKnobs:
+    cooldown_s: float = 60.0  # a role shrinks no sooner than this after its last change
+    down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
+    target_load: float = 0.8  # the predictive floor keeps a prefill worker at most this busy
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    prefill: int
+    decode: int
+    reasons: tuple[str, ...]
+    ttft_s: float | None = None  # the estimates with the workers there were
+    itl_s: float | None = None
+
+    def line(self) -> str:
+        """The decision's log line."""
+        est = f"ttft {_fmt(self.ttft_s)} s, itl {_fmt(self.itl_s)} s"
+        return (
+            f"plan prefill={self.prefill} decode={self.decode} ({est}): {'; '.join(self.reasons)}"
+        )
+
+
+def _fmt(v: float | None) -> str:
+    return "?" if v is None else f"{v:.3f}"
+
+
+@dataclass
+class _RoleState:
+    target: int | None = None
+    changed_at: float = -math.inf
+    last_step: int = 0  # +1 or -1: the direction of its last change
+    direction_changes: int = 0
+
+
+class Planner:
+    def __init__(
+        self, slo: SLO, bounds: Bounds | None = None, knobs: PlannerKnobs | None = None
+    ) -> None:
+        self.slo = slo
+        self.bounds = bounds or Bounds()
+        self.knobs = knobs or PlannerKnobs()
+        self.step_fit = StepFit()
+        self.rate_fit = RateFit()
+        self.roles = {r: _RoleState() for r in ROLES}
+        self.decisions: list[Decision] = []
+
+    # ------------------------------------------------------------------------------ estimates
+
+    def ttft(self, obs: Observation, n: int) -> float | None:
+        """A new request's TTFT with `n` prefill workers (None: no rate fitted yet)."""
+        rate = self.rate_fit.tokens_per_s
+        if rate is None or n <= 0:
+            return None
+        queued = sum(w.queued_prefill_tokens for w in obs.of("prefill"))
+        return (queued / n + obs.prompt_tokens) / rate
+
+    def itl(self, obs: Observation, n: int) -> float | None:
+        """The decode step with the running load spread over `n` decode workers."""
+        if n <= 0:
+            return None
+        ds = obs.of("decode")
+        rows = sum(w.running for w in ds)
+        if rows == 0:
+            return None
+        return self.step_fit.predict(rows / n, sum(w.kv_tokens for w in ds) / n)
+
+    def floor(self, obs: Observation, role: str) -> int:
+        """The predictive floor: the workers the arrival rate and lengths need (0: unknown)."""
+        if obs.arrivals_per_s <= 0:
+            return 0
+        if role == "prefill":
+            rate = self.rate_fit.tokens_per_s
+            if rate is None:
+                return 0
+            offered = obs.arrivals_per_s * obs.prompt_tokens
+            return math.ceil(offered / (rate * self.knobs.target_load))
+        rows = obs.arrivals_per_s * obs.output_tokens * self.slo.itl_s  # Little's law
+        kv = rows * (obs.prompt_tokens + obs.output_tokens / 2)
+        _, most = self.bounds.of(role)
+        for n in range(1, most + 1):
+            step = self.step_fit.predict(rows / n, kv / n)
+            if step is None:
+                return 0
+            if step <= self.slo.itl_s:
+                return n
+        return most
+
+    # ------------------------------------------------------------------------------ decision
+
+    def observe(self, obs: Observation) -> Decision:
+        """Take in `obs` (its reports feed the fits) and decide both roles' workers."""
+        for w in obs.workers:
+            if w.role == "prefill":
+                self.rate_fit.add(w.prefill_tokens, w.prefill_busy_s)
+            elif w.role == "decode":
+                self.step_fit.add(w.steps)
+        reasons: list[str] = []
+        want: dict[str, int] = {}
+        pressure: dict[str, float] = {}
+        estimates = {
+            "prefill": (self.ttft, self.slo.ttft_s, "ttft"),
+            "decode": (self.itl, self.slo.itl_s, "itl"),
+        }
+        now_est: dict[str, float | None] = {}
+        for role in ROLES:
+            state = self.roles[role]
+            current = state.target
+            if current is None:
+                current = state.target = len([w for w in obs.workers if w.role == role])
+            estimate, slo, name = estimates[role]
+            low, high = self.bounds.of(role)
+            est = estimate(obs, current)
+            now_est[role] = est
+            pressure[role] = (est / slo) if est is not None else 0.0
+            target = max(current, low)
+            floor = self.floor(obs, role)
+            if floor > target:
+                target = floor
+                reasons.append(f"{role}: the arrivals need {floor}")
+            if est is not None and est > slo and target <= current:
+                target = current + 1
+                reasons.append(f"{role}: {name} {est:.3f} s over {slo:.3f}")
+            elif target == current > low and floor <= current - 1:
+                fewer = estimate(obs, current - 1)
+                settled = obs.at - state.changed_at >= self.knobs.cooldown_s
+                if fewer is not None and fewer <= self.knobs.down_margin * slo and settled:
+                    target = current - 1
+                    reasons.append(f"{role}: {current - 1} would hold {name} {fewer:.3f} s")
+            want[role] = min(max(target, low), high)
+        self._within_budget(want, pressure, reasons)
+        for role in ROLES:
+            self._record(role, want[role], obs.at)
+        decision = Decision(
+            obs.at,
+            want["prefill"],
+            want["decode"],
+            tuple(reasons) or ("holds",),
+            now_est["prefill"],
+            now_est["decode"],
+        )
+        if reasons:
+            log.info("%s", decision.line())
+        self.decisions.append(decision)
+        return decision
+
+    def _within_budget(
+        self, want: dict[str, int], pressure: dict[str, float], reasons: list[str]
+    ) -> None:
+        """Trim the growth of the role nearer its SLO first, down to its workers there were."""
+        while sum(want.values()) > self.bounds.budget:
+            grown = [r for r in ROLES if want[r] > (self.roles[r].target or 0)]
+            if not grown:
+                break
+            role = min(grown, key=lambda r: pressure[r])
+            want[role] -= 1
+            reasons.append(f"{role}: held back by the budget ({self.bounds.budget})")
+
+    def _record(self, role: str, target: int, now: float) -> None:
+        state = self.roles[role]
+        before = state.target or 0
+        if target == before:
+            return
+        step = 1 if target > before else -1
+        if state.last_step and step != state.last_step:
+            state.direction_changes += 1
+        state.last_step, state.target, state.changed_at = step, target, now
+
+    @property
+    def direction_changes(self) -> int:
+        return sum(s.direction_changes for s in self.roles.values())

@@ -1,0 +1,209 @@
+"""The planner's core (pd/planner) against a fluid model of a PD cluster on a fake clock: its fits
+find the model's true costs, a constant load never turns it back and forth, a prefill-heavy load
+grows prefill alone, a fall in load shrinks one worker at a time after the cool-down, and the
+budget is shared."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from pd.planner import (
+    SLO,
+    Bounds,
+    Observation,
+    Planner,
+    PlannerKnobs,
+    RateFit,
+    StepFit,
+    StepSample,
+    WorkerSignals,
+)
+
+# The fluid cluster's true costs (a 70B-like decode step; seconds)
+FIXED, PER_ROW, PER_KV = 0.012, 0.00005, 2e-8
+PREFILL_RATE = 8000.0  # prompt tokens a busy second, per prefill worker
+INTERVAL = 5.0  # seconds between observations
+
+
+def true_step(rows: float, kv: float) -> float:
+    return FIXED + PER_ROW * rows + PER_KV * kv
+
+
+@dataclass
+class Load:
+    arrivals: float  # requests a second
+    prompt: float = 2000.0
+    output: float = 200.0
+
+
+class Fluid:
+    """A PD cluster as flows: prefill queues what its workers cannot compute; decode holds, by
+    Little's law, the rows its step time implies (a fixed point)."""
+
+    def __init__(self, prefill: int, decode: int) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.queued = 0.0  # prompt tokens waiting, over all prefill workers
+
+    def observe(self, at: float, load: Load) -> Observation:
+        offered = load.arrivals * load.prompt * INTERVAL
+        capacity = self.prefill * PREFILL_RATE * INTERVAL
+        done = min(self.queued + offered, capacity)
+        self.queued = self.queued + offered - done
+        busy = done / PREFILL_RATE / self.prefill
+        rows = 1.0
+        for _ in range(50):  # rows in flight = arrivals x output x ITL, ITL at those rows
+            kv = rows * (load.prompt + load.output / 2)
+            rows = max(
+                1.0, load.arrivals * load.output * true_step(rows / self.decode, kv / self.decode)
+            )
+        kv = rows * (load.prompt + load.output / 2)
+        per_rows, per_kv = rows / self.decode, kv / self.decode
+        # steps about the mean: batches of other sizes, and requests of other contexts
+        samples = tuple(
+            StepSample(
+                max(1, round(per_rows * f)),
+                round(per_kv * g),
+                true_step(max(1, round(per_rows * f)), round(per_kv * g)),
+            )
+            for f, g in ((0.8, 1.1), (1.0, 1.0), (1.2, 0.9), (1.0, 0.7))
+        )
+        workers = [
+            WorkerSignals(
+                f"p{i}", "prefill", True, round(self.queued / self.prefill),
+                prefill_tokens=round(done / self.prefill), prefill_busy_s=busy,
+            )
+            for i in range(self.prefill)
+        ] + [
+            WorkerSignals(f"d{i}", "decode", True, running=round(per_rows), kv_tokens=round(per_kv), steps=samples)
+            for i in range(self.decode)
+        ]  # fmt: skip
+        return Observation(at, tuple(workers), load.arrivals, load.prompt, load.output)
+
+
+def run(planner: Planner, fluid: Fluid, loads: list[Load], start: float = 0.0) -> float:
+    """One observation per interval, the fluid cluster resized to each decision at once."""
+    at = start
+    for load in loads:
+        d = planner.observe(fluid.observe(at, load))
+        fluid.prefill, fluid.decode = d.prefill, d.decode
+        at += INTERVAL
+    return at
+
+
+def minutes(m: float, load: Load) -> list[Load]:
+    return [load] * int(m * 60 / INTERVAL)
+
+
+SLOS = SLO(ttft_s=1.0, itl_s=0.05)
+
+
+def test_the_step_fit_finds_a_linear_step():
+    fit = StepFit()
+    assert fit.predict(8, 1000) is None
+    fit.add(StepSample(r, kv, true_step(r, kv)) for r in (1, 4, 16, 64) for kv in (1e3, 5e4, 4e5))
+    assert fit.coefficients is not None
+    for got, want in zip(fit.coefficients, (FIXED, PER_ROW, PER_KV)):
+        assert got == pytest.approx(want, rel=0.01)
+    assert fit.predict(32, 2e5) == pytest.approx(true_step(32, 2e5), rel=0.01)
+
+
+def test_the_rate_fit_weighs_tokens_over_busy_time():
+    fit = RateFit()
+    assert fit.tokens_per_s is None
+    fit.add(8000, 1.0)
+    fit.add(0, 0.0)  # an idle report says nothing
+    fit.add(4000, 0.5)
+    assert fit.tokens_per_s == pytest.approx(8000)
+
+
+def test_a_constant_load_for_ten_minutes_never_turns_back():
+    """Ten minutes of constant metrics on a cluster that meets the SLOs: no change at all."""
+    planner = Planner(SLOS)
+    fluid = Fluid(prefill=3, decode=1)  # 16k prompt tokens a second offered, 24k computable
+    run(planner, fluid, minutes(10, Load(arrivals=8.0)))
+    assert {(d.prefill, d.decode) for d in planner.decisions} == {(3, 1)}
+    assert planner.direction_changes == 0
+    last = planner.decisions[-1]
+    assert last.ttft_s is not None and last.ttft_s <= SLOS.ttft_s
+    assert last.itl_s is not None and last.itl_s <= SLOS.itl_s
+    # the fit is within 10% of the cluster's true step costs, off its operating point too
+    for rows, kv in ((1, 1e4), (8, 1e5), (64, 1e6)):
+        assert planner.step_fit.predict(rows, kv) == pytest.approx(true_step(rows, kv), rel=0.1)
+    assert planner.rate_fit.tokens_per_s == pytest.approx(PREFILL_RATE, rel=0.01)
+
+
+def test_an_undersized_cluster_grows_drains_its_backlog_and_then_holds():
+    """From one worker each under a constant load: the arrivals' floor at once, a step more while
+    the backlog drains, given back after the cool-down, then nothing for the rest of the run."""
+    planner = Planner(SLOS)
+    fluid = Fluid(prefill=1, decode=1)
+    run(planner, fluid, minutes(10, Load(arrivals=12.0)))
+    sizes = [(d.prefill, d.decode) for d in planner.decisions]
+    assert sizes[0][0] >= 4  # 24k tokens a second at 8k a worker, 80% busy at most
+    assert planner.direction_changes <= 1
+    assert len(set(sizes[len(sizes) // 2 :])) == 1, "settled within five minutes"
+    last = planner.decisions[-1]
+    assert last.ttft_s is not None and last.ttft_s <= SLOS.ttft_s
+
+
+def test_a_prefill_heavy_load_grows_prefill_alone():
+    planner = Planner(SLOS)
+    fluid = Fluid(prefill=2, decode=2)
+    at = run(planner, fluid, minutes(3, Load(arrivals=4.0, prompt=1000, output=100)))
+    before = planner.decisions[-1]
+    run(planner, fluid, minutes(3, Load(arrivals=4.0, prompt=6000, output=100)), at)
+    after = planner.decisions[-1]
+    assert after.prefill > before.prefill
+    assert after.decode <= before.decode + 1
+    assert after.ttft_s is not None and after.ttft_s <= SLOS.ttft_s
+
+
+def test_a_fall_in_load_shrinks_one_worker_at_a_time_after_the_cooldown():
+    knobs = PlannerKnobs(cooldown_s=60.0)
+    planner = Planner(SLOS, knobs=knobs)
+    fluid = Fluid(prefill=1, decode=1)
+    at = run(planner, fluid, minutes(4, Load(arrivals=12.0)))
+    peak = planner.decisions[-1]
+    run(planner, fluid, minutes(8, Load(arrivals=1.0)), at)
+    low = planner.decisions[-1]
+    assert low.prefill < peak.prefill and low.decode <= peak.decode
+    downs = [
+        (a, b)
+        for a, b in zip(planner.decisions, planner.decisions[1:])
+        if (b.prefill, b.decode) != (a.prefill, a.decode) and b.at >= at
+    ]
+    assert downs, "it shrank"
+    for a, b in downs:
+        assert a.prefill - b.prefill <= 1 and a.decode - b.decode <= 1  # one at a time
+    by_role = {"prefill": [], "decode": []}
+    for a, b in downs:
+        for role in by_role:
+            if getattr(b, role) != getattr(a, role):
+                by_role[role].append(b.at)
+    for times in by_role.values():
+        assert all(t2 - t1 >= knobs.cooldown_s for t1, t2 in zip(times, times[1:]))
+    assert planner.direction_changes <= 2  # one turn per role, up then down
+    for d in planner.decisions:
+        assert d.prefill >= 1 and d.decode >= 1
+
+
+def test_the_budget_is_shared_and_the_role_further_from_its_slo_grows_first():
+    planner = Planner(SLOS, Bounds(budget=4))
+    fluid = Fluid(prefill=1, decode=1)
+    run(planner, fluid, minutes(3, Load(arrivals=20.0, prompt=4000)))
+    for d in planner.decisions:
+        assert d.prefill + d.decode <= 4
+    assert any("budget" in r for d in planner.decisions for r in d.reasons)
+    last = planner.decisions[-1]
+    assert last.prefill >= last.decode  # prefill is the one far from its SLO
+
+
+def test_no_fit_yet_means_no_estimate_and_no_change():
+    planner = Planner(SLOS)
+    workers = (WorkerSignals("p", "prefill", True), WorkerSignals("d", "decode", True))
+    d = planner.observe(Observation(0.0, workers))
+    assert (d.prefill, d.decode, d.ttft_s, d.itl_s) == (1, 1, None, None)
+    assert d.reasons == ("holds",) and math.isinf(-planner.roles["prefill"].changed_at)
