@@ -34,3 +34,21 @@ def pytest_collection_modifyitems(config, items):
             item.path.parent.name == "bench" and item.path.name in WITH_WORKERS
         ):
             item.add_marker(pytest.mark.xdist_group("e2e"))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, on the controller
+def pytest_xdist_node_collection_finished(node, ids):
+    """Stop a run whose groups do not hold: under `--dist loadgroup` a grouped test's id ends
+    with its group (`@e2e`), and where it does not (pytest 9.2 with pytest-xdist 3.8,
+    pytest-xdist#1386) the end-to-end tests would run in both processes at once, two sets of
+    workers on 2 cores, and time out instead of failing clearly."""
+    if node.config.getoption("dist", None) != "loadgroup":
+        return
+    lost = [i for i in ids if i.startswith(E2E.replace(os.sep, "/")) and "@" not in i]
+    if lost:
+        pytest.exit(
+            f"pytest-xdist did not group {len(lost)} end-to-end tests (e.g. {lost[0]}): this "
+            "pytest and pytest-xdist do not keep --dist loadgroup (pytest-xdist#1386); install "
+            "the versions pyproject.toml's test extras allow (pip install -e '.[test]')",
+            returncode=4,
+        )
