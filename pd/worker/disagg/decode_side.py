@@ -28,7 +28,7 @@ from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_reque
 from pd.transfer import KVPoll, KVReceiver, TransferManager
 from pd.worker.disagg.contract import KV_POOL, KVRunner, TransferRole
 from pd.worker.disagg.page_wait import PageWaitQueue
-from pd.worker.engine import AdmitRequest, Engine, KVConnector, RequestHandle
+from pd.worker.engine import AdmitRequest, Engine, KVConnector, RequestHandle, every_choice
 from pd.worker.text.token_rules import TokenRules
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class DecodeSide(TransferRole, KVConnector):
                 kvp.prompt_token_ids,
                 options,
                 cache_salt,
-                (rules, *(choice_rules or [None] * (n - 1))),
+                every_choice(n, rules, choice_rules),
                 kvp.output_token_ids,
                 kv_from_elsewhere=True,
                 cached_tokens=kvp.cached_tokens,

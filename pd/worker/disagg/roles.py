@@ -27,7 +27,7 @@ from pd.protocol import (
 )
 from pd.worker.disagg.decode_side import DecodeSide
 from pd.worker.disagg.prefill_side import PrefillSide
-from pd.worker.engine import AdmitRequest, Engine, RequestHandle
+from pd.worker.engine import AdmitRequest, Engine, RequestHandle, every_choice
 from pd.worker.text.token_rules import TokenRules
 
 Request = CompletionRequest | ChatCompletionRequest
@@ -35,11 +35,6 @@ PromptIds = Callable[[], Awaitable[list[int]]]  # the request's prompt ids (toke
 
 
 ChoiceRules = list[TokenRules | None] | None  # n > 1: choices 1..n-1's rules (each its own)
-
-
-def every_choice(n: int, rules: TokenRules | None, choice_rules: ChoiceRules) -> tuple:
-    """One rules object per choice: `rules` for the first, `choice_rules` for the others."""
-    return (rules, *(choice_rules or [None] * (n - 1)))
 
 
 Route = Callable[[dict[str, Any]], dict[str, Any]]  # a JSON body in, a JSON answer out

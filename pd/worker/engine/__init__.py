@@ -8,7 +8,7 @@ Never pd.transfer (the connectors reach the engine through `KVConnector`, `LentP
 """
 
 from pd.worker.engine.admission import Capacity
-from pd.worker.engine.admit_request import AdmitRequest
+from pd.worker.engine.admit_request import AdmitRequest, every_choice
 from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.connector import FirstToken, KVConnector, LentPages
 from pd.worker.engine.engine import Engine
@@ -29,4 +29,5 @@ __all__ = [
     "Scheduler",
     "SeqStatus",
     "Sequence",
+    "every_choice",
 ]

@@ -11,6 +11,14 @@ from pd.protocol import GenerationOptions
 from pd.worker.text.token_rules import TokenRules
 
 
+def every_choice(
+    n: int, rules: TokenRules | None, others: Sequence[TokenRules | None] | None
+) -> tuple[TokenRules | None, ...]:
+    """One rules object per choice of `n`: `rules` for the first, `others` (none: no rules) for
+    the rest."""
+    return (rules, *(others or [None] * (n - 1)))
+
+
 @dataclass(frozen=True)
 class AdmitRequest:
     prompt_ids: Sequence[int]
