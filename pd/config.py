@@ -280,6 +280,11 @@ class WorkerConfig:
         "--simulate: stretch every modeled duration (steps, KV pulls) by this factor; the "
         "worker's reported latencies are then divided by it",
     )
+    startup_s: float = _flag(
+        0.0,
+        "--simulate: modeled seconds of start-up (weights read, engine started) before /ready "
+        "answers 200, times --time-scale; -1: the profile's own (docs/simulation.md)",
+    )
 
     @property
     def resolved_pull_slots(self) -> int:
@@ -363,6 +368,11 @@ class WorkerConfig:
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
         check_origins(self.allowed_origins)
         check(self.time_scale > 0, "--time-scale must be > 0")
+        check(self.startup_s >= 0 or self.startup_s == -1, "--startup-s must be >= 0, or -1")
+        check(
+            self.simulate is not None or self.startup_s == 0,
+            "--startup-s models a simulated worker's start-up: it needs --simulate",
+        )
         check(
             self.simulate is None or not (self.compile or self.cuda_graph_max_batch),
             "--simulate runs no model: --compile and --cuda-graph-max-batch do not apply",

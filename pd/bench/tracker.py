@@ -21,8 +21,8 @@ import functools
 import sys
 import time
 
-from pd.router.migrate import Tracker
 from pd.bench.stub_worker import StubWorker
+from pd.router.migrate import Tracker
 
 SHAPES = ("one", "coalesced", "whole")
 KINDS = ("cmpl", "cmpl+usage", "chat", "chat+usage")

@@ -30,6 +30,7 @@ from pd.planner.signals import Observation
 log = logging.getLogger("pd.planner")
 
 ROLES = ("prefill", "decode")
+DECISIONS_KEPT = 10_000  # the latest decisions a planner keeps (14 hours at one each 5 s)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,9 @@ class _RoleState:
     changed_at: float = -math.inf
     last_step: int = 0  # +1 or -1: the direction of its last change
     direction_changes: int = 0
+    ups: int = 0  # decisions that grew it, and that shrank it
+    downs: int = 0
+    floor: int = 0  # the predictive floor of the last observation
 
 
 class Planner:
@@ -101,6 +105,7 @@ class Planner:
         self.rate_fit = RateFit()
         self.roles = {r: _RoleState() for r in ROLES}
         self.decisions: list[Decision] = []
+        self.last: Observation | None = None
 
     # ------------------------------------------------------------------------------ estimates
 
@@ -147,6 +152,7 @@ class Planner:
 
     def observe(self, obs: Observation) -> Decision:
         """Take in `obs` (its reports feed the fits) and decide both roles' workers."""
+        self.last = obs
         for w in obs.workers:
             if w.role == "prefill":
                 self.rate_fit.add(w.prefill_tokens, w.prefill_busy_s)
@@ -171,7 +177,7 @@ class Planner:
             now_est[role] = est
             pressure[role] = (est / slo) if est is not None else 0.0
             target = max(current, low)
-            floor = self.floor(obs, role)
+            floor = state.floor = self.floor(obs, role)
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals need {floor}")
@@ -199,6 +205,7 @@ class Planner:
         if reasons:
             log.info("%s", decision.line())
         self.decisions.append(decision)
+        del self.decisions[:-DECISIONS_KEPT]
         return decision
 
     def _within_budget(
@@ -221,6 +228,10 @@ class Planner:
         step = 1 if target > before else -1
         if state.last_step and step != state.last_step:
             state.direction_changes += 1
+        if step > 0:
+            state.ups += 1
+        else:
+            state.downs += 1
         state.last_step, state.target, state.changed_at = step, target, now
 
     @property

@@ -125,6 +125,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions and /v1/chat/completions."""
     t0 = perf_counter()
     proxy = request.app[PROXY]
+    proxy.metrics.arrivals += 1
     route, status, ex = "none", "500", None
     try:
         raw = await request.read()

@@ -38,6 +38,7 @@ class RouterMetrics(Collector):
         self.policies["pd"] = f"{self.policies['prefill']}/{self.policies['decode']}"
         self.policies["local"] = self.policies["decode"]
         self.requests: dict[tuple[str, str], int] = {}  # (status, route) -> count
+        self.arrivals = 0  # client requests as they arrive (the planner's arrival rate)
         self.ttft = {route: Hist() for route in ROUTES}
         self.e2e = {route: Hist() for route in ROUTES}
         self.prefill = Hist()
@@ -84,6 +85,12 @@ class RouterMetrics(Collector):
         for (status, route), n in sorted(self.requests.items()):
             requests.add_metric([status, route, self.policies.get(route, "none")], n)
         yield requests
+        arrivals = CounterMetricFamily(
+            "pd_router_arrivals",
+            "Client requests as they arrived, before any check (the planner's arrival rate)",
+        )
+        arrivals.add_metric([], self.arrivals)
+        yield arrivals
         for name, doc, hists in (
             (
                 "pd_router_ttft_seconds",

@@ -18,6 +18,10 @@ from pd.router.worker import Worker
 
 log = logging.getLogger("pd.router")
 
+# Not ready for these reasons, a worker gets nothing even when its whole pool is busy: it drains
+# (leaving), or it starts (its weights still loading).
+NEVER_BUSY_FALLBACK = ("draining", "starting")
+
 
 class Pool:
     def __init__(
@@ -127,11 +131,11 @@ class Pool:
 
     def _refresh(self) -> None:
         """`healthy`: the workers new requests may go to: alive and ready; when none is ready,
-        the alive ones that do not drain (all busy: each queues what it gets, rather than the
+        the alive ones that neither drain nor start (all busy: each queues what it gets, rather than the
         router refusing everything)."""
         alive = [w for w in self.workers.values() if w.healthy]
         ready = [w for w in alive if w.ready]
-        self.healthy = ready or [w for w in alive if w.not_ready != "draining"]
+        self.healthy = ready or [w for w in alive if w.not_ready not in NEVER_BUSY_FALLBACK]
         self.all_busy = not ready and bool(self.healthy)
 
 

@@ -34,6 +34,13 @@ else:  # pragma: no cover - Python 3.10
 
 DEFAULT_LINK = "rdma-400g"
 BF16_BYTES = 2
+# A new worker's start-up (issue 43: a simulated worker takes load only after it): its weights
+# read from shared storage at WEIGHT_LOAD_BYTES_PER_S for the whole node (a network file system
+# or object store's share, not a local NVMe's page cache), then ENGINE_INIT_S of engine start
+# (CUDA graphs, warm-up). Stated, not measured: llama-3.1-70b's 141 GB give 90 s, within the
+# 60-120 s that serving systems report for a cold 70B replica; llama-3.1-8b's 16 GB give 28 s.
+WEIGHT_LOAD_BYTES_PER_S = 2e9
+ENGINE_INIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,11 @@ class Profile:
     def name(self) -> str:
         link = f":{self.link.name}" if self.link else ""
         return f"{self.model.name}:{self.device.name}:tp{self.tp}{link}"
+
+    @property
+    def startup_s(self) -> float:
+        """Seconds from a new worker's start to ready: its weights read, its engine started."""
+        return self.model.weight_bytes / WEIGHT_LOAD_BYTES_PER_S + ENGINE_INIT_S
 
     def kv_tokens(self) -> int:
         """Tokens of KV the worker's GPUs hold: their usable memory less the weights."""

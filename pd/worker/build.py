@@ -90,6 +90,7 @@ class Worker:
     migratable: set[tuple[RequestHandle, ...]] = field(default_factory=set)
     # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
     simulation: Callable[[], dict[str, Any]] | None = None
+    startup_s: float = 0.0  # --simulate --startup-s: real seconds from serving to ready
     quantization: str = "none"  # the linear layers' format, --quantization auto resolved
     # How it computes (contract.runtime_format): a P and a D pair only when theirs are equal
     runtime_format: dict[str, str] = field(default_factory=dict)
@@ -186,9 +187,12 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         bg.idle = lambda: engine.idle and not engine.handles
     metrics.read_cache_stats_from(lambda: (cache.query_tokens, cache.hit_tokens))
     simulation = None
+    startup_s = 0.0
     if model.simulated is not None:
         simulation = model.simulated.describe
         metrics.read_simulation_from(model.simulated.stats)
+        modeled = model.simulated.profile.startup_s if cfg.startup_s == -1 else cfg.startup_s
+        startup_s = modeled * cfg.time_scale
     role: Role = CoLocated(engine)
     if prefill is not None:
         role = Prefill(engine, prefill)
@@ -224,6 +228,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         attention_backend=runner.attention_backend,
         vocab_size=runner.config.vocab_size,
         simulation=simulation,
+        startup_s=startup_s,
         quantization=model.quantization,
         runtime_format=runtime_format(runner),
         kernels=model.kernels,

@@ -18,14 +18,20 @@ TICK_S = 0.2
 
 
 class Readiness:
-    def __init__(self, hold_s: float = HOLD_S) -> None:
+    def __init__(self, hold_s: float = HOLD_S, starting_until: float = 0.0) -> None:
         self.hold_s = hold_s
+        # Not ready ("starting") until the clock of `update` reaches this: a simulated worker's
+        # start-up (its weights read). A router never sends to a starting worker, not even as
+        # its busy fallback.
+        self.starting_until = starting_until
+        self._starting = starting_until > 0
         self._ready = True
         self._blocked_why: str | None = None  # the blocker while it holds
         self._since: float | None = None  # when the admission condition last changed
 
     def update(self, now: float, blocker: str | None) -> None:
         """The admission condition now: None (a request could be admitted) or what blocks."""
+        self._starting = now < self.starting_until
         blocked = blocker is not None
         was = self._blocked_why is not None
         if blocked != was or self._since is None:
@@ -38,6 +44,8 @@ class Readiness:
         """(ready, why not)."""
         if draining:
             return False, "draining"
+        if self._starting:
+            return False, "starting"
         if not self._ready:
             return False, f"unable to admit a request for {self.hold_s:g}s: {self._blocked_why}"
         return True, None

@@ -132,7 +132,9 @@ def make_app(worker: Worker) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
-    app[READINESS] = Readiness()
+    app[READINESS] = Readiness(
+        starting_until=time.monotonic() + worker.startup_s if worker.startup_s else 0.0
+    )
     app[GRAMMARS] = GrammarCompiler(
         worker.tokenizer,
         worker.vocab_size or worker.tokenizer.vocab_size,
@@ -158,6 +160,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/integrity", integrity)
+    app.router.add_get("/steps", steps)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     for path, serve in worker.role.routes().items():  # the role's own
         app.router.add_post(path, _role_route(serve))
@@ -204,6 +207,18 @@ async def ready(request: web.Request) -> web.Response:
     ok, why = request.app[READINESS].state(worker.draining)
     body = {"ready": ok, "reason": why} if not ok else {"ready": True}
     return json_response(body, 200 if ok else 503)
+
+
+async def steps(request: web.Request) -> web.Response:
+    """The step record (engine/step_log.py) for the planner: totals, and the decode steps after
+    `?after=N` (a step index from an earlier answer's `steps`)."""
+    raw = request.query.get("after", "0")
+    if not raw.isdigit():
+        raise bad_request("'after' must be a step index (a non-negative integer)", "after")
+    worker = request.app[WORKER]
+    body = worker.engine.step_log.since(int(raw))
+    body["role"] = worker.role.name
+    return json_response(body)
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:

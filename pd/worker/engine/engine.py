@@ -32,6 +32,7 @@ from pd.worker.engine.fork import choice_options
 from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
 from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
 from pd.worker.engine.scheduler import Scheduler
+from pd.worker.engine.step_log import StepLog
 from pd.worker.metrics import WorkerMetrics
 from pd.worker.model.runner import StepBatch
 from pd.worker.model.sampler import SampleOutput
@@ -90,6 +91,7 @@ class Engine:
         self._step_seqs: frozenset[Sequence] = frozenset()  # in the forward pass running now
         self._deferred: list[tuple[Sequence, str]] = []  # ended during it: freed after it
         self.steps = 0
+        self.step_log = StepLog()  # what the steps cost: the planner's fits (`GET /steps`)
         self._last_walk = "ok"  # the last full integrity walk's result
 
     @property
@@ -457,19 +459,33 @@ class Engine:
         self._step_seqs = frozenset(batch.seqs)
         try:
             loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._executor, self.runner.execute, batch)
+            future = loop.run_in_executor(self._executor, self._timed, batch)
             try:
                 if while_running is not None:
                     while_running()
             finally:  # never leave the step running unawaited: its pages are in use
-                out = await future
+                out, seconds = await future
         finally:
             self._step_seqs = frozenset()
             for seq, reason in self._deferred:
                 self.scheduler.finish(seq, reason)
             self._deferred.clear()
         self.steps += 1
+        self.step_log.record(
+            [len(seq.prompt_ids) for seq in batch.seqs],
+            batch.num_cached,
+            batch.num_new,
+            len(out.token_ids),
+            seconds,
+        )
         return out
+
+    def _timed(self, batch: ScheduledBatch) -> tuple[SampleOutput, float]:
+        """The runner's step and its seconds, timed on the forward thread (the loop's delays
+        are not the step's)."""
+        t0 = time.perf_counter()
+        out = self.runner.execute(batch)
+        return out, time.perf_counter() - t0
 
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):

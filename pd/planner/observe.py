@@ -1,0 +1,164 @@
+"""What the planner reads of a running cluster, each poll: the router's worker list and arrival
+counter, and each prefill and decode worker's `/health` (readiness, load) and step record
+(`GET /steps?after=N`: totals since start, decode steps since the last poll). Out of them one
+`Observation`, in the planner's time: a simulated cluster at time scale K runs K times slower
+than the GPUs it models, so seconds read are divided by K and rates multiplied by it.
+
+The arrival rate and the mean lengths are taken over a window of polls (`window_s` of the
+planner's time), not one poll: a few seconds of a bursty load say little of its rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pd.planner.signals import Observation, StepSample, WorkerSignals
+
+PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
+NOT_COUNTED = (
+    "starting",
+    "draining",
+)  # not ready for these: not a worker of its role yet (or any more)
+WINDOW_S = 30.0  # the arrival rate's and mean lengths' window (the planner's seconds)
+
+
+@dataclass
+class _Seen:
+    """What a worker reported at the last poll (its counters are totals since its start)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_busy_s: float = 0.0
+    prefills_done: int = 0
+    sampled_tokens: int = 0
+
+
+@dataclass
+class _Totals:
+    """The cluster's counters at one poll, for the windowed rates."""
+
+    at: float
+    arrivals: float
+    prefill_tokens: int
+    prefills_done: int
+    sampled_tokens: int
+
+
+@dataclass
+class ClusterReader:
+    router_url: str
+    time_scale: float = 1.0
+    window_s: float = WINDOW_S
+    timeout_s: float = 5.0
+    clock: Callable[[], float] = time.monotonic
+    _seen: dict[str, _Seen] = field(default_factory=dict)
+    _totals: deque[_Totals] = field(default_factory=deque)
+    _start: float | None = None
+    _counters: dict[str, int] = field(
+        default_factory=lambda: {"tokens": 0, "done": 0, "sampled": 0}
+    )
+
+    def now(self) -> float:
+        """The planner's clock: seconds since the first poll, in the modeled time."""
+        t = self.clock()
+        if self._start is None:
+            self._start = t
+        return (t - self._start) / self.time_scale
+
+    async def observe(self, http: aiohttp.ClientSession) -> Observation:
+        at = self.now()
+        listed = await self._get_json(http, f"{self.router_url}/workers")
+        workers = [w for w in (listed or {}).get("workers", []) if w.get("role") in PLANNED]
+        reports = await asyncio.gather(*(self._worker(http, w) for w in workers))
+        signals = tuple(s for s in reports if s is not None)
+        arrivals = await self._arrivals(http)
+        self._totals.append(
+            _Totals(
+                at,
+                arrivals,
+                self._counters["tokens"],
+                self._counters["done"],
+                self._counters["sampled"],
+            )
+        )
+        while len(self._totals) > 2 and at - self._totals[1].at >= self.window_s:
+            self._totals.popleft()
+        first, last = self._totals[0], self._totals[-1]
+        span = last.at - first.at
+        rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
+        done = last.prefills_done - first.prefills_done
+        prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
+        # Each request's first token is sampled on P, the others on D.
+        output = (last.sampled_tokens - first.sampled_tokens) / done + 1 if done else 0.0
+        return Observation(at, signals, max(0.0, rate), prompt, output)
+
+    async def _worker(
+        self, http: aiohttp.ClientSession, listed: dict[str, Any]
+    ) -> WorkerSignals | None:
+        url, role = listed["url"], listed["role"]
+        health = await self._get_json(http, f"{url}/health")
+        seen = self._seen.setdefault(url, _Seen())
+        record = await self._get_json(http, f"{url}/steps?after={seen.steps}")
+        if health is None or record is None:
+            return None  # unreachable: not a worker this poll
+        k = self.time_scale
+        if record["steps"] < seen.steps:  # it restarted: its counters too
+            seen = self._seen[url] = _Seen()
+        tokens = record["prefill_tokens"] - seen.prefill_tokens
+        busy = record["prefill_busy_s"] - seen.prefill_busy_s
+        self._counters["tokens"] += tokens
+        self._counters["done"] += record["prefills_done"] - seen.prefills_done
+        if role == "decode":
+            self._counters["sampled"] += record["sampled_tokens"] - seen.sampled_tokens
+        self._seen[url] = _Seen(
+            record["steps"],
+            record["prefill_tokens"],
+            record["prefill_busy_s"],
+            record["prefills_done"],
+            record["sampled_tokens"],
+        )
+        load = health.get("load") or {}
+        why = health.get("not_ready_reason")
+        running = int(load.get("running", 0))
+        last = record.get("last_sample") or {}
+        return WorkerSignals(
+            url=url,
+            role=role,
+            ready=why not in NOT_COUNTED,
+            queued_prefill_tokens=int(load.get("queued_prefill_tokens", 0)),
+            running=running,
+            kv_tokens=int(last.get("kv_tokens", 0)) if running else 0,
+            prefill_tokens=tokens,
+            prefill_busy_s=busy / k,
+            steps=tuple(StepSample(r, kv, s / k) for r, kv, s in record["samples"]),
+        )
+
+    async def _arrivals(self, http: aiohttp.ClientSession) -> float:
+        try:
+            async with http.get(
+                f"{self.router_url}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as r:
+                text = await r.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return self._totals[-1].arrivals if self._totals else 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name == "pd_router_arrivals":
+                return sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return 0.0
+
+    async def _get_json(self, http: aiohttp.ClientSession, url: str) -> Any:
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                if r.status != 200:
+                    return None
+                return await r.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None

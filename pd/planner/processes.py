@@ -1,0 +1,218 @@
+"""Connectors that start and stop worker processes on this host: `local` (`pd-worker`) and
+`simulated` (a host of one `--simulate` worker, ready only after its profile's start-up time).
+
+A new worker registers itself with the router (`--register-with`) as soon as it serves; the
+router sends it nothing until its `/ready` says so (a simulated one answers `starting` until its
+weights would be loaded). So the planner counts it as starting until the router's list and its
+own `/health` show it ready, and starts no other for its role meanwhile.
+
+A worker is removed in the order that loses nothing: the router forgets it first (no new request
+goes to it), then SIGTERM drains it (a decode worker's streams end with `: pd-migrate` and the
+router continues them on another decode worker; a prefill worker finishes its prefills and waits
+until its pinned pages are pulled or released), and the process exits on its own. Only workers
+this connector started are removed: it never stops what it does not own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from pd.planner.connector import Connector
+from pd.planner.decide import ROLES, Decision
+from pd.planner.signals import Observation
+from pd.registration import RegistrationError, deregister_from_router
+
+log = logging.getLogger("pd.planner")
+
+FAILED_STARTS_MAX = 3  # in a row, per role: then it stops trying (a broken command line)
+STOP_TIMEOUT_S = 900.0  # a drain's limit before SIGKILL (the worker's own --drain-timeout-s is 600)
+
+
+@dataclass
+class Managed:
+    role: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    state: str = "starting"  # -> "ready" -> "leaving"
+
+
+def free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ProcessConnector(Connector):
+    def __init__(
+        self,
+        router_url: str,
+        *,
+        admin_token: str | None = None,
+        worker_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        log_dir: str | None = None,
+    ) -> None:
+        self.router_url = router_url
+        self.admin_token = admin_token
+        self.worker_args = list(worker_args)
+        self.host = host
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.workers: dict[str, Managed] = {}
+        self.failed_starts = dict.fromkeys(ROLES, 0)
+        self._stops: set[asyncio.Task[None]] = set()
+        self.started = 0
+
+    def command(self, role: str, port: int) -> list[str]:
+        raise NotImplementedError
+
+    def _common(self, role: str, port: int) -> list[str]:
+        args = ["--role", role, "--host", self.host, "--port", str(port)]
+        args += ["--register-with", self.router_url]
+        if self.admin_token:
+            args += ["--admin-token", self.admin_token]
+        return args + self.worker_args
+
+    def pending(self) -> dict[str, dict[str, int]]:
+        out = {r: {"starting": 0, "leaving": 0} for r in ROLES}
+        for m in self.workers.values():
+            if m.state in ("starting", "leaving"):
+                out[m.role][m.state] += 1
+        return out
+
+    async def apply(self, decision: Decision, obs: Observation) -> list[str]:
+        actions: list[str] = []
+        self._reap(actions)
+        for role, want in (("prefill", decision.prefill), ("decode", decision.decode)):
+            ready = {w.url: w for w in obs.of(role)}
+            for m in self.workers.values():
+                if m.state == "starting" and m.url in ready:
+                    m.state = "ready"
+                    self.failed_starts[role] = 0
+                    actions.append(f"{role} worker {m.url} is ready")
+            starting = [
+                m for m in self.workers.values() if m.role == role and m.state == "starting"
+            ]
+            if want > len(ready) + len(starting):
+                if self.failed_starts[role] >= FAILED_STARTS_MAX:
+                    continue
+                for _ in range(want - len(ready) - len(starting)):
+                    actions.append(self._start(role))
+            elif want < len(ready) and not starting:
+                # The least busy of ours first: the fewest streams to move, prefills to finish.
+                ours = [m for m in self.workers.values() if m.role == role and m.state == "ready"]
+                ours.sort(key=lambda m: ready[m.url].running if m.url in ready else 0)
+                for m in ours[: len(ready) - want]:
+                    m.state = "leaving"
+                    task = asyncio.create_task(self._stop(m))
+                    self._stops.add(task)
+                    task.add_done_callback(self._stops.discard)
+                    actions.append(f"draining {role} worker {m.url}")
+        return actions
+
+    def _start(self, role: str) -> str:
+        port = free_port(self.host)
+        url = f"http://{self.host}:{port}"
+        cmd = self.command(role, port)
+        if self.log_dir is None:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        else:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / f"{role}-{port}.log", "wb") as out:  # the child keeps it
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        self.workers[url] = Managed(role, url, proc)
+        self.started += 1
+        log.info("starting %s worker %s: %s", role, url, " ".join(cmd))
+        return f"starting {role} worker {url}"
+
+    def _reap(self, actions: list[str]) -> None:
+        """Forget processes that exited: a start that failed counts against its role."""
+        for url, m in list(self.workers.items()):
+            code = m.proc.poll()
+            if code is None:
+                continue
+            del self.workers[url]
+            if m.state == "starting":
+                self.failed_starts[m.role] += 1
+                actions.append(f"{m.role} worker {url} exited while starting (status {code})")
+            elif m.state == "ready":
+                actions.append(f"{m.role} worker {url} exited (status {code})")
+
+    async def _stop(self, m: Managed) -> None:
+        async with aiohttp.ClientSession() as http:
+            try:
+                await deregister_from_router(self.router_url, m.url, self.admin_token, http)
+            except RegistrationError as e:  # the drain still ends its streams well
+                log.warning("router did not forget %s: %s", m.url, e)
+        m.proc.send_signal(signal.SIGTERM)
+        try:
+            code = await asyncio.wait_for(asyncio.to_thread(m.proc.wait), STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.error("%s worker %s did not drain in %.0f s: killed", m.role, m.url, STOP_TIMEOUT_S)
+            m.proc.kill()
+            code = await asyncio.to_thread(m.proc.wait)
+        log.info("%s worker %s drained and stopped (status %s)", m.role, m.url, code)
+        self.workers.pop(m.url, None)
+
+    async def close(self) -> None:
+        """Stop every worker this connector started (drained, as on a scale-down)."""
+        for m in list(self.workers.values()):
+            if m.state != "leaving":
+                m.state = "leaving"
+                task = asyncio.create_task(self._stop(m))
+                self._stops.add(task)
+        if self._stops:
+            await asyncio.gather(*self._stops, return_exceptions=True)
+
+
+class LocalConnector(ProcessConnector):
+    """`pd-worker` processes on this host (give them `--threads` in `worker_args`: workers on one
+    machine split its cores)."""
+
+    name = "local"
+
+    def command(self, role: str, port: int) -> list[str]:
+        return [sys.executable, "-m", "pd.worker.main", *self._common(role, port)]
+
+
+class SimulatedConnector(ProcessConnector):
+    """One `--simulate` worker a process (docs/simulation.md), ready after `startup_s` modeled
+    seconds (-1: its profile's, the weights' bytes over the load rate it states), times
+    `time_scale`."""
+
+    name = "simulated"
+
+    def __init__(
+        self,
+        router_url: str,
+        profile: str,
+        *,
+        time_scale: float = 1.0,
+        startup_s: float = -1,
+        admin_token: str | None = None,
+        worker_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        log_dir: str | None = None,
+    ) -> None:
+        super().__init__(
+            router_url, admin_token=admin_token, worker_args=worker_args, host=host, log_dir=log_dir
+        )
+        self.profile = profile
+        self.time_scale = time_scale
+        self.startup_s = startup_s
+
+    def command(self, role: str, port: int) -> list[str]:
+        args = self._common(role, port)
+        args += ["--simulate", self.profile, "--time-scale", str(self.time_scale)]
+        args += ["--startup-s", str(self.startup_s)]
+        return [sys.executable, "-m", "pd.worker.simulated.host", "--roles", role, *args]
