@@ -39,6 +39,10 @@ class PlannerConfig:
         None, "the router's admin token (started workers register with it; a drained one is "
         "removed with it)", env="PD_ADMIN_TOKEN",
     )  # fmt: skip
+    cluster_token: str | None = _flag(
+        None, "local, simulated: the cluster token given to the workers started (the router's "
+        "and the other workers')", env="PD_CLUSTER_TOKEN",
+    )  # fmt: skip
     worker_args: str = _flag(
         "", "local, simulated: flags given to every worker started, one string "
         "(e.g. '--threads 1 --kv-pages 2048')",

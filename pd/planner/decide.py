@@ -60,6 +60,7 @@ class PlannerKnobs:
     cooldown_s: float = 60.0  # a role shrinks no sooner than this after its last change
     down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
     target_load: float = 0.8  # the predictive floor keeps a prefill worker at most this busy
+    kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class _RoleState:
     ups: int = 0  # decisions that grew it, and that shrank it
     downs: int = 0
     floor: int = 0  # the predictive floor of the last observation
+    needed_at: float = -math.inf  # when one worker fewer last would not have held
 
 
 class Planner:
@@ -122,10 +124,16 @@ class Planner:
         if n <= 0:
             return None
         ds = obs.of("decode")
-        rows = sum(w.running for w in ds)
-        if rows == 0:
-            return None
+        rows = sum(w.running for w in ds)  # none: the fit's fixed cost, an idle step's
         return self.step_fit.predict(rows / n, sum(w.kv_tokens for w in ds) / n)
+
+    def kv_use(self, obs: Observation, n: int) -> float | None:
+        """The decode workers' KV in use spread over `n` of their pools (None: not reported)."""
+        ds = [w for w in obs.of("decode") if w.kv_pages_total]
+        if not ds or n <= 0:
+            return None
+        pool = sum(w.kv_pages_total for w in ds) / len(ds)
+        return sum(w.kv_pages_used for w in ds) / (n * pool)
 
     def floor(self, obs: Observation, role: str) -> int:
         """The predictive floor: the workers the arrival rate and lengths need (0: unknown)."""
@@ -137,14 +145,30 @@ class Planner:
                 return 0
             offered = obs.arrivals_per_s * obs.prompt_tokens
             return math.ceil(offered / (rate * self.knobs.target_load))
-        rows = obs.arrivals_per_s * obs.output_tokens * self.slo.itl_s  # Little's law
-        kv = rows * (obs.prompt_tokens + obs.output_tokens / 2)
-        _, most = self.bounds.of(role)
+        return self._decode_floor(obs)
+
+    def _decode_floor(self, obs: Observation) -> int:
+        """The fewest decode workers whose fitted step holds the ITL at the rows the arrivals
+        keep in flight, and whose pools hold those rows' KV. By Little's law the rows are
+        `arrivals x output tokens x step`, and the step grows with the rows per worker: with the
+        fit's `a + (b + c x context) x rows / n`, the rows are `arrivals x output x a / (1 -
+        arrivals x output x (b + c x context) / n)` (none: the load outruns n workers)."""
+        if self.step_fit.coefficients is None:
+            return 0
+        a, b, c = self.step_fit.coefficients
+        context = obs.prompt_tokens + obs.output_tokens / 2  # a row's mean KV tokens
+        demand = obs.arrivals_per_s * obs.output_tokens  # tokens a second to decode
+        pools = [w for w in obs.of("decode") if w.kv_pages_total and w.kv_page_size]
+        pool = sum(w.kv_pages_total * w.kv_page_size for w in pools) / len(pools) if pools else None
+        _, most = self.bounds.of("decode")
         for n in range(1, most + 1):
-            step = self.step_fit.predict(rows / n, kv / n)
-            if step is None:
-                return 0
-            if step <= self.slo.itl_s:
+            spare = 1 - demand * (b + c * context) / n
+            if spare <= 0:
+                continue
+            rows = demand * a / spare
+            step = a + (b + c * context) * rows / n
+            fits = pool is None or rows * context / n <= self.knobs.kv_high * pool
+            if step <= self.slo.itl_s and fits:
                 return n
         return most
 
@@ -169,8 +193,9 @@ class Planner:
         for role in ROLES:
             state = self.roles[role]
             current = state.target
-            if current is None:
+            if current is None:  # first sight: it shrinks only after a cool-down seen whole
                 current = state.target = len([w for w in obs.workers if w.role == role])
+                state.needed_at = obs.at
             estimate, slo, name = estimates[role]
             low, high = self.bounds.of(role)
             est = estimate(obs, current)
@@ -181,15 +206,26 @@ class Planner:
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals need {floor}")
+            full = self._kv_full(obs, current) if role == "decode" else None
             if est is not None and est > slo and target <= current:
                 target = current + 1
                 reasons.append(f"{role}: {name} {est:.3f} s over {slo:.3f}")
-            elif target == current > low and floor <= current - 1:
-                fewer = estimate(obs, current - 1)
-                settled = obs.at - state.changed_at >= self.knobs.cooldown_s
-                if fewer is not None and fewer <= self.knobs.down_margin * slo and settled:
-                    target = current - 1
-                    reasons.append(f"{role}: {current - 1} would hold {name} {fewer:.3f} s")
+            elif full is not None and target <= current:
+                target = current + 1
+                reasons.append(f"decode: {full}")
+            fewer = estimate(obs, current - 1) if current > low else None
+            enough = (
+                target == current > low
+                and floor <= current - 1
+                and fewer is not None
+                and fewer <= self.knobs.down_margin * slo
+                and (role != "decode" or self._kv_room(obs, current - 1))
+            )
+            if not enough:
+                state.needed_at = obs.at  # the workers there are were all needed, now
+            elif obs.at - max(state.changed_at, state.needed_at) >= self.knobs.cooldown_s:
+                target = current - 1  # one fewer would have held for the whole cool-down
+                reasons.append(f"{role}: {current - 1} would hold {name} {fewer:.3f} s")
             want[role] = min(max(target, low), high)
         self._within_budget(want, pressure, reasons)
         for role in ROLES:
@@ -207,6 +243,21 @@ class Planner:
         self.decisions.append(decision)
         del self.decisions[:-DECISIONS_KEPT]
         return decision
+
+    def _kv_full(self, obs: Observation, n: int) -> str | None:
+        """Why `n` decode workers' KV pools are too full (None: they are not)."""
+        waiting = sum(w.waiting_for_pages for w in obs.of("decode"))
+        if waiting:
+            return f"{waiting} requests wait for KV pages"
+        use = self.kv_use(obs, n)
+        if use is not None and use > self.knobs.kv_high:
+            return f"KV {use:.0%} full (over {self.knobs.kv_high:.0%})"
+        return None
+
+    def _kv_room(self, obs: Observation, n: int) -> bool:
+        """Whether the KV in use fits `n` decode workers' pools with the shrink's margin."""
+        use = self.kv_use(obs, n)
+        return use is None or use <= self.knobs.down_margin * self.knobs.kv_high
 
     def _within_budget(
         self, want: dict[str, int], pressure: dict[str, float], reasons: list[str]

@@ -58,6 +58,7 @@ class ClusterReader:
     time_scale: float = 1.0
     window_s: float = WINDOW_S
     timeout_s: float = 5.0
+    admin_token: str | None = None  # the router's: its worker list needs it when it has one
     clock: Callable[[], float] = time.monotonic
     _seen: dict[str, _Seen] = field(default_factory=dict)
     _totals: deque[_Totals] = field(default_factory=deque)
@@ -75,7 +76,15 @@ class ClusterReader:
 
     async def observe(self, http: aiohttp.ClientSession) -> Observation:
         at = self.now()
-        listed = await self._get_json(http, f"{self.router_url}/workers")
+        headers = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        async with http.get(
+            f"{self.router_url}/workers",
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+        ) as r:
+            if r.status != 200:  # no observation: never a cluster of no workers
+                raise RuntimeError(f"the router's /workers answered {r.status}: {await r.text()}")
+            listed = await r.json()
         workers = [w for w in (listed or {}).get("workers", []) if w.get("role") in PLANNED]
         reports = await asyncio.gather(*(self._worker(http, w) for w in workers))
         signals = tuple(s for s in reports if s is not None)
@@ -136,6 +145,10 @@ class ClusterReader:
             queued_prefill_tokens=int(load.get("queued_prefill_tokens", 0)),
             running=running,
             kv_tokens=int(last.get("kv_tokens", 0)) if running else 0,
+            kv_pages_used=int(load.get("kv_pages_total", 0)) - int(load.get("kv_pages_free", 0)),
+            kv_pages_total=int(load.get("kv_pages_total", 0)),
+            kv_page_size=int(load.get("kv_page_size", 0)),
+            waiting_for_pages=int(load.get("waiting_for_pages", 0)),
             prefill_tokens=tokens,
             prefill_busy_s=busy / k,
             steps=tuple(StepSample(r, kv, s / k) for r, kv, s in record["samples"]),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from pd.planner.connector import Connector
 from pd.planner.decide import ROLES, Decision
 from pd.planner.signals import Observation
 from pd.registration import RegistrationError, deregister_from_router
+from pd.signing import TOKEN_ENV
 
 log = logging.getLogger("pd.planner")
 
@@ -59,12 +61,16 @@ class ProcessConnector(Connector):
         router_url: str,
         *,
         admin_token: str | None = None,
+        cluster_token: str | None = None,
         worker_args: Sequence[str] = (),
         host: str = "127.0.0.1",
         log_dir: str | None = None,
     ) -> None:
         self.router_url = router_url
         self.admin_token = admin_token
+        self.env = dict(os.environ)
+        if cluster_token:
+            self.env[TOKEN_ENV] = cluster_token
         self.worker_args = list(worker_args)
         self.host = host
         self.log_dir = Path(log_dir) if log_dir else None
@@ -125,11 +131,13 @@ class ProcessConnector(Connector):
         url = f"http://{self.host}:{port}"
         cmd = self.command(role, port)
         if self.log_dir is None:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env
+            )
         else:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_dir / f"{role}-{port}.log", "wb") as out:  # the child keeps it
-                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         self.workers[url] = Managed(role, url, proc)
         self.started += 1
         log.info("starting %s worker %s: %s", role, url, " ".join(cmd))
@@ -200,12 +208,18 @@ class SimulatedConnector(ProcessConnector):
         time_scale: float = 1.0,
         startup_s: float = -1,
         admin_token: str | None = None,
+        cluster_token: str | None = None,
         worker_args: Sequence[str] = (),
         host: str = "127.0.0.1",
         log_dir: str | None = None,
     ) -> None:
         super().__init__(
-            router_url, admin_token=admin_token, worker_args=worker_args, host=host, log_dir=log_dir
+            router_url,
+            admin_token=admin_token,
+            cluster_token=cluster_token,
+            worker_args=worker_args,
+            host=host,
+            log_dir=log_dir,
         )
         self.profile = profile
         self.time_scale = time_scale

@@ -38,11 +38,16 @@ def make_connector(cfg: PlannerConfig) -> Connector:
             time_scale=cfg.time_scale,
             startup_s=cfg.startup_s,
             admin_token=cfg.admin_token,
+            cluster_token=cfg.cluster_token,
             worker_args=args,
             log_dir=cfg.log_dir,
         )
     return LocalConnector(
-        cfg.router, admin_token=cfg.admin_token, worker_args=args, log_dir=cfg.log_dir
+        cfg.router,
+        admin_token=cfg.admin_token,
+        cluster_token=cfg.cluster_token,
+        worker_args=args,
+        log_dir=cfg.log_dir,
     )
 
 
@@ -51,7 +56,9 @@ class PlannerService:
         assert cfg.router is not None
         self.cfg = cfg
         self.planner = Planner(cfg.slo, cfg.bounds, cfg.knobs)
-        self.reader = ClusterReader(cfg.router, cfg.time_scale, cfg.window_s)
+        self.reader = ClusterReader(
+            cfg.router, cfg.time_scale, cfg.window_s, admin_token=cfg.admin_token
+        )
         self.connector = connector or make_connector(cfg)
         self.metrics = PlannerMetrics(self.planner, self.connector)
         self.actions: list[str] = []  # what the connector did, oldest first (the latest kept)

@@ -23,6 +23,10 @@ class WorkerSignals:
     queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled (cache hits excluded)
     running: int = 0  # rows in its batch
     kv_tokens: int = 0  # tokens whose KV its running requests hold
+    kv_pages_used: int = 0  # of its KV pool (cached pages nobody holds count as free)
+    kv_pages_total: int = 0
+    kv_page_size: int = 0  # tokens a page
+    waiting_for_pages: int = 0  # decode: pulled requests queued until their pages fit
     prefill_tokens: int = 0  # prompt tokens it prefilled since the last observation
     prefill_busy_s: float = 0.0  # of which it spent this long computing (0: idle)
     steps: tuple[StepSample, ...] = ()  # decode steps since the last observation

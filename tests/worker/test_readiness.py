@@ -24,3 +24,13 @@ def test_readiness_flips_after_the_condition_holds_and_not_on_a_blip():
     r.update(7.4, None)
     assert r.state(False) == (True, None)
     assert r.state(True) == (False, "draining")
+
+
+def test_a_starting_worker_is_not_ready_until_its_start_up_is_over():
+    r = Readiness(hold_s=2.0, starting_until=10.0)
+    assert r.state(False) == (False, "starting")  # before its first tick, too
+    r.update(9.9, None)
+    assert r.state(False) == (False, "starting")
+    assert r.state(True) == (False, "draining")  # a drain wins
+    r.update(10.0, None)
+    assert r.state(False) == (True, None)
