@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "pd": "a mixed load on one co-located worker vs a prefill/decode pair",
     "serve": "open-loop serving benchmark of any OpenAI endpoint: goodput, SLOs, plots",
     "plan": "the P:D split and TPs with the best goodput per GPU, on a simulated cluster",
+    "elastic": "the planner vs a fixed split vs HPA v2 under a changing load, simulated GPUs",
     "plan-check": "the planner's model against simulated worker processes, at a few rates",
     "routing": "routing policies and decode-local prefill on a multi-turn load (2 P + 1 D)",
     "sampling": "the sampler's ms per step for greedy, temperature, top-k, top-p and min-p",

@@ -144,6 +144,7 @@ class ClusterReader:
             ready=why not in NOT_COUNTED,
             queued_prefill_tokens=int(load.get("queued_prefill_tokens", 0)),
             running=running,
+            inflight=int(listed.get("inflight", 0)),
             kv_tokens=int(last.get("kv_tokens", 0)) if running else 0,
             kv_pages_used=int(load.get("kv_pages_total", 0)) - int(load.get("kv_pages_free", 0)),
             kv_pages_total=int(load.get("kv_pages_total", 0)),

@@ -22,6 +22,7 @@ class WorkerSignals:
     ready: bool  # takes load (a starting or draining worker does not count)
     queued_prefill_tokens: int = 0  # prompt tokens not yet prefilled (cache hits excluded)
     running: int = 0  # rows in its batch
+    inflight: int = 0  # requests the router has on it (what a request-count autoscaler sees)
     kv_tokens: int = 0  # tokens whose KV its running requests hold
     kv_pages_used: int = 0  # of its KV pool (cached pages nobody holds count as free)
     kv_pages_total: int = 0

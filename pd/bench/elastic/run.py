@@ -1,0 +1,468 @@
+"""`pd-bench elastic`: the planner against a fixed split and Kubernetes' HPA, on a simulated GPU
+cluster (real router and workers, steps at the profile's costs x the time scale), one load trace
+(trace.py) for each, in turn.
+
+- `planner`: starts at the fewest workers (`--min-prefill`, `--min-decode`); `pd-planner`'s
+  service in this process with the `simulated` connector adds and removes workers, each ready
+  only after its start-up (`--startup-s`, modeled);
+- `fixed`: the smallest split (fewest workers, then fewer prefill) whose SLO attainment on the
+  planner's own discrete-event model (pd/sim/cluster) is at least 90% in every held phase;
+- `hpa`: HPA v2's algorithm (hpa.py) per role on running requests per worker, through the same
+  connector.
+
+Per setup: SLO attainment (TTFT and mean ITL a request, against `--slo-ttft-ms` and
+`--slo-itl-ms`) over the run and per phase, GPU-hours (every worker process from its start to
+its exit, starting and draining included, x its GPUs), scale-ups and -downs of the targets,
+direction changes per held phase, requests lost or cut. For the planner, `fit_error`: the
+largest relative error of its decode-step fit against the profile's cost model over the steps
+it saw. Seconds are modeled: real seconds over the time scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pd.bench.elastic.hpa import HPA, PERIOD_S
+from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick
+from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.serve.client import RequestRecord, stream_request
+from pd.bench.serve.metrics import SLO, summarize
+from pd.planner import Decision
+from pd.planner.config import PlannerConfig
+from pd.planner.observe import ClusterReader
+from pd.planner.processes import SimulatedConnector
+from pd.planner.service import PlannerService
+from pd.sim.launch import SimWorkers, start_sim_workers
+
+ADMIN = "pd-bench-elastic-admin"
+SETUPS = ("planner", "fixed", "hpa")
+SAMPLE_S = 0.5  # real seconds between samples of the workers alive and the targets
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--simulate", default="llama-3.1-70b:h100:tp4", help="the workers' profile")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="K: modeled seconds run K times slower (raise it if the CPU passes 70%%)",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="one step up and back down (under 5 minutes): the planner adds and "
+                   "removes a worker")  # fmt: skip
+    p.add_argument("--setups", default=",".join(SETUPS), help="which, in this order")
+    p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
+    p.add_argument("--prompt-tokens", type=int, default=4000)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
+    p.add_argument("--slo-itl-ms", type=float, default=25.0)
+    p.add_argument("--startup-s", type=float, default=None,
+                   help="a new worker's modeled start-up (default: the profile's; --quick: 5)")  # fmt: skip
+    p.add_argument("--cooldown-s", type=float, default=None,
+                   help="the planner's cool-down (default 60; --quick: 10)")  # fmt: skip
+    p.add_argument("--interval-s", type=float, default=None,
+                   help="the planner's observation interval (default 5; --quick: 2)")  # fmt: skip
+    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-prefill", type=int, default=6)
+    p.add_argument("--max-decode", type=int, default=6)
+    p.add_argument("--budget", type=int, default=10, help="workers of both roles together")
+    p.add_argument("--hpa-prefill-target", type=float, default=1.0,
+                   help="HPA's target of running requests per prefill worker")  # fmt: skip
+    p.add_argument("--hpa-decode-target", type=float, default=16.0,
+                   help="HPA's target of running requests per decode worker")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default=None, help="worker and router logs here")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--out", default=None, help="also write the whole result (JSON) here")
+
+
+@dataclass
+class Sample:
+    at: float  # modeled seconds since the load began
+    workers: dict[str, int]  # processes alive per role
+    targets: dict[str, int]
+
+
+@dataclass
+class Run:
+    kind: str
+    records: list[RequestRecord] = field(default_factory=list)
+    phase_of: list[int] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+    fit_error: float | None = None
+    initial: tuple[int, int] = (1, 1)
+    wall_s: float = 0.0
+
+
+def phases_of(args: argparse.Namespace) -> list[Phase]:
+    make = quick if args.quick else full
+    return make(args.base_rate, args.prompt_tokens, args.output_tokens)
+
+
+def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
+    value = getattr(args, name)
+    return value if value is not None else (quick_value if args.quick else default)
+
+
+# ----------------------------------------------------------------------------- the fixed split
+
+
+def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int]:
+    """The fewest workers (then fewer prefill) meeting 90% attainment in every held phase on
+    the discrete-event model (the planner's own: pd-bench plan)."""
+    from pd.bench.plan_search import Search, attainment_at
+    from pd.sim.cluster import ClusterSpec, Limits, SimJob, SimTurn
+    from pd.sim.profile import parse_profile
+
+    profile = parse_profile(args.simulate)
+    search = Search(SLO(args.slo_ttft_ms, args.slo_itl_ms), 0.9, "poisson", args.seed)
+    held = [ph for ph in phases if ph.plateau]
+    for total in range(2, args.budget + 1):
+        for p in range(1, total):
+            spec = ClusterSpec.disaggregated(
+                profile, p, profile.tp, total - p, profile.tp, Limits()
+            )
+            if all(
+                attainment_at(spec, [
+                    SimJob(f"{ph.name}-{i}", (SimTurn(ph.prompt_tokens, ph.output_tokens),))
+                    for i in range(max(50, int(ph.rate * min(ph.seconds, 120))))
+                ], ph.rate, search) >= 0.9
+                for ph in held
+            ):  # fmt: skip
+                return p, total - p
+    return args.max_prefill, args.max_decode
+
+
+# ----------------------------------------------------------------------------- one setup
+
+
+async def run_setup(
+    kind: str, args: argparse.Namespace, phases: list[Phase], initial: tuple[int, int]
+) -> Run:
+    k = args.time_scale
+    roles = ["prefill"] * initial[0] + ["decode"] * initial[1]
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"pd-elastic-{kind}-")
+    sim = start_sim_workers(args.simulate, roles, time_scale=k, log_dir=log_dir)
+    router = None
+    run = Run(kind, initial=initial)
+    try:
+        for url in sim.all_urls:
+            await _wait_healthy(url, sim.procs)
+        port = _free_port()
+        router = _spawn(
+            "pd.router.main", "--port", str(port), "--admin-token", ADMIN,
+            "--local-prefill-max-tokens", "0", "--health-interval", "0.5",
+            *[a for u in sim.urls.get("prefill", []) for a in ("--prefill", u)],
+            *[a for u in sim.urls.get("decode", []) for a in ("--decode", u)],
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        await _wait_healthy(url, [router, *sim.procs])
+        run = await _drive(kind, args, phases, url, sim, log_dir, run)
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(timeout=30)
+        sim.stop()
+    return run
+
+
+async def _drive(
+    kind: str,
+    args: argparse.Namespace,
+    phases: list[Phase],
+    url: str,
+    sim: SimWorkers,
+    log_dir: str,
+    run: Run,
+) -> Run:
+    k = args.time_scale
+    cfg = PlannerConfig(
+        router=url, connector="simulated", slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms, interval_s=knob(args, "interval_s", 2.0, 5.0),
+        cooldown_s=knob(args, "cooldown_s", 10.0, 60.0), window_s=knob(args, "interval_s", 2.0, 5.0) * 5,
+        min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
+        max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
+        cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
+        startup_s=knob(args, "startup_s", 5.0, -1.0), log_dir=log_dir, port=0,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    service: PlannerService | None = None
+    controller: asyncio.Task[None] | None = None
+    connector: SimulatedConnector | None = None
+    hpa_targets = {"prefill": run.initial[0], "decode": run.initial[1]}
+    if kind == "planner":
+        service = PlannerService(cfg)
+        assert isinstance(service.connector, SimulatedConnector)
+        connector = service.connector
+        controller = asyncio.create_task(service.run(stop))
+    elif kind == "hpa":
+        connector = SimulatedConnector(
+            url, args.simulate, time_scale=k, startup_s=cfg.startup_s, admin_token=ADMIN,
+            cluster_token=cfg.cluster_token, log_dir=log_dir,
+        )  # fmt: skip
+        controller = asyncio.create_task(_hpa(args, url, connector, hpa_targets, stop))
+
+    def sample(at: float) -> Sample:
+        alive = {"prefill": run.initial[0], "decode": run.initial[1]}
+        for m in connector.workers.values() if connector else ():
+            alive[m.role] += m.proc.poll() is None
+        if service is not None:
+            targets = {r: s.target or 0 for r, s in service.planner.roles.items()}
+        elif kind == "hpa":
+            targets = dict(hpa_targets)
+        else:
+            targets = {"prefill": run.initial[0], "decode": run.initial[1]}
+        return Sample(at, alive, targets)
+
+    schedule = arrivals(phases, args.seed)
+    prompts = _prompts(args, phases, schedule)
+    t0 = time.perf_counter()
+
+    async def sampler() -> None:
+        while True:
+            run.samples.append(sample((time.perf_counter() - t0) / k))
+            await asyncio.sleep(SAMPLE_S)
+
+    sampling = asyncio.create_task(sampler())
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+
+        async def one(i: int, at: float, phase: int) -> RequestRecord:
+            delay = t0 + at * k - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            ph = phases[phase]
+            record = RequestRecord(kind, None, str(i), 0, at)
+            record.sent_s = (time.perf_counter() - t0) / k
+            body = {"model": "default", "prompt": prompts[i], "max_tokens": ph.output_tokens,
+                    "ignore_eos": True}  # fmt: skip
+            await stream_request(http, url, body, record, chat=False, timeout_s=600 * k)
+            _scale(record, k)
+            return record
+
+        run.records = list(
+            await asyncio.gather(*(one(i, at, ph) for i, (at, ph) in enumerate(schedule)))
+        )
+        run.phase_of = [ph for _, ph in schedule]
+    run.wall_s = time.perf_counter() - t0
+    stop.set()
+    if controller is not None:
+        await controller
+    if kind == "hpa" and connector is not None:
+        await connector.close()
+    sampling.cancel()
+    run.samples.append(sample((time.perf_counter() - t0) / k))
+    if service is not None:
+        run.fit_error = fit_error(service, args.simulate)
+    return run
+
+
+async def _hpa(
+    args: argparse.Namespace,
+    url: str,
+    connector: SimulatedConnector,
+    targets: dict[str, int],
+    stop: asyncio.Event,
+) -> None:
+    """HPA v2 per role every 15 s (modeled) on the router's running requests per worker."""
+    k = args.time_scale
+    reader = ClusterReader(url, k, admin_token=ADMIN)
+    hpas = {
+        "prefill": HPA(args.hpa_prefill_target, args.min_prefill, args.max_prefill),
+        "decode": HPA(args.hpa_decode_target, args.min_decode, args.max_decode),
+    }
+    async with aiohttp.ClientSession() as http:
+        while not stop.is_set():
+            try:
+                obs = await reader.observe(http)
+            except Exception:  # the next period tries again
+                obs = None
+            if obs is not None:
+                for role, hpa in hpas.items():
+                    ready = obs.of(role)
+                    per = sum(w.inflight for w in ready) / len(ready) if ready else 0.0
+                    targets[role] = hpa.desired(obs.at, len(ready), per)
+                decision = Decision(obs.at, targets["prefill"], targets["decode"], ("hpa",))
+                await connector.apply(decision, obs)
+            try:
+                await asyncio.wait_for(stop.wait(), PERIOD_S * k)
+            except TimeoutError:
+                pass
+
+
+def _prompts(
+    args: argparse.Namespace, phases: list[Phase], schedule: list[tuple[float, int]]
+) -> list[str]:
+    """One prompt of its phase's length a request, of random words (nothing shared, nothing
+    cached), exact in the served tokenizer's tokens."""
+    from pd.bench.serve.text import TokenText
+    from pd.worker.checkpoint.default_model import default_model_path
+    from pd.worker.checkpoint.loader import load_tokenizer
+
+    text = TokenText(load_tokenizer(default_model_path()))
+    rng = random.Random(args.seed)
+    return [text.random(phases[ph].prompt_tokens, rng) for _, ph in schedule]
+
+
+def _scale(r: RequestRecord, k: float) -> None:
+    """Real seconds to modeled ones."""
+    if r.ttft_s is not None:
+        r.ttft_s /= k
+    if r.e2e_s is not None:
+        r.e2e_s /= k
+    r.itl_s = [g / k for g in r.itl_s]
+
+
+def fit_error(service: PlannerService, profile_name: str) -> float | None:
+    """The largest relative error of the planner's decode-step fit against the profile's cost
+    model, over the steps it fitted (their rows and KV tokens)."""
+    from pd.sim import CostModel, parse_profile
+
+    fit = service.planner.step_fit
+    if fit.coefficients is None:
+        return None
+    cost = CostModel(parse_profile(profile_name))
+    worst = 0.0
+    for s in fit.samples:
+        true = cost.batch_s(s.rows, s.kv_tokens - s.rows)
+        pred = fit.predict(s.rows, s.kv_tokens)
+        assert pred is not None
+        worst = max(worst, abs(pred - true) / true)
+    return worst
+
+
+# ----------------------------------------------------------------------------- the figures
+
+
+def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str, Any]:
+    slo = SLO(args.slo_ttft_ms, args.slo_itl_ms)
+    gpus = _tp(args.simulate)
+    gpu_s = 0.0
+    for before, after in zip(run.samples, run.samples[1:]):
+        gpu_s += (after.at - before.at) * sum(before.workers.values()) * gpus
+    ups = downs = 0
+    turns: dict[str, int] = {}
+    spans = bounds(phases)
+    for role in ("prefill", "decode"):
+        series = [(s.at, s.targets[role]) for s in run.samples]
+        last_dir = 0
+        for (_, was), (at, now) in zip(series, series[1:]):
+            if was == now:
+                continue
+            step = 1 if now > was else -1
+            ups += step > 0
+            downs += step < 0
+            if last_dir and step != last_dir:
+                i = next((j for j, (s, e) in enumerate(spans) if s <= at < e), len(spans) - 1)
+                turns[phases[i].name] = turns.get(phases[i].name, 0) + 1
+            last_dir = step
+    per_phase = {}
+    for i, ph in enumerate(phases):
+        recs = [r for r, p in zip(run.records, run.phase_of) if p == i]
+        if recs:
+            s = summarize(recs, slo)
+            per_phase[ph.name] = {
+                "requests": s["requests"], "attainment": s["slo_attainment"],
+                "ttft_p90_ms": s["ttft_ms"]["p90"], "tpot_p90_ms": s["tpot_ms"]["p90"],
+            }  # fmt: skip
+    whole = summarize(run.records, slo) if run.records else {"slo_attainment": 0.0, "requests": 0}
+    return {
+        "attainment": whole["slo_attainment"],
+        "requests": whole["requests"],
+        "gpu_hours": round(gpu_s / 3600, 4),
+        "scale_ups": ups,
+        "scale_downs": downs,
+        "direction_changes": sum(turns.values()),
+        "direction_changes_per_phase": turns,
+        "lost": sum(not r.ok for r in run.records),
+        "errors": whole.get("errors", {}),
+        "initial": {"prefill": run.initial[0], "decode": run.initial[1]},
+        "most_workers": {
+            r: max((s.workers[r] for s in run.samples), default=0) for r in ("prefill", "decode")
+        },
+        "phases": per_phase,
+        "wall_s": round(run.wall_s, 1),
+        **({"fit_error": round(run.fit_error, 4)} if run.fit_error is not None else {}),
+    }
+
+
+def _tp(profile: str) -> int:
+    from pd.sim.profile import parse_profile
+
+    return parse_profile(profile).tp
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PD_CLUSTER_TOKEN", "pd-bench-elastic")
+    phases = phases_of(args)
+    setups = [s for s in args.setups.split(",") if s]
+    bad = [s for s in setups if s not in SETUPS]
+    if bad:
+        print(f"pd-bench elastic: unknown setups {bad} (of {', '.join(SETUPS)})", file=sys.stderr)
+        return 2
+    out: dict[str, Any] = {
+        "profile": args.simulate, "time_scale": args.time_scale, "quick": args.quick,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
+        "phases": [ph.__dict__ for ph in phases],
+        "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
+    }  # fmt: skip
+    fixed = fixed_split(args, phases) if "fixed" in setups else None
+    out["fixed_split"] = {"prefill": fixed[0], "decode": fixed[1]} if fixed else None
+    for kind in setups:
+        initial = fixed if kind == "fixed" and fixed else (args.min_prefill, args.min_decode)
+        print(f"pd-bench elastic: {kind} ...", file=sys.stderr, flush=True)
+        got = asyncio.run(run_setup(kind, args, phases, initial))
+        out[kind] = summary(got, args, phases)
+    if "fit_error" in out.get("planner", {}):
+        out["fit_error"] = out["planner"]["fit_error"]
+    if "planner" in out and "fixed" in out and out["fixed"]["gpu_hours"]:
+        out["gpu_hours_vs_fixed"] = round(
+            out["planner"]["gpu_hours"] / out["fixed"]["gpu_hours"], 3
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(render(out, setups))
+    return 0
+
+
+def render(out: dict[str, Any], setups: list[str]) -> str:
+    lines = [
+        f"pd-bench elastic: {out['profile']} at time scale {out['time_scale']:g}, SLO TTFT "
+        f"{out['slo']['ttft_ms']:g} ms, ITL {out['slo']['itl_ms']:g} ms; fixed split "
+        f"{out.get('fixed_split')}",
+        f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}",
+    ]
+    for kind in setups:
+        s = out[kind]
+        lines.append(
+            f"{kind:8} {s['attainment']:7.3f} {s['gpu_hours']:8.4f} {s['scale_ups']:4d} "
+            f"{s['scale_downs']:5d} {s['direction_changes']:5d} {s['lost']:4d}"
+        )
+    for kind in setups:
+        phases = out[kind]["phases"]
+        lines.append(f"{kind}: " + ", ".join(
+            f"{name} {p['attainment']:.2f}" for name, p in phases.items()
+        ))  # fmt: skip
+    if "fit_error" in out:
+        lines.append(f"planner fit error: {out['fit_error']:.3f}")
+    if math.isfinite(out.get("gpu_hours_vs_fixed", math.nan)):
+        lines.append(f"planner GPU-hours / fixed: {out['gpu_hours_vs_fixed']:.3f}")
+    return "\n".join(lines)
