@@ -153,8 +153,8 @@ class Planner:
         `arrivals x output tokens x step`, and the step grows with the rows per worker: with the
         fit's `a + (b + c x context) x rows / n`, the rows are `arrivals x output x a / (1 -
         arrivals x output x (b + c x context) / n)` (none: the load outruns n workers)."""
-        if self.step_fit.coefficients is None:
-            return 0
+        if self.step_fit.coefficients is None or not self.step_fit.spread:
+            return 0  # the slope is not known yet: the reactive steps decide
         a, b, c = self.step_fit.coefficients
         context = obs.prompt_tokens + obs.output_tokens / 2  # a row's mean KV tokens
         demand = obs.arrivals_per_s * obs.output_tokens  # tokens a second to decode
@@ -206,11 +206,14 @@ class Planner:
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals need {floor}")
+            # A reactive step waits for the last one: its worker is not ready yet (the load it
+            # would take still shows on the others).
+            settled = len(obs.of(role)) >= current
             full = self._kv_full(obs, current) if role == "decode" else None
-            if est is not None and est > slo and target <= current:
+            if est is not None and est > slo and target <= current and settled:
                 target = current + 1
                 reasons.append(f"{role}: {name} {est:.3f} s over {slo:.3f}")
-            elif full is not None and target <= current:
+            elif full is not None and target <= current and settled:
                 target = current + 1
                 reasons.append(f"decode: {full}")
             fewer = estimate(obs, current - 1) if current > low else None

@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from pd.planner.signals import StepSample
 
 WINDOW = 512  # decode steps a fit keeps (the most recent: a worker's costs may drift)
+SPREAD_ROWS = 4  # distinct batch sizes before the fit's slope is extrapolated (`spread`)
+SPREAD_MAX_ROWS = 8
 RIDGE = 1e-9  # keeps the normal equations solvable when a sample's columns are collinear
 
 
@@ -27,6 +29,14 @@ class StepFit:
         self.samples.extend(s for s in samples if s.rows > 0 and s.seconds > 0)
         if len(self.samples) >= 3:
             self.coefficients = _least_squares(self.samples)
+
+    @property
+    def spread(self) -> bool:
+        """Whether its samples span enough batch sizes (`SPREAD_ROWS` distinct, up to at least
+        `SPREAD_MAX_ROWS`) for a slope to be read off them: at a few rows a step is its fixed
+        cost plus noise, and an extrapolation from there is the noise's."""
+        rows = {s.rows for s in self.samples}
+        return len(rows) >= SPREAD_ROWS and max(rows, default=0) >= SPREAD_MAX_ROWS
 
     def predict(self, rows: float, kv_tokens: float) -> float | None:
         """A step's seconds at `rows` rows over `kv_tokens` KV tokens; None before 3 samples."""

@@ -207,3 +207,38 @@ def test_no_fit_yet_means_no_estimate_and_no_change():
     d = planner.observe(Observation(0.0, workers))
     assert (d.prefill, d.decode, d.ttft_s, d.itl_s) == (1, 1, None, None)
     assert d.reasons == ("holds",) and math.isinf(-planner.roles["prefill"].changed_at)
+
+
+def decode_worker(url: str, used: int, waiting: int = 0, ready: bool = True) -> WorkerSignals:
+    steps = tuple(StepSample(r, 1000 * r, true_step(r, 1000 * r)) for r in (1, 2, 4))
+    return WorkerSignals(url, "decode", ready, running=4, kv_tokens=4000, kv_pages_used=used,
+                         kv_pages_total=100, kv_page_size=16, waiting_for_pages=waiting,
+                         steps=steps)  # fmt: skip
+
+
+def test_full_kv_pools_grow_decode_once_until_the_new_worker_is_ready():
+    planner = Planner(SLO(ttft_s=60.0, itl_s=60.0), knobs=PlannerKnobs(cooldown_s=10.0))
+    p = WorkerSignals("p", "prefill", True)
+    d = planner.observe(Observation(0.0, (p, decode_worker("d1", 95))))
+    assert d.decode == 2 and "KV 95% full" in " ".join(d.reasons)
+    # Its worker is still starting: the same pressure does not start another.
+    assert planner.observe(Observation(5.0, (p, decode_worker("d1", 99, waiting=3)))).decode == 2
+    two = (p, decode_worker("d1", 50), decode_worker("d2", 45))
+    assert planner.observe(Observation(10.0, two)).decode == 2  # 95 of 100 pages on one: held
+    low = (p, decode_worker("d1", 20), decode_worker("d2", 20))
+    assert planner.observe(Observation(15.0, low)).decode == 2  # calm, but not for 10 s yet
+    assert planner.observe(Observation(26.0, low)).decode == 1  # 40 of 100 on one: shrinks
+    assert planner.direction_changes == 1
+
+
+def test_the_decode_floor_waits_for_a_fit_with_a_slope():
+    """Steps of one or two rows only: a slope from them is noise, so no floor from it."""
+    planner = Planner(SLOS)
+    few = tuple(StepSample(r, 4000 * r, 0.0145 + 0.004 * r) for r in (1, 2, 1, 2, 1))
+    d = WorkerSignals("d", "decode", True, running=2, kv_tokens=8000, steps=few)
+    obs = Observation(0.0, (WorkerSignals("p", "prefill", True), d), 4.0, 4000, 64)
+    planner.observe(obs)
+    assert not planner.step_fit.spread and planner.floor(obs, "decode") == 0
+    wide = tuple(StepSample(r, 4000 * r, 0.0145 + 0.004 * r) for r in (1, 4, 8, 16))
+    planner.step_fit.add(wide)
+    assert planner.step_fit.spread and planner.floor(obs, "decode") >= 2

@@ -1,0 +1,47 @@
+"""`pd-bench elastic`'s pure parts: the load trace's arrivals follow each phase's rate (a ramp's
+rising), and HPA v2's algorithm scales up at once past its tolerance and down only to the highest
+recommendation of its stabilization window."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd.bench.elastic.hpa import HPA
+from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick
+
+
+def test_arrivals_follow_each_phases_rate_and_a_ramp_rises():
+    phases = [
+        Phase("a", 2000, 1.0, 100, 10),
+        Phase("b", 2000, 4.0, 100, 10),
+        Phase("ramp", 2000, 0.0, 100, 10, ramp=True),
+    ]
+    got = arrivals(phases, seed=1)
+    assert got == sorted(got) and got == arrivals(phases, seed=1)  # ordered, seeded
+    counts = [sum(1 for _, i in got if i == k) for k in range(3)]
+    assert counts[0] == pytest.approx(2000, rel=0.1)
+    assert counts[1] == pytest.approx(8000, rel=0.05)
+    assert counts[2] == pytest.approx(4000, rel=0.07)  # from 4 down to 0: the mean is 2
+    first_half = sum(1 for t, i in got if i == 2 and t < 5000)
+    assert first_half == pytest.approx(3000, rel=0.07)  # a falling ramp: 3/4 in its first half
+    assert bounds(phases) == [(0, 2000), (2000, 4000), (4000, 6000)]
+
+
+def test_the_traces_hold_what_the_issue_asks():
+    names = [p.name for p in full(1.0, 4000, 64)]
+    assert {"ramp-4x", "hold-4x", "burst-8x", "prefill-heavy", "decode-heavy"} <= set(names)
+    burst = next(p for p in full(1.0, 4000, 64) if p.name == "burst-8x")
+    assert burst.rate == 8.0 and burst.seconds == 60
+    constant = next(p for p in full(1.0, 4000, 64) if p.name == "constant-2x")
+    assert constant.seconds >= 600 and constant.plateau
+    assert [p.rate for p in quick(1.0, 4000, 64)] == [1.0, 4.0, 1.0]
+
+
+def test_hpa_scales_up_at_once_and_down_only_after_its_window():
+    hpa = HPA(target=10, min_replicas=1, max_replicas=8)
+    assert hpa.desired(0, 2, 10.5) == 2  # within 10%: unchanged
+    assert hpa.desired(15, 2, 25) == 5  # ceil(2 x 2.5)
+    assert hpa.desired(30, 5, 2) == 5  # down to 1 recommended, but 5 was, 15 s ago
+    assert hpa.desired(300, 5, 2) == 5
+    assert hpa.desired(316, 5, 2) == 1  # 300 s since the last recommendation of 5
+    assert hpa.desired(330, 1, 100) == 8  # bounded
