@@ -45,8 +45,8 @@ async def serve(aiohttp_server, role: str, **kw) -> str:
     return str(server.make_url("")).rstrip("/")
 
 
-async def router_of(aiohttp_server, **pools) -> str:
-    cfg = RouterConfig(port=0, health_interval=0.1, local_prefill_max_tokens=0, **pools)
+async def router_of(aiohttp_server, **kw) -> str:
+    cfg = RouterConfig(port=0, health_interval=0.1, local_prefill_max_tokens=0, **kw)
     return str((await aiohttp_server(make_router(cfg))).make_url("")).rstrip("/")
 
 

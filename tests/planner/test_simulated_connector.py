@@ -1,0 +1,78 @@
+"""The planner's `simulated` connector (pd/planner/processes.py) against a router and a simulated
+P and D in this process: told to have two decode workers, it starts a `--simulate` worker
+process, which registers with the router and answers `starting` for its modeled start-up, then
+takes requests; told to have one again, it has the router forget the worker, drains it and the
+process exits on its own. It never stops a worker it did not start, and starts none while one
+is on its way."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from pd.planner import Decision, Observation
+from pd.planner.observe import ClusterReader
+from pd.planner.processes import SimulatedConnector
+from tests.planner.test_observe import PROFILE, TOKEN, completion, router_of, serve
+
+ADMIN = "sim-connector-admin"
+
+
+async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
+    aiohttp_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("PD_CLUSTER_TOKEN", TOKEN)  # the in-process workers' and router's
+    p, d = await serve(aiohttp_server, "prefill"), await serve(aiohttp_server, "decode")
+    router = await router_of(aiohttp_server, prefill=(p,), decode=(d,), admin_token=ADMIN)
+    reader = ClusterReader(router, admin_token=ADMIN)
+    connector = SimulatedConnector(
+        router, PROFILE, startup_s=1.0, admin_token=ADMIN, cluster_token=TOKEN,
+        worker_args=["--kv-pages", "512"], log_dir=str(tmp_path),
+    )  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+
+        async def observe() -> Observation:
+            return await reader.observe(http)
+
+        try:
+            obs = await observe()
+            assert await connector.apply(Decision(0, 1, 1, ()), obs) == []
+            (started,) = await connector.apply(Decision(0, 1, 2, ()), obs)
+            assert started.startswith("starting decode worker")
+            (m,) = connector.workers.values()
+            # On its way: the same decision starts no other, and nothing is drained.
+            assert await connector.apply(Decision(0, 1, 2, ()), await observe()) == []
+            assert connector.pending()["decode"] == {"starting": 1, "leaving": 0}
+            seen_starting = False
+            deadline = time.monotonic() + 90
+            while True:
+                assert m.proc.poll() is None, (
+                    tmp_path / f"decode-{m.url.rsplit(':', 1)[1]}.log"
+                ).read_text()
+                assert time.monotonic() < deadline, "the new worker never became ready"
+                obs = await observe()
+                mine = [w for w in obs.workers if w.url == m.url]
+                if mine and not mine[0].ready:
+                    seen_starting = True
+                done = await connector.apply(Decision(0, 1, 2, ()), obs)
+                if m.state == "ready":
+                    assert done == [f"decode worker {m.url} is ready"]
+                    break
+                await asyncio.sleep(0.2)
+            assert seen_starting, "the router listed it while it started, not ready"
+            await asyncio.gather(*(completion(http, router, i, 8) for i in range(6)))
+            record = await (await http.get(f"{m.url}/steps")).json()
+            assert record["sampled_tokens"] > 0, "the new worker took none of the requests"
+            # Down to one: ours goes (the router forgets it first), the one we did not start stays.
+            (draining,) = await connector.apply(Decision(0, 1, 1, ()), await observe())
+            assert draining == f"draining decode worker {m.url}"
+            code = await asyncio.wait_for(asyncio.to_thread(m.proc.wait), 60)
+            assert code == 0
+            listed = await reader.observe(http)
+            assert {w.url for w in listed.workers} == {p, d}
+            assert await connector.apply(Decision(0, 1, 1, ()), listed) == []
+        finally:
+            await connector.close()
+    assert not connector.workers
