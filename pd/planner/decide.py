@@ -61,6 +61,7 @@ class PlannerKnobs:
     down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
     target_load: float = 0.8  # the predictive floor keeps a prefill worker at most this busy
     kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
+    confirm: int = 2  # observations in a row that must miss the SLO before a reactive step
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class _RoleState:
     downs: int = 0
     floor: int = 0  # the predictive floor of the last observation
     needed_at: float = -math.inf  # when one worker fewer last would not have held
+    misses: int = 0  # observations in a row whose estimate missed the SLO
 
 
 class Planner:
@@ -210,12 +212,12 @@ class Planner:
             # would take still shows on the others).
             settled = len(obs.of(role)) >= current
             full = self._kv_full(obs, current) if role == "decode" else None
-            if est is not None and est > slo and target <= current and settled:
+            missed = (est is not None and est > slo) or full is not None
+            state.misses = state.misses + 1 if missed else 0  # one noisy poll is not a trend
+            if missed and state.misses >= self.knobs.confirm and target <= current and settled:
                 target = current + 1
-                reasons.append(f"{role}: {name} {est:.3f} s over {slo:.3f}")
-            elif full is not None and target <= current and settled:
-                target = current + 1
-                reasons.append(f"decode: {full}")
+                why = f"{name} {est:.3f} s over {slo:.3f}" if est is not None and est > slo else full
+                reasons.append(f"{role}: {why}")
             fewer = estimate(obs, current - 1) if current > low else None
             enough = (
                 target == current > low

@@ -6,6 +6,7 @@ simulated profile's true costs can be read."""
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from collections.abc import Iterable
 
@@ -14,6 +15,7 @@ from pd.planner.signals import StepSample
 WINDOW = 512  # decode steps a fit keeps (the most recent: a worker's costs may drift)
 SPREAD_ROWS = 4  # distinct batch sizes before the fit's slope is extrapolated (`spread`)
 SPREAD_MAX_ROWS = 8
+TRIM_MADS = 3.0  # a step this many median absolute deviations over the fit ran late (`_trimmed`)
 RIDGE = 1e-9  # keeps the normal equations solvable when a sample's columns are collinear
 
 
@@ -28,7 +30,7 @@ class StepFit:
     def add(self, samples: Iterable[StepSample]) -> None:
         self.samples.extend(s for s in samples if s.rows > 0 and s.seconds > 0)
         if len(self.samples) >= 3:
-            self.coefficients = _least_squares(self.samples)
+            self.coefficients = _trimmed(list(self.samples))
 
     @property
     def spread(self) -> bool:
@@ -44,6 +46,23 @@ class StepFit:
             return None
         fixed, per_row, per_kv = self.coefficients
         return fixed + per_row * rows + per_kv * kv_tokens
+
+
+def _trimmed(samples: list[StepSample]) -> tuple[float, float, float]:
+    """Least squares, then again without the steps that ran late: a measured step is its cost
+    plus the host's delays (a thread waiting for the GIL, a loaded machine), which only ever add,
+    and a few long ones would tilt the slopes. Dropped: residuals above the median by more than
+    `TRIM_MADS` median absolute deviations."""
+    coef = _least_squares(samples)
+    residuals = [s.seconds - _at(coef, s) for s in samples]
+    mid = statistics.median(residuals)
+    mad = statistics.median(abs(r - mid) for r in residuals)
+    kept = [s for s, r in zip(samples, residuals) if r <= mid + TRIM_MADS * mad]
+    return _least_squares(kept) if 3 <= len(kept) < len(samples) else coef
+
+
+def _at(coef: tuple[float, float, float], s: StepSample) -> float:
+    return coef[0] + coef[1] * s.rows + coef[2] * s.kv_tokens
 
 
 def _least_squares(samples: Iterable[StepSample]) -> tuple[float, float, float]:

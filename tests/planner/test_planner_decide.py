@@ -219,7 +219,9 @@ def decode_worker(url: str, used: int, waiting: int = 0, ready: bool = True) -> 
 def test_full_kv_pools_grow_decode_once_until_the_new_worker_is_ready():
     planner = Planner(SLO(ttft_s=60.0, itl_s=60.0), knobs=PlannerKnobs(cooldown_s=10.0))
     p = WorkerSignals("p", "prefill", True)
-    d = planner.observe(Observation(0.0, (p, decode_worker("d1", 95))))
+    once = planner.observe(Observation(0.0, (p, decode_worker("d1", 95))))
+    assert once.decode == 1  # one observation is not a trend
+    d = planner.observe(Observation(2.0, (p, decode_worker("d1", 95))))
     assert d.decode == 2 and "KV 95% full" in " ".join(d.reasons)
     # Its worker is still starting: the same pressure does not start another.
     assert planner.observe(Observation(5.0, (p, decode_worker("d1", 99, waiting=3)))).decode == 2

@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-dir", default=None, help="worker and router logs here")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--out", default=None, help="also write the whole result (JSON) here")
+    p.add_argument("--plot", default=None,
+                   help="a PNG of the workers per role against the offered load, per setup, "
+                   "and each phase's attainment (needs matplotlib: pip install 'pd[bench]')")  # fmt: skip
 
 
 @dataclass
@@ -396,8 +399,54 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
         },
         "phases": per_phase,
         "wall_s": round(run.wall_s, 1),
+        "timeline": _timeline(run.samples),
         **({"fit_error": round(run.fit_error, 4)} if run.fit_error is not None else {}),
     }
+
+
+def _timeline(samples: list[Sample]) -> list[list[float]]:
+    """[modeled s, prefill workers, decode workers], one a modeled second at most."""
+    out: list[list[float]] = []
+    for s in samples:
+        if not out or s.at - out[-1][0] >= 1.0:
+            out.append([round(s.at, 1), s.workers["prefill"], s.workers["decode"]])
+    return out
+
+
+def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[Phase]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(setups), 1, figsize=(9, 2.6 * len(setups)), sharex=True)
+    axes = [axes] if len(setups) == 1 else list(axes)
+    edges = bounds(phases)
+    for ax, kind in zip(axes, setups):
+        line = out[kind]["timeline"]
+        t = [p[0] for p in line]
+        ax.step(t, [p[1] for p in line], where="post", label="prefill workers")
+        ax.step(t, [p[2] for p in line], where="post", label="decode workers")
+        load = ax.twinx()
+        load.step([s for s, _ in edges] + [edges[-1][1]], [ph.rate for ph in phases]
+                  + [phases[-1].rate], where="post", color="gray", alpha=0.5,
+                  label="offered req/s")  # fmt: skip
+        load.set_ylabel("req/s", color="gray")
+        for (start, _), ph in zip(edges, phases):
+            got = out[kind]["phases"].get(ph.name)
+            if got:
+                ax.text(start + 1, 0.2, f"{ph.name}\n{100 * got['attainment']:.0f}%", fontsize=7)
+        ax.set_ylabel("workers")
+        ax.set_title(
+            f"{kind}: attainment {100 * out[kind]['attainment']:.0f}%, "
+            f"{out[kind]['gpu_hours']:.3f} GPU-h", fontsize=9,
+        )  # fmt: skip
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("modeled seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _tp(profile: str) -> int:
@@ -436,6 +485,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+    if args.plot:
+        write_plot(args.plot, out, setups, phases)
     if args.json:
         print(json.dumps(out))
     else:
