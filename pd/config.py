@@ -285,6 +285,13 @@ class WorkerConfig:
         "--simulate: modeled seconds of start-up (weights read, engine started) before /ready "
         "answers 200, times --time-scale; -1: the profile's own (docs/simulation.md)",
     )
+    park: bool = _flag(
+        False,
+        "--simulate: a spare node's worker: it serves, but registers with --register-with and "
+        "starts its --startup-s only when POST /activate says so (/ready 503 'parked' before); "
+        "the planner's simulated connector keeps them, so a scale-up costs no process start",
+        store_true=True,
+    )
 
     @property
     def resolved_pull_slots(self) -> int:
@@ -369,6 +376,7 @@ class WorkerConfig:
         check_origins(self.allowed_origins)
         check(self.time_scale > 0, "--time-scale must be > 0")
         check(self.startup_s >= 0 or self.startup_s == -1, "--startup-s must be >= 0, or -1")
+        check(self.simulate is not None or not self.park, "--park needs --simulate")
         check(
             self.simulate is not None or self.startup_s == 0,
             "--startup-s models a simulated worker's start-up: it needs --simulate",

@@ -51,6 +51,10 @@ class PlannerConfig:
     startup_s: float = _flag(
         -1.0, "simulated: a new worker's modeled start-up seconds (-1: its profile's)"
     )
+    spares: int = _flag(
+        0, "simulated: spare workers a role started parked at once, activated at a scale-up "
+        "(no process start while the load is on; one started again after each drain)",
+    )  # fmt: skip
     log_dir: str | None = _flag(None, "local, simulated: a log file per started worker here")
     decision_file: str | None = _flag(
         None, "virtual: where the decision is written (acknowledged in FILE.ack)"
@@ -91,6 +95,7 @@ class PlannerConfig:
             "--connector virtual needs --decision-file PATH",
         )
         check(self.startup_s >= 0 or self.startup_s == -1, "--startup-s must be >= 0, or -1")
+        check(self.spares >= 0, "--spares must be >= 0")
         shlex.split(self.worker_args)  # unbalanced quotes: ValueError, said at start
 
     @property

@@ -216,7 +216,9 @@ class Planner:
             state.misses = state.misses + 1 if missed else 0  # one noisy poll is not a trend
             if missed and state.misses >= self.knobs.confirm and target <= current and settled:
                 target = current + 1
-                why = f"{name} {est:.3f} s over {slo:.3f}" if est is not None and est > slo else full
+                why = (
+                    f"{name} {est:.3f} s over {slo:.3f}" if est is not None and est > slo else full
+                )
                 reasons.append(f"{role}: {why}")
             fewer = estimate(obs, current - 1) if current > low else None
             enough = (

@@ -23,10 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pd.planner.signals import Observation, StepSample, WorkerSignals
 
 PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
-NOT_COUNTED = (
-    "starting",
-    "draining",
-)  # not ready for these: not a worker of its role yet (or any more)
+# Not ready for these: not a worker of its role yet (or any more).
+NOT_COUNTED = ("starting", "draining", "parked")
 WINDOW_S = 30.0  # the arrival rate's and mean lengths' window (the planner's seconds)
 
 

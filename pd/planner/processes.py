@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +113,7 @@ class ProcessConnector(Connector):
                 if self.failed_starts[role] >= FAILED_STARTS_MAX:
                     continue
                 for _ in range(want - len(ready) - len(starting)):
-                    actions.append(self._start(role))
+                    actions.append(await self._start(role))
             elif want < len(ready) and not starting:
                 # The least busy of ours first: the fewest streams to move, prefills to finish.
                 ours = [m for m in self.workers.values() if m.role == role and m.state == "ready"]
@@ -126,10 +126,16 @@ class ProcessConnector(Connector):
                     actions.append(f"draining {role} worker {m.url}")
         return actions
 
-    def _start(self, role: str) -> str:
+    async def _start(self, role: str) -> str:
+        m = self._spawn(role, self.command)
+        self.workers[m.url] = m
+        self.started += 1
+        return f"starting {role} worker {m.url}"
+
+    def _spawn(self, role: str, command: Callable[[str, int], list[str]]) -> Managed:
         port = free_port(self.host)
         url = f"http://{self.host}:{port}"
-        cmd = self.command(role, port)
+        cmd = command(role, port)
         if self.log_dir is None:
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env
@@ -138,10 +144,8 @@ class ProcessConnector(Connector):
             self.log_dir.mkdir(parents=True, exist_ok=True)
             with open(self.log_dir / f"{role}-{port}.log", "wb") as out:  # the child keeps it
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
-        self.workers[url] = Managed(role, url, proc)
-        self.started += 1
         log.info("starting %s worker %s: %s", role, url, " ".join(cmd))
-        return f"starting {role} worker {url}"
+        return Managed(role, url, proc)
 
     def _reap(self, actions: list[str]) -> None:
         """Forget processes that exited: a start that failed counts against its role."""
@@ -171,6 +175,10 @@ class ProcessConnector(Connector):
             code = await asyncio.to_thread(m.proc.wait)
         log.info("%s worker %s drained and stopped (status %s)", m.role, m.url, code)
         self.workers.pop(m.url, None)
+        self.stopped(m.role)
+
+    def stopped(self, role: str) -> None:
+        """A worker of `role` this connector started has drained and exited."""
 
     async def close(self) -> None:
         """Stop every worker this connector started (drained, as on a scale-down)."""
@@ -196,7 +204,14 @@ class LocalConnector(ProcessConnector):
 class SimulatedConnector(ProcessConnector):
     """One `--simulate` worker a process (docs/simulation.md), ready after `startup_s` modeled
     seconds (-1: its profile's, the weights' bytes over the load rate it states), times
-    `time_scale`."""
+    `time_scale`.
+
+    With `spares`, that many workers a role are started at `start()` parked (`--park`): each
+    serves but neither registers nor counts its start-up until `POST /activate`. A scale-up
+    activates one (no process starts while the load is on: on a machine of a few cores, a
+    process start's seconds of CPU would slow every simulated step and the fit would read
+    that), and a spare is started again for each worker that drained. Parked processes are the
+    spare nodes of a GPU pool, not GPUs in use: `workers` holds the activated ones only."""
 
     name = "simulated"
 
@@ -212,6 +227,7 @@ class SimulatedConnector(ProcessConnector):
         worker_args: Sequence[str] = (),
         host: str = "127.0.0.1",
         log_dir: str | None = None,
+        spares: int = 0,
     ) -> None:
         super().__init__(
             router_url,
@@ -224,9 +240,75 @@ class SimulatedConnector(ProcessConnector):
         self.profile = profile
         self.time_scale = time_scale
         self.startup_s = startup_s
+        self.spares = spares
+        self.parked: dict[str, list[Managed]] = {r: [] for r in ROLES}
+        self._spares_started = False
 
     def command(self, role: str, port: int) -> list[str]:
         args = self._common(role, port)
         args += ["--simulate", self.profile, "--time-scale", str(self.time_scale)]
         args += ["--startup-s", str(self.startup_s)]
         return [sys.executable, "-m", "pd.worker.simulated.host", "--roles", role, *args]
+
+    def _parked_command(self, role: str, port: int) -> list[str]:
+        return [*self.command(role, port), "--park"]
+
+    async def start(self) -> None:
+        """Start the spares and wait until each serves (once: a second call does nothing)."""
+        if self._spares_started:
+            return
+        self._spares_started = True
+        for role in ROLES:
+            for _ in range(self.spares):
+                self.parked[role].append(self._spawn(role, self._parked_command))
+        async with aiohttp.ClientSession() as http:
+            for m in [m for ms in self.parked.values() for m in ms]:
+                await _serving(http, m)
+
+    async def _start(self, role: str) -> str:
+        async with aiohttp.ClientSession() as http:
+            while self.parked[role]:
+                m = self.parked[role].pop(0)
+                try:
+                    async with http.post(f"{m.url}/activate") as r:
+                        r.raise_for_status()
+                except (aiohttp.ClientError, TimeoutError) as e:
+                    log.warning("spare %s worker %s did not activate: %s", role, m.url, e)
+                    m.proc.kill()
+                    continue
+                m.state = "starting"
+                self.workers[m.url] = m
+                self.started += 1
+                return f"activating spare {role} worker {m.url}"
+        return await super()._start(role)
+
+    def stopped(self, role: str) -> None:
+        if self.spares and len(self.parked[role]) < self.spares:
+            self.parked[role].append(self._spawn(role, self._parked_command))
+
+    async def close(self) -> None:
+        self.spares = 0  # the workers drained now are not replaced
+        await super().close()
+        spares = [m for ms in self.parked.values() for m in ms]
+        for m in spares:
+            m.proc.terminate()
+        for m in spares:
+            await asyncio.to_thread(m.proc.wait)
+        self.parked = {r: [] for r in ROLES}
+
+
+async def _serving(http: aiohttp.ClientSession, m: Managed, timeout_s: float = 120.0) -> None:
+    """Wait until `m` answers /health (it may be parked: not ready)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        if m.proc.poll() is not None:
+            raise RuntimeError(f"spare {m.role} worker {m.url} exited ({m.proc.returncode})")
+        try:
+            async with http.get(f"{m.url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if asyncio.get_running_loop().time() > deadline:
+            raise RuntimeError(f"spare {m.role} worker {m.url} did not serve in {timeout_s} s")
+        await asyncio.sleep(0.2)

@@ -41,6 +41,7 @@ def make_connector(cfg: PlannerConfig) -> Connector:
             cluster_token=cfg.cluster_token,
             worker_args=args,
             log_dir=cfg.log_dir,
+            spares=cfg.spares,
         )
     return LocalConnector(
         cfg.router,

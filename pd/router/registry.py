@@ -19,8 +19,8 @@ from pd.router.worker import Worker
 log = logging.getLogger("pd.router")
 
 # Not ready for these reasons, a worker gets nothing even when its whole pool is busy: it drains
-# (leaving), or it starts (its weights still loading).
-NEVER_BUSY_FALLBACK = ("draining", "starting")
+# (leaving), it starts (its weights still loading), or it is a spare node's (parked).
+NEVER_BUSY_FALLBACK = ("draining", "starting", "parked")
 
 
 class Pool:

@@ -91,6 +91,7 @@ class Worker:
     # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
     simulation: Callable[[], dict[str, Any]] | None = None
     startup_s: float = 0.0  # --simulate --startup-s: real seconds from serving to ready
+    on_activate: Callable[[], None] | None = None  # --park: what POST /activate starts (main.py)
     quantization: str = "none"  # the linear layers' format, --quantization auto resolved
     # How it computes (contract.runtime_format): a P and a D pair only when theirs are equal
     runtime_format: dict[str, str] = field(default_factory=dict)

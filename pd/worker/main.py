@@ -81,7 +81,16 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     )
 
     my_url = cfg.advertise_url or f"http://{cfg.host}:{port}"
-    if cfg.register_with:
+    registering: set[asyncio.Task[None]] = set()
+    if cfg.register_with and cfg.park:  # a spare node: it joins when activated
+
+        def join() -> None:
+            task = asyncio.create_task(_register(cfg, my_url))
+            registering.add(task)
+            task.add_done_callback(registering.discard)
+
+        worker.on_activate = join
+    elif cfg.register_with:
         await _register(cfg, my_url)
 
     if stop is None:

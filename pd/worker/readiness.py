@@ -25,9 +25,16 @@ class Readiness:
         # its busy fallback.
         self.starting_until = starting_until
         self._starting = starting_until > 0
+        self.parked = False  # a spare simulated node's worker, until activated (then starting)
         self._ready = True
         self._blocked_why: str | None = None  # the blocker while it holds
         self._since: float | None = None  # when the admission condition last changed
+
+    def activate(self, now: float, startup_s: float) -> None:
+        """A parked worker's node is wanted: its start-up begins now."""
+        self.parked = False
+        self.starting_until = now + startup_s
+        self._starting = startup_s > 0
 
     def update(self, now: float, blocker: str | None) -> None:
         """The admission condition now: None (a request could be admitted) or what blocks."""
@@ -44,6 +51,8 @@ class Readiness:
         """(ready, why not)."""
         if draining:
             return False, "draining"
+        if self.parked:
+            return False, "parked"
         if self._starting:
             return False, "starting"
         if not self._ready:

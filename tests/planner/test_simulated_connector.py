@@ -1,9 +1,10 @@
 """The planner's `simulated` connector (pd/planner/processes.py) against a router and a simulated
 P and D in this process: told to have two decode workers, it starts a `--simulate` worker
-process, which registers with the router and answers `starting` for its modeled start-up, then
-takes requests; told to have one again, it has the router forget the worker, drains it and the
-process exits on its own. It never stops a worker it did not start, and starts none while one
-is on its way."""
+process (or, with spares, activates a parked one), which registers with the router and answers
+`starting` for its modeled start-up, then takes requests; told to have one again, it has the
+router forget the worker, drains it and the process exits on its own (and a spare is started
+again in its place). It never stops a worker it did not start, and starts none while one is on
+its way."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from pd.planner import Decision, Observation
 from pd.planner.observe import ClusterReader
@@ -20,8 +22,9 @@ from tests.planner.test_observe import PROFILE, TOKEN, completion, router_of, se
 ADMIN = "sim-connector-admin"
 
 
+@pytest.mark.parametrize("spares", [0, 1])
 async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
-    aiohttp_server, tmp_path, monkeypatch
+    aiohttp_server, tmp_path, monkeypatch, spares
 ):
     monkeypatch.setenv("PD_CLUSTER_TOKEN", TOKEN)  # the in-process workers' and router's
     p, d = await serve(aiohttp_server, "prefill"), await serve(aiohttp_server, "decode")
@@ -29,8 +32,11 @@ async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
     reader = ClusterReader(router, admin_token=ADMIN)
     connector = SimulatedConnector(
         router, PROFILE, startup_s=1.0, admin_token=ADMIN, cluster_token=TOKEN,
-        worker_args=["--kv-pages", "512"], log_dir=str(tmp_path),
+        worker_args=["--kv-pages", "512"], log_dir=str(tmp_path), spares=spares,
     )  # fmt: skip
+    await connector.start()
+    parked = [m for ms in connector.parked.values() for m in ms]
+    assert len(parked) == 2 * spares
     async with aiohttp.ClientSession() as http:
 
         async def observe() -> Observation:
@@ -39,9 +45,14 @@ async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
         try:
             obs = await observe()
             assert await connector.apply(Decision(0, 1, 1, ()), obs) == []
+            assert {w.url for w in obs.workers} == {p, d}  # a parked spare is not registered
             (started,) = await connector.apply(Decision(0, 1, 2, ()), obs)
-            assert started.startswith("starting decode worker")
             (m,) = connector.workers.values()
+            if spares:
+                assert started == f"activating spare decode worker {m.url}"
+                assert m in parked and not connector.parked["decode"]
+            else:
+                assert started == f"starting decode worker {m.url}"
             # On its way: the same decision starts no other, and nothing is drained.
             assert await connector.apply(Decision(0, 1, 2, ()), await observe()) == []
             assert connector.pending()["decode"] == {"starting": 1, "leaving": 0}
@@ -73,6 +84,9 @@ async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
             listed = await reader.observe(http)
             assert {w.url for w in listed.workers} == {p, d}
             assert await connector.apply(Decision(0, 1, 1, ()), listed) == []
+            while len(connector.parked["decode"]) < spares:  # started again in its place
+                assert time.monotonic() < deadline, "no spare in the drained worker's place"
+                await asyncio.sleep(0.05)
         finally:
             await connector.close()
     assert not connector.workers

@@ -34,3 +34,15 @@ def test_a_starting_worker_is_not_ready_until_its_start_up_is_over():
     assert r.state(True) == (False, "draining")  # a drain wins
     r.update(10.0, None)
     assert r.state(False) == (True, None)
+
+
+def test_a_parked_worker_is_not_ready_until_activated_then_starts():
+    r = Readiness(hold_s=2.0)
+    r.parked = True
+    r.update(0.0, None)
+    assert r.state(False) == (False, "parked")
+    r.activate(5.0, startup_s=1.0)
+    r.update(5.5, None)
+    assert r.state(False) == (False, "starting")
+    r.update(6.0, None)
+    assert r.state(False) == (True, None)

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the planner's cool-down (default 60; --quick: 10)")  # fmt: skip
     p.add_argument("--interval-s", type=float, default=None,
                    help="the planner's observation interval (default 5; --quick: 2)")  # fmt: skip
+    p.add_argument("--spares", type=int, default=None,
+                   help="spare workers a role, started parked before the load and activated at "
+                   "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=6)
@@ -200,6 +203,7 @@ async def _drive(
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=knob(args, "startup_s", 5.0, -1.0), log_dir=log_dir, port=0,
+        spares=int(knob(args, "spares", 2, 2)),
     )  # fmt: skip
     stop = asyncio.Event()
     service: PlannerService | None = None
@@ -210,12 +214,14 @@ async def _drive(
         service = PlannerService(cfg)
         assert isinstance(service.connector, SimulatedConnector)
         connector = service.connector
+        await connector.start()  # its spares, before the load
         controller = asyncio.create_task(service.run(stop))
     elif kind == "hpa":
         connector = SimulatedConnector(
             url, args.simulate, time_scale=k, startup_s=cfg.startup_s, admin_token=ADMIN,
-            cluster_token=cfg.cluster_token, log_dir=log_dir,
+            cluster_token=cfg.cluster_token, log_dir=log_dir, spares=cfg.spares,
         )  # fmt: skip
+        await connector.start()
         controller = asyncio.create_task(_hpa(args, url, connector, hpa_targets, stop))
 
     def sample(at: float) -> Sample:

@@ -132,9 +132,10 @@ def make_app(worker: Worker) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=limit)
     app[WORKER] = worker
     app[PROMPTS] = prompts
-    app[READINESS] = Readiness(
+    app[READINESS] = readiness = Readiness(
         starting_until=time.monotonic() + worker.startup_s if worker.startup_s else 0.0
     )
+    readiness.parked = worker.config.park
     app[GRAMMARS] = GrammarCompiler(
         worker.tokenizer,
         worker.vocab_size or worker.tokenizer.vocab_size,
@@ -161,6 +162,8 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/integrity", integrity)
     app.router.add_get("/steps", steps)
+    if worker.config.park:
+        app.router.add_post("/activate", activate)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     for path, serve in worker.role.routes().items():  # the role's own
         app.router.add_post(path, _role_route(serve))
@@ -219,6 +222,20 @@ async def steps(request: web.Request) -> web.Response:
     body = worker.engine.step_log.since(int(raw))
     body["role"] = worker.role.name
     return json_response(body)
+
+
+async def activate(request: web.Request) -> web.Response:
+    """`--park`: this spare node is wanted. Its start-up (`--startup-s`) begins, and it
+    registers with its router (`--register-with`); a second call changes nothing."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    readiness = request.app[READINESS]
+    if readiness.parked:
+        readiness.activate(time.monotonic(), worker.startup_s)
+        if worker.on_activate is not None:
+            worker.on_activate()
+    ready, why = readiness.state(worker.draining)
+    return json_response({"activated": True, "ready": ready, "reason": why})
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
