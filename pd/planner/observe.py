@@ -25,6 +25,7 @@ from pd.planner.signals import Observation, StepSample, WorkerSignals
 PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
 # Not ready for these: not a worker of its role yet (or any more).
 NOT_COUNTED = ("starting", "draining", "parked")
+RECENT_POLLS = 3  # the short window a rising arrival rate is read over
 WINDOW_S = 30.0  # the arrival rate's and mean lengths' window (the planner's seconds)
 
 
@@ -101,6 +102,12 @@ class ClusterReader:
         first, last = self._totals[0], self._totals[-1]
         span = last.at - first.at
         rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
+        # A rise shows at once: the rate of the last few polls when it is higher (a fall waits
+        # for the window, as scale-downs wait for their cool-down).
+        recent = self._totals[-min(len(self._totals), RECENT_POLLS + 1)]
+        short = last.at - recent.at
+        if short > 0:
+            rate = max(rate, (last.arrivals - recent.arrivals) / short)
         done = last.prefills_done - first.prefills_done
         prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
         # Each request's first token is sampled on P, the others on D.

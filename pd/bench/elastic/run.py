@@ -44,7 +44,7 @@ from pd.planner.config import PlannerConfig
 from pd.planner.observe import ClusterReader
 from pd.planner.processes import SimulatedConnector
 from pd.planner.service import PlannerService
-from pd.sim.launch import SimWorkers, start_sim_workers
+from pd.sim.launch import SimWorkers, clock_counters, overshoot, start_sim_workers
 
 ADMIN = "pd-bench-elastic-admin"
 SETUPS = ("planner", "fixed", "hpa")
@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--time-scale",
         type=float,
         default=1.0,
-        help="K: modeled seconds run K times slower (raise it if the CPU passes 70%%)",
+        help="K: modeled seconds run K times slower (raise it if the CPU passes 70%%, or the "
+        "clock's overshoot and the step fit's error are large: docs/planner.md)",
     )
     p.add_argument("--quick", action="store_true",
                    help="one step up and back down (under 5 minutes): the planner adds and "
@@ -109,6 +110,7 @@ class Run:
     phase_of: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     fit_error: float | None = None
+    overshoot: float | None = None  # the clock check of the workers there from the start
     initial: tuple[int, int] = (1, 1)
     wall_s: float = 0.0
 
@@ -176,7 +178,12 @@ async def run_setup(
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         await _wait_healthy(url, [router, *sim.procs])
+        async with aiohttp.ClientSession() as http:
+            before = await clock_counters(http, sim.all_urls)
         run = await _drive(kind, args, phases, url, sim, log_dir, run)
+        async with aiohttp.ClientSession() as http:
+            clock = overshoot(before, await clock_counters(http, sim.all_urls))
+        run.overshoot = clock["worst"]
     finally:
         if router is not None:
             router.terminate()
@@ -405,6 +412,9 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
         },
         "phases": per_phase,
         "wall_s": round(run.wall_s, 1),
+        # (real - K x modeled) / (K x modeled) step seconds of the worst initial worker: what
+        # this machine added to every simulated step (docs/simulation.md, the clock check)
+        "clock_overshoot": run.overshoot,
         "timeline": _timeline(run.samples),
         **({"fit_error": round(run.fit_error, 4)} if run.fit_error is not None else {}),
     }
@@ -505,13 +515,15 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"pd-bench elastic: {out['profile']} at time scale {out['time_scale']:g}, SLO TTFT "
         f"{out['slo']['ttft_ms']:g} ms, ITL {out['slo']['itl_ms']:g} ms; fixed split "
         f"{out.get('fixed_split')}",
-        f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}",
+        f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}"
+        f" {'overshoot':>9}",
     ]
     for kind in setups:
         s = out[kind]
         lines.append(
             f"{kind:8} {s['attainment']:7.3f} {s['gpu_hours']:8.4f} {s['scale_ups']:4d} "
             f"{s['scale_downs']:5d} {s['direction_changes']:5d} {s['lost']:4d}"
+            f" {s['clock_overshoot'] or 0:9.3f}"
         )
     for kind in setups:
         phases = out[kind]["phases"]

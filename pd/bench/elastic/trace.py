@@ -43,9 +43,9 @@ def full(base: float, prompt: int, output: int) -> list[Phase]:
 
 def quick(base: float, prompt: int, output: int) -> list[Phase]:
     return [
-        Phase("low", 15, base, prompt, output),
-        Phase("high-4x", 35, 4 * base, prompt, output),
-        Phase("low-again", 30, base, prompt, output),
+        Phase("low", 10, base, prompt, output),
+        Phase("high-4x", 30, 4 * base, prompt, output),
+        Phase("low-again", 25, base, prompt, output),
     ]
 
 
