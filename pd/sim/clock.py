@@ -81,15 +81,21 @@ class StepClock:
         self._overshoot: deque[float] = deque(maxlen=window)
         self._gaps: deque[float] = deque(maxlen=window)
         self._last_end: float | None = None
+        self.last_step_s = 0.0  # the latest step's device seconds (`finish`)
 
     def finish(self, start: float, modeled_s: float) -> float:
         """Sleep until `start + time_scale * modeled_s` (on the clock `now`), record the step and
         return its overshoot in seconds."""
         target = start + self.time_scale * modeled_s
-        remaining = target - self.now()
+        worked = self.now()
+        remaining = target - worked
         if remaining > 0:
             self._sleep(remaining)
         end = self.now()
+        # What the step took on the device: its scaled modeled time, or the step's own work
+        # where that ran longer; the sleep's lateness (a host thread woken late) is not the
+        # device's (the worker's step record reports this: engine/step_log.py).
+        self.last_step_s = max(self.time_scale * modeled_s, worked - start)
         if self._last_end is not None and 0 <= start - self._last_end < IDLE_GAP_S:
             with self._lock:
                 self._gaps.append(start - self._last_end)

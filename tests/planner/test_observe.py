@@ -88,7 +88,7 @@ async def test_the_reader_finds_rates_lengths_and_steps(aiohttp_server):
             modeled = cost.batch_s(s.rows, s.kv_tokens - s.rows)  # (c, 1) rows: c + 1 KV tokens
             assert s.seconds >= SCALE * modeled * 0.999, (s, modeled)
             ratios.append(s.seconds / modeled)
-        assert statistics.median(ratios) < 1.5  # the clock's overshoot, on a loaded machine
+        assert statistics.median(ratios) < 1.1  # the device time: late wake-ups left out
         again = await reader.observe(http)
         (dw2,) = again.of("decode")
         assert dw2.steps == () and dw2.running == 0  # each sample seen once

@@ -482,10 +482,12 @@ class Engine:
 
     def _timed(self, batch: ScheduledBatch) -> tuple[SampleOutput, float]:
         """The runner's step and its seconds, timed on the forward thread (the loop's delays
-        are not the step's)."""
+        are not the step's); a runner with `step_seconds` (the simulated one) gives its own."""
         t0 = time.perf_counter()
         out = self.runner.execute(batch)
-        return out, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        device = getattr(self.runner, "step_seconds", None)  # a simulated runner's clock
+        return out, device(seconds) if device is not None else seconds
 
     def _fail_all(self, message: str) -> None:
         for handle in list(self.handles.values()):

@@ -166,6 +166,11 @@ class SimulatedRunner:
         targets = seq.prompt_ids[cached + 1 : end + 1]
         return [(CHOSEN_LOGPROB, 1, self.picker.alternatives(t, k)) for t in targets]
 
+    def step_seconds(self, wall_s: float) -> float:
+        """The step the engine just timed at `wall_s`: its device time, as the clock kept it
+        (a GPU's step does not include this host's late wake-ups)."""
+        return self.clock.last_step_s
+
     def stats(self) -> ClockStats:
         return self.clock.stats()
 
