@@ -451,7 +451,10 @@ def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[P
         for (start, _), ph in zip(edges, phases):
             got = out[kind]["phases"].get(ph.name)
             if got:
-                ax.text(start + 1, 0.2, f"{ph.name}\n{100 * got['attainment']:.0f}%", fontsize=7)
+                ax.text(
+                    start + 1, 0.04, f"{ph.name}\n{100 * got['attainment']:.0f}%", fontsize=7,
+                    transform=ax.get_xaxis_transform(),
+                )  # fmt: skip
         ax.set_ylabel("workers")
         ax.set_title(
             f"{kind}: attainment {100 * out[kind]['attainment']:.0f}%, "
