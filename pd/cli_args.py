@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import MISSING, field, fields
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def flag(default: Any, help: str, **meta: Any) -> Any:
@@ -61,3 +63,22 @@ def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
             value = os.environ.get(f.metadata["env"]) or None
         values[f.name] = value
     return cls(**values)
+
+
+def parse_dataclass(
+    cls: type[T], argv: list[str] | None, *, prog: str, description: str | None, epilog: str
+) -> T:
+    """`argv` as a `cls` (its flags from its fields); a `ValueError` of the config's own checks
+    is argparse's error: the reason on stderr, exit 2."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_dataclass_arguments(parser, cls)
+    args = parser.parse_args(argv)
+    try:
+        return dataclass_from_args(cls, args)
+    except ValueError as e:
+        parser.error(str(e))

@@ -3,7 +3,6 @@ at the least cost (docs/planner.md)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -12,6 +11,7 @@ import sys
 
 from aiohttp import web
 
+from pd.cli_args import parse_dataclass
 from pd.planner.config import PlannerConfig
 from pd.planner.service import PlannerService
 
@@ -26,18 +26,9 @@ EPILOG = """examples:
 
 
 def parse_config(argv: list[str] | None = None) -> PlannerConfig:
-    parser = argparse.ArgumentParser(
-        prog="pd-planner",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    return parse_dataclass(
+        PlannerConfig, argv, prog="pd-planner", description=__doc__, epilog=EPILOG
     )
-    PlannerConfig.add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return PlannerConfig.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
 
 
 async def serve(cfg: PlannerConfig) -> None:

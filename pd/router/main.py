@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import sys
 
 from aiohttp import web
 
+from pd.cli_args import parse_dataclass
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
 from pd.signing import optional_token
@@ -21,18 +21,7 @@ EPILOG = """examples:
 
 
 def parse_config(argv: list[str] | None = None) -> RouterConfig:
-    parser = argparse.ArgumentParser(
-        prog="pd-router",
-        description=__doc__,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    RouterConfig.add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return RouterConfig.from_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    return parse_dataclass(RouterConfig, argv, prog="pd-router", description=__doc__, epilog=EPILOG)
 
 
 def main(argv: list[str] | None = None) -> int:

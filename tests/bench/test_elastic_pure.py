@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pd.bench.elastic.hpa import HPA
-from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick
+from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
 
 def test_arrivals_follow_each_phases_rate_and_a_ramp_rises():
@@ -35,6 +35,10 @@ def test_the_traces_hold_what_the_issue_asks():
     constant = next(p for p in full(1.0, 4000, 64) if p.name == "constant-2x")
     assert constant.seconds >= 600 and constant.plateau
     assert [p.rate for p in quick(1.0, 4000, 64)] == [1.0, 4.0, 1.0]
+    short = scaled(full(1.0, 4000, 64), 0.2)
+    assert sum(p.seconds for p in short) == pytest.approx(
+        0.2 * sum(p.seconds for p in full(1.0, 4000, 64))
+    )
 
 
 def test_hpa_scales_up_at_once_and_down_only_after_its_window():

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 
 from pd.bench.elastic.hpa import HPA, PERIOD_S
-from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick
+from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 from pd.bench.pd import _free_port, _spawn, _wait_healthy
 from pd.bench.serve.client import RequestRecord, stream_request
 from pd.bench.serve.metrics import SLO, summarize
@@ -65,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "removes a worker")  # fmt: skip
     p.add_argument("--setups", default=",".join(SETUPS), help="which, in this order")
     p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
+    p.add_argument(
+        "--phase-scale",
+        type=float,
+        default=1.0,
+        help="every phase this many times as long (the full trace is ~53 modeled minutes; "
+        "the start-up is not scaled: give --startup-s too)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
@@ -117,7 +124,7 @@ class Run:
 
 def phases_of(args: argparse.Namespace) -> list[Phase]:
     make = quick if args.quick else full
-    return make(args.base_rate, args.prompt_tokens, args.output_tokens)
+    return scaled(make(args.base_rate, args.prompt_tokens, args.output_tokens), args.phase_scale)
 
 
 def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
@@ -483,7 +490,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"pd-bench elastic: unknown setups {bad} (of {', '.join(SETUPS)})", file=sys.stderr)
         return 2
     out: dict[str, Any] = {
-        "profile": args.simulate, "time_scale": args.time_scale, "quick": args.quick,
+        "profile": args.simulate,
+        "phase_scale": args.phase_scale, "time_scale": args.time_scale, "quick": args.quick,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},

@@ -10,7 +10,7 @@ and back down.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ def quick(base: float, prompt: int, output: int) -> list[Phase]:
         Phase("high-4x", 30, 4 * base, prompt, output),
         Phase("low-again", 25, base, prompt, output),
     ]
+
+
+def scaled(phases: list[Phase], factor: float) -> list[Phase]:
+    """Every phase `factor` times as long (a shorter run of the same shape)."""
+    return [replace(ph, seconds=ph.seconds * factor) for ph in phases]
 
 
 def arrivals(phases: list[Phase], seed: int = 0) -> list[tuple[float, int]]:
