@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -48,8 +49,6 @@ class Managed:
 
 
 def free_port(host: str) -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

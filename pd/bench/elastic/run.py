@@ -37,14 +37,20 @@ import aiohttp
 from pd.bench.elastic.hpa import HPA, PERIOD_S
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.plan_search import Search, attainment_at
 from pd.bench.serve.client import RequestRecord, stream_request
 from pd.bench.serve.metrics import SLO, summarize
+from pd.bench.serve.text import TokenText
 from pd.planner import Decision
 from pd.planner.config import PlannerConfig
 from pd.planner.observe import ClusterReader
 from pd.planner.processes import SimulatedConnector
 from pd.planner.service import PlannerService
+from pd.sim import CostModel, parse_profile
+from pd.sim.cluster import ClusterSpec, Limits, SimJob, SimTurn
 from pd.sim.launch import SimWorkers, clock_counters, overshoot, start_sim_workers
+from pd.worker.checkpoint.default_model import default_model_path
+from pd.worker.checkpoint.loader import load_tokenizer
 
 ADMIN = "pd-bench-elastic-admin"
 SETUPS = ("planner", "fixed", "hpa")
@@ -138,10 +144,6 @@ def knob(args: argparse.Namespace, name: str, quick_value: float, default: float
 def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int]:
     """The fewest workers (then fewer prefill) meeting 90% attainment in every held phase on
     the discrete-event model (the planner's own: pd-bench plan)."""
-    from pd.bench.plan_search import Search, attainment_at
-    from pd.sim.cluster import ClusterSpec, Limits, SimJob, SimTurn
-    from pd.sim.profile import parse_profile
-
     profile = parse_profile(args.simulate)
     search = Search(SLO(args.slo_ttft_ms, args.slo_itl_ms), 0.9, "poisson", args.seed)
     held = [ph for ph in phases if ph.plateau]
@@ -332,10 +334,6 @@ def _prompts(
 ) -> list[str]:
     """One prompt of its phase's length a request, of random words (nothing shared, nothing
     cached), exact in the served tokenizer's tokens."""
-    from pd.bench.serve.text import TokenText
-    from pd.worker.checkpoint.default_model import default_model_path
-    from pd.worker.checkpoint.loader import load_tokenizer
-
     text = TokenText(load_tokenizer(default_model_path()))
     rng = random.Random(args.seed)
     return [text.random(phases[ph].prompt_tokens, rng) for _, ph in schedule]
@@ -353,8 +351,6 @@ def _scale(r: RequestRecord, k: float) -> None:
 def fit_error(service: PlannerService, profile_name: str) -> float | None:
     """The largest relative error of the planner's decode-step fit against the profile's cost
     model, over the steps it fitted (their rows and KV tokens)."""
-    from pd.sim import CostModel, parse_profile
-
     fit = service.planner.step_fit
     if fit.coefficients is None:
         return None
@@ -476,8 +472,6 @@ def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[P
 
 
 def _tp(profile: str) -> int:
-    from pd.sim.profile import parse_profile
-
     return parse_profile(profile).tp
 
 
