@@ -208,6 +208,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         role = Decode(decode)
         metrics.read_peers_lost_from(lambda: decode.manager.peers_lost)
     name = cfg.served_model_name or model.name
+    metrics.serve_model_server_names(name)
     log.info(
         "model %s: %s, %d KV pages of %d tokens, context %d",
         name,

@@ -123,6 +123,14 @@ class WorkerMetrics:
         """pd_kv_peers_lost_total: the transfer manager's lost peer links, read at scrape."""
         self.registry.register(_PeersLostCollector(lost))
 
+    def serve_model_server_names(self, model_name: str) -> None:
+        """Also export the model-server protocol's names (vLLM's `vllm:*`, with its `model_name`
+        label), which GIE endpoint pickers, KEDA scalers and existing dashboards read."""
+        self.registry.register(_ModelServerCollector(model_name, self._current_load))
+
+    def _current_load(self) -> WorkerLoad | None:
+        return self._load() if self._load is not None else None
+
     def read_load_from(self, load: Callable[[], WorkerLoad]) -> None:
         """The gauges read `load()` (the engine's current `WorkerLoad`) at scrape time."""
         self._load = load
@@ -132,6 +140,36 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ModelServerCollector(Collector):
+    """vllm:num_requests_waiting / _running, vllm:kv_cache_usage_perc (a 0-1 fraction, as vLLM
+    exports it) and vllm:cache_config_info (1, the KV geometry in its labels), read at scrape
+    time from the same load as pd_*."""
+
+    def __init__(self, model_name: str, load: Callable[[], WorkerLoad | None]) -> None:
+        self._model = model_name
+        self._load = load
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        w = self._load()
+        if w is None:
+            return
+        for name, doc, value in (
+            ("vllm:num_requests_waiting", "requests waiting for admission", w.waiting),
+            ("vllm:num_requests_running", "requests in the running batch", w.running),
+            ("vllm:kv_cache_usage_perc", "KV cache in use, a fraction (1: full)", w.kv_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], value)
+            yield g
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "the KV cache's geometry (labels); always 1",
+            labels=["model_name", "block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([self._model, str(w.kv_page_size), str(w.kv_pages_total)], 1.0)
+        yield info
 
 
 class _PrefixCacheCollector(Collector):

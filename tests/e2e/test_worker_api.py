@@ -186,6 +186,11 @@ async def test_model_names_models_health_and_metrics(client, worker):
         "pd_generation_tokens_total",
         "pd_time_to_first_token_seconds_bucket",
         "pd_inter_token_latency_seconds_bucket",
+        # the model-server protocol's names, with vLLM's model_name label (issue 44)
+        f'vllm:num_requests_waiting{{model_name="{worker.model_name}"}}',
+        f'vllm:num_requests_running{{model_name="{worker.model_name}"}}',
+        f'vllm:kv_cache_usage_perc{{model_name="{worker.model_name}"}}',
+        "vllm:cache_config_info{",
     ):
         assert name in text, name
 

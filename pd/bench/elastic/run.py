@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 
 from pd.bench.elastic.hpa import HPA, PERIOD_S
-from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
+from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, plateau, scaled
 from pd.bench.pd import _free_port, _spawn, _wait_healthy
 from pd.bench.plan_search import Search, attainment_at
 from pd.bench.serve.client import RequestRecord, stream_request
@@ -66,9 +66,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="K: modeled seconds run K times slower (raise it if the CPU passes 70%%, or the "
         "clock's overshoot and the step fit's error are large: docs/planner.md)",
     )
+    p.add_argument("--trace", default="full", choices=sorted(TRACES),
+                   help="the load: full (the issue's), quick, or plateau (1x, then 4x held)")  # fmt: skip
     p.add_argument("--quick", action="store_true",
-                   help="one step up and back down (under 5 minutes): the planner adds and "
-                   "removes a worker")  # fmt: skip
+                   help="--trace quick (under 5 minutes): the planner adds and removes a worker, "
+                   "with a 5 s start-up, 2 s polls and a 10 s cool-down")  # fmt: skip
     p.add_argument("--setups", default=",".join(SETUPS), help="which, in this order")
     p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
     p.add_argument(
@@ -100,8 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HPA's target of running requests per prefill worker")  # fmt: skip
     p.add_argument("--hpa-decode-target", type=float, default=16.0,
                    help="HPA's target of running requests per decode worker")  # fmt: skip
+    p.add_argument("--hpa-tune", default=None,
+                   help="prefill targets to try first (e.g. 0.5,1,2,4), each on the plateau "
+                   "trace: HPA then runs with the one of the best attainment at 4x (the "
+                   "fewest GPU-hours among equals)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-dir", default=None, help="worker and router logs here")
+    p.add_argument("--log-dir", default=None, help="worker and router logs here, a folder a setup")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--out", default=None, help="also write the whole result (JSON) here")
     p.add_argument("--plot", default=None,
@@ -123,13 +129,14 @@ class Run:
     phase_of: list[int] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     fit_error: float | None = None
+    decisions: list[str] = field(default_factory=list)  # the planner's changes, as logged
     overshoot: float | None = None  # the clock check of the workers there from the start
     initial: tuple[int, int] = (1, 1)
     wall_s: float = 0.0
 
 
-def phases_of(args: argparse.Namespace) -> list[Phase]:
-    make = quick if args.quick else full
+def phases_of(args: argparse.Namespace, trace: str | None = None) -> list[Phase]:
+    make = TRACES[trace or ("quick" if args.quick else args.trace)]
     return scaled(make(args.base_rate, args.prompt_tokens, args.output_tokens), args.phase_scale)
 
 
@@ -171,7 +178,12 @@ async def run_setup(
 ) -> Run:
     k = args.time_scale
     roles = ["prefill"] * initial[0] + ["decode"] * initial[1]
-    log_dir = args.log_dir or tempfile.mkdtemp(prefix=f"pd-elastic-{kind}-")
+    log_dir = (
+        os.path.join(args.log_dir, kind)
+        if args.log_dir
+        else tempfile.mkdtemp(prefix=f"pd-elastic-{kind}-")
+    )
+    os.makedirs(log_dir, exist_ok=True)
     sim = start_sim_workers(args.simulate, roles, time_scale=k, log_dir=log_dir)
     router = None
     run = Run(kind, initial=initial)
@@ -293,6 +305,11 @@ async def _drive(
     run.samples.append(sample((time.perf_counter() - t0) / k))
     if service is not None:
         run.fit_error = fit_error(service, args.simulate)
+        run.decisions = [
+            f"{d.at:.0f} s: {d.line()}"
+            for d in service.planner.decisions
+            if d.reasons != ("holds",)
+        ]
     return run
 
 
@@ -420,6 +437,7 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
         "clock_overshoot": run.overshoot,
         "timeline": _timeline(run.samples),
         **({"fit_error": round(run.fit_error, 4)} if run.fit_error is not None else {}),
+        **({"decisions": run.decisions} if run.decisions else {}),
     }
 
 
@@ -485,11 +503,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out: dict[str, Any] = {
         "profile": args.simulate,
-        "phase_scale": args.phase_scale, "time_scale": args.time_scale, "quick": args.quick,
+        "trace": "quick" if args.quick else args.trace, "phase_scale": args.phase_scale,
+        "time_scale": args.time_scale, "quick": args.quick,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
     }  # fmt: skip
+    if "hpa" in setups and args.hpa_tune:
+        out["hpa_tuning"] = tune_hpa(args)
+        best = max(out["hpa_tuning"], key=lambda t: (round(t["attainment_4x"], 2), -t["gpu_hours"]))
+        args.hpa_prefill_target = best["target"]
+        out["hpa_targets"]["prefill"] = best["target"]
     fixed = fixed_split(args, phases) if "fixed" in setups else None
     out["fixed_split"] = {"prefill": fixed[0], "decode": fixed[1]} if fixed else None
     for kind in setups:
@@ -515,6 +539,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def tune_hpa(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """HPA's prefill target tried on the plateau trace: each target's attainment at 4x."""
+    phases = phases_of(args, plateau.__name__)
+    tried = []
+    for target in (float(t) for t in args.hpa_tune.split(",") if t):
+        args.hpa_prefill_target = target
+        print(f"pd-bench elastic: tuning HPA, target {target:g} ...", file=sys.stderr, flush=True)
+        got = summary(asyncio.run(run_setup("hpa", args, phases, (1, 1))), args, phases)
+        tried.append({
+            "target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
+            "gpu_hours": got["gpu_hours"], "most_workers": got["most_workers"],
+        })  # fmt: skip
+    return tried
+
+
 def render(out: dict[str, Any], setups: list[str]) -> str:
     lines = [
         f"pd-bench elastic: {out['profile']} at time scale {out['time_scale']:g}, SLO TTFT "
@@ -535,6 +574,11 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         lines.append(f"{kind}: " + ", ".join(
             f"{name} {p['attainment']:.2f}" for name, p in phases.items()
         ))  # fmt: skip
+    if "hpa_tuning" in out:
+        lines.append("HPA prefill targets tried at 4x: " + ", ".join(
+            f"{t['target']:g}: {t['attainment_4x']:.2f} ({t['gpu_hours']:.3f} GPU-h)"
+            for t in out["hpa_tuning"]
+        ) + f"; chose {out['hpa_targets']['prefill']:g}")  # fmt: skip
     if "fit_error" in out:
         lines.append(f"planner fit error: {out['fit_error']:.3f}")
     if math.isfinite(out.get("gpu_hours_vs_fixed", math.nan)):

@@ -4,7 +4,7 @@ and request lengths, and the Poisson arrivals they give (a ramp by thinning). Pu
 The full trace (rates as multiples of `base`, seconds in modeled time): a ramp to 4x, a hold,
 a burst to 8x for a minute, back to 4x, a prefill-heavy and a decode-heavy phase at 4x's
 tokens, and 10 minutes of constant 2x (where nothing should change). `--quick` is one step up
-and back down.
+and back down; `plateau` is the 4x plateau alone (where HPA's target is tuned).
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ def quick(base: float, prompt: int, output: int) -> list[Phase]:
         Phase("high-4x", 30, 4 * base, prompt, output),
         Phase("low-again", 25, base, prompt, output),
     ]
+
+
+def plateau(base: float, prompt: int, output: int) -> list[Phase]:
+    """A minute at 1x, then the 4x plateau held: where HPA's target is tuned (`--hpa-tune`)."""
+    return [
+        Phase("base", 60, base, prompt, output),
+        Phase("hold-4x", 240, 4 * base, prompt, output),
+    ]
+
+
+TRACES = {"full": full, "quick": quick, "plateau": plateau}
 
 
 def scaled(phases: list[Phase], factor: float) -> list[Phase]:
