@@ -34,6 +34,7 @@ from pd.protocol import (
 from pd.protocol.names import REQUEST_ID_HEADER
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
+from pd.router.discovery import FileDiscovery
 from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
@@ -247,8 +248,14 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     app[PROXY].session = session
     checker = app[HEALTH]
     checker.session = session
+    tasks = []
+    cfg = app[CONFIG]
+    if cfg.discovery_file is not None:
+        discovery = FileDiscovery(cfg.discovery_file, app[REGISTRY], cfg.discovery_interval_s)
+        discovery.sync()  # the workers listed at start are checked with the others
+        tasks.append(asyncio.create_task(discovery.run()))
     await checker.check_all()
-    tasks = [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
+    tasks += [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
     try:
         yield
     finally:

@@ -12,6 +12,7 @@ from pd.registration import normalize_url
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
+DISCOVERY = ("static", "file")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,15 @@ class RouterConfig:
     worker: tuple[str, ...] = _flag(
         (), "URL of a co-located (--role both) worker (repeatable)", repeat=True
     )
+    discovery: str = _flag(
+        "static", "where workers come from: static (the flags above, and workers that register "
+        "themselves) or file (--discovery-file, watched; the flags and registrations still add)",
+        choices=DISCOVERY,
+    )  # fmt: skip
+    discovery_file: str | None = _flag(
+        None, "--discovery file: a file of 'ROLE URL' lines (docs/deploy.md), read when it changes"
+    )
+    discovery_interval_s: float = _flag(1.0, "seconds between looks at the discovery source")
     policy: str = _flag("load-aware", "routing policy of every pool", choices=POLICIES)
     prefill_policy: str | None = _flag(
         None, "policy of the prefill pool (default: --policy)", choices=POLICIES
@@ -169,6 +179,12 @@ class RouterConfig:
                 f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}",
             )
         check(0 <= self.port < 65536, "--port must be in 0..65535")
+        check(self.discovery in DISCOVERY, f"--discovery must be one of {', '.join(DISCOVERY)}")
+        check(
+            (self.discovery == "file") == (self.discovery_file is not None),
+            "--discovery file and --discovery-file PATH go together",
+        )
+        check(self.discovery_interval_s > 0, "--discovery-interval-s must be > 0")
         check(self.health_interval > 0, "--health-interval must be > 0")
         check(self.health_timeout > 0, "--health-timeout must be > 0")
         check(self.health_failures >= 1, "--health-failures must be >= 1")
