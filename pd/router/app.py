@@ -35,6 +35,7 @@ from pd.protocol.names import REQUEST_ID_HEADER
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.discovery import FileDiscovery
+from pd.router.discovery.kubernetes import KubeAPI, KubernetesDiscovery
 from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
@@ -254,6 +255,10 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         discovery = FileDiscovery(cfg.discovery_file, app[REGISTRY], cfg.discovery_interval_s)
         discovery.sync()  # the workers listed at start are checked with the others
         tasks.append(asyncio.create_task(discovery.run()))
+    if cfg.discovery == "kubernetes":
+        api = KubeAPI.from_flags(cfg.k8s_api, cfg.k8s_namespace)
+        kube = KubernetesDiscovery(api, cfg.k8s_selectors, app[REGISTRY], cfg.k8s_port_name)
+        tasks.append(asyncio.create_task(kube.run()))
     await checker.check_all()
     tasks += [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
     try:

@@ -12,7 +12,7 @@ from pd.registration import normalize_url
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
-DISCOVERY = ("static", "file")
+DISCOVERY = ("static", "file", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,30 @@ class RouterConfig:
     )
     discovery: str = _flag(
         "static", "where workers come from: static (the flags above, and workers that register "
-        "themselves) or file (--discovery-file, watched; the flags and registrations still add)",
+        "themselves), file (--discovery-file, watched) or kubernetes (EndpointSlices by "
+        "--k8s-*-selector, watched); the flags and registrations still add",
         choices=DISCOVERY,
     )  # fmt: skip
     discovery_file: str | None = _flag(
         None, "--discovery file: a file of 'ROLE URL' lines (docs/deploy.md), read when it changes"
     )
-    discovery_interval_s: float = _flag(1.0, "seconds between looks at the discovery source")
+    discovery_interval_s: float = _flag(1.0, "seconds between looks at the discovery file")
+    k8s_api: str | None = _flag(
+        None, "--discovery kubernetes: the API server's URL (default: the pod's, with its "
+        "service account's token and CA)",
+    )  # fmt: skip
+    k8s_namespace: str | None = _flag(None, "the workers' namespace (default: the pod's)")
+    k8s_prefill_selector: str | None = _flag(
+        None, "label selector of the prefill workers' EndpointSlices (e.g. "
+        "kubernetes.io/service-name=pd-prefill)",
+    )  # fmt: skip
+    k8s_decode_selector: str | None = _flag(
+        None, "label selector of the decode workers' EndpointSlices"
+    )
+    k8s_worker_selector: str | None = _flag(
+        None, "label selector of the co-located workers' EndpointSlices"
+    )
+    k8s_port_name: str = _flag("http", "the EndpointSlice port the workers serve HTTP on")
     policy: str = _flag("load-aware", "routing policy of every pool", choices=POLICIES)
     prefill_policy: str | None = _flag(
         None, "policy of the prefill pool (default: --policy)", choices=POLICIES
@@ -185,6 +202,11 @@ class RouterConfig:
             "--discovery file and --discovery-file PATH go together",
         )
         check(self.discovery_interval_s > 0, "--discovery-interval-s must be > 0")
+        check(
+            self.discovery != "kubernetes" or bool(self.k8s_selectors),
+            "--discovery kubernetes needs a --k8s-prefill-selector, --k8s-decode-selector or "
+            "--k8s-worker-selector",
+        )
         check(self.health_interval > 0, "--health-interval must be > 0")
         check(self.health_timeout > 0, "--health-timeout must be > 0")
         check(self.health_failures >= 1, "--health-failures must be >= 1")
@@ -214,6 +236,16 @@ class RouterConfig:
         check_origins(self.allowed_origins)
         for name in ("api_key", "admin_token", "worker_api_key", "cluster_token"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
+
+    @property
+    def k8s_selectors(self) -> dict[str, str]:
+        """{pool: label selector} of --discovery kubernetes."""
+        given = {
+            "prefill": self.k8s_prefill_selector,
+            "decode": self.k8s_decode_selector,
+            "both": self.k8s_worker_selector,
+        }
+        return {pool: sel for pool, sel in given.items() if sel}
 
     def policy_of(self, pool: str) -> str:
         """The policy name of a pool: 'prefill', 'decode' or 'both'."""

@@ -1,0 +1,244 @@
+"""`--discovery kubernetes`: the workers behind EndpointSlices, found by a label selector per role
+(typically `kubernetes.io/service-name=<the role's headless Service>`), listed and then watched as
+the API serves them: from the list's resourceVersion, with bookmarks; a watch that ends is
+resumed from the last version seen; `410 Gone` (the version was compacted) lists again; an API
+outage keeps the workers there are and retries with a backoff.
+
+An endpoint whose `ready` condition is false (starting, failing its readiness probe, draining or
+terminating) leaves the router: it gets no new request, and the streams it serves finish (issue
+26's meaning of readiness). Plain aiohttp, no client package: in a pod it reads the service
+account's token (again at each connection: projected tokens rotate), CA and namespace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pd.router.discovery.sync import WorkerSet
+from pd.router.registry import Registry
+
+log = logging.getLogger("pd.router")
+
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+WATCH_TIMEOUT_S = 300  # the API ends a watch after this; it is resumed at once
+BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # between failed attempts (the last repeats)
+
+
+class Gone(Exception):
+    """410: the resourceVersion was compacted away; list again."""
+
+
+@dataclass(frozen=True)
+class KubeAPI:
+    """Where the API server is and how to authenticate to it."""
+
+    base: str  # https://host:port (no trailing slash)
+    namespace: str
+    token_file: str | None = None  # read at each connection
+    ca_file: str | None = None
+
+    @classmethod
+    def from_flags(cls, api: str | None, namespace: str | None) -> KubeAPI:
+        """`--k8s-api` (default: the pod's API server), `--k8s-namespace` (default: the pod's)."""
+        token = os.path.join(SERVICE_ACCOUNT, "token")
+        ca = os.path.join(SERVICE_ACCOUNT, "ca.crt")
+        if api is None:
+            host, port = (
+                os.environ.get("KUBERNETES_SERVICE_HOST"),
+                os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+            )
+            if not host:
+                raise ValueError(
+                    "--discovery kubernetes outside a pod needs --k8s-api URL (no "
+                    "KUBERNETES_SERVICE_HOST)"
+                )
+            api = f"https://{host}:{port}"
+        if namespace is None:
+            try:
+                with open(os.path.join(SERVICE_ACCOUNT, "namespace")) as f:
+                    namespace = f.read().strip()
+            except OSError:
+                namespace = "default"
+        return cls(
+            api.rstrip("/"),
+            namespace,
+            token if os.path.exists(token) else None,
+            ca if os.path.exists(ca) else None,
+        )
+
+    def headers(self) -> dict[str, str]:
+        if self.token_file is None:
+            return {}
+        with open(self.token_file) as f:
+            return {"Authorization": f"Bearer {f.read().strip()}"}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
+
+    def slices_url(self) -> str:
+        return f"{self.base}/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
+
+
+def slice_urls(obj: Mapping[str, Any], port_name: str) -> set[str]:
+    """The worker URLs of one EndpointSlice's ready endpoints (`ready` unset counts as ready, as
+    the API says)."""
+    ports = obj.get("ports") or []
+    port = next((p.get("port") for p in ports if p.get("name") == port_name), None)
+    if port is None and len(ports) == 1:
+        port = ports[0].get("port")
+    if port is None:
+        return set()
+    out = set()
+    for ep in obj.get("endpoints") or []:
+        if (ep.get("conditions") or {}).get("ready") is False or not ep.get("addresses"):
+            continue
+        addr = ep["addresses"][0]
+        host = f"[{addr}]" if ":" in addr else addr
+        out.add(f"http://{host}:{port}")
+    return out
+
+
+class SliceWatch:
+    """One role's EndpointSlices: listed, then watched; `urls()` of their ready endpoints."""
+
+    def __init__(
+        self,
+        api: KubeAPI,
+        selector: str,
+        port_name: str,
+        changed: Callable[[], None],
+        watch_timeout_s: int = WATCH_TIMEOUT_S,
+    ) -> None:
+        self.api = api
+        self.selector = selector
+        self.port_name = port_name
+        self.changed = changed
+        self.watch_timeout_s = watch_timeout_s
+        self.slices: dict[str, Mapping[str, Any]] = {}
+        self.version: str | None = None
+        self.synced = False  # listed at least once
+        self.relists = 0  # lists after the first (410 Gone)
+        self.failures = 0  # attempts that failed (API down, refused, cut)
+
+    def urls(self) -> set[str]:
+        return {u for s in self.slices.values() for u in slice_urls(s, self.port_name)}
+
+    async def run(self, http: aiohttp.ClientSession) -> None:
+        attempt = 0
+        while True:
+            try:
+                if self.version is None:
+                    await self.list(http)
+                await self.watch(http)
+                attempt = 0
+            except Gone:
+                log.info("endpointslices %s: version compacted, listing again", self.selector)
+                self.version = None
+                self.relists += 1
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                self.failures += 1
+                wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                attempt += 1
+                log.warning(
+                    "endpointslices %s: %s (the workers there are stay; again in %.1f s)",
+                    self.selector, e or type(e).__name__, wait,
+                )  # fmt: skip
+                await asyncio.sleep(wait)
+
+    async def list(self, http: aiohttp.ClientSession) -> None:
+        async with http.get(
+            self.api.slices_url(),
+            params={"labelSelector": self.selector},
+            headers=self.api.headers(),
+            ssl=self.api.ssl_context(),
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(
+                    r.request_info, (), status=r.status, message=(await r.text())[:200]
+                )
+            body = await r.json()
+        self.slices = {i["metadata"]["name"]: i for i in body.get("items") or []}
+        self.version = body["metadata"]["resourceVersion"]
+        self.synced = True
+        self.changed()
+
+    async def watch(self, http: aiohttp.ClientSession) -> None:
+        """Follow the events from `version` until the API ends the watch."""
+        params = {
+            "labelSelector": self.selector,
+            "watch": "true",
+            "resourceVersion": self.version or "",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(self.watch_timeout_s),
+        }
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=self.watch_timeout_s + 30)
+        async with http.get(
+            self.api.slices_url(),
+            params=params,
+            headers=self.api.headers(),
+            ssl=self.api.ssl_context(),
+            timeout=timeout,
+        ) as r:
+            if r.status == 410:
+                raise Gone()
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(
+                    r.request_info, (), status=r.status, message=(await r.text())[:200]
+                )
+            async for line in r.content:
+                if line.strip():
+                    self.event(json.loads(line))
+
+    def event(self, event: Mapping[str, Any]) -> None:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise Gone()
+            raise ValueError(f"watch error: {obj.get('message') or obj}")
+        meta = obj.get("metadata") or {}
+        if kind in ("ADDED", "MODIFIED"):
+            self.slices[meta["name"]] = obj
+        elif kind == "DELETED":
+            self.slices.pop(meta.get("name", ""), None)
+        elif kind != "BOOKMARK":
+            raise ValueError(f"watch event of unknown type {kind!r}")
+        self.version = meta.get("resourceVersion", self.version)
+        if kind != "BOOKMARK":
+            self.changed()
+
+
+class KubernetesDiscovery:
+    """The router's workers from the EndpointSlices of each role's selector."""
+
+    def __init__(
+        self,
+        api: KubeAPI,
+        selectors: Mapping[str, str],  # role -> label selector
+        registry: Registry,
+        port_name: str = "http",
+        watch_timeout_s: int = WATCH_TIMEOUT_S,
+    ) -> None:
+        self.workers = WorkerSet(registry, "discovery kubernetes")
+        self.watches = {
+            role: SliceWatch(api, sel, port_name, self._apply, watch_timeout_s)
+            for role, sel in selectors.items()
+        }
+
+    def _apply(self) -> None:
+        if not all(w.synced for w in self.watches.values()):
+            return  # a partial view would remove the roles not listed yet
+        self.workers.apply({u: role for role, w in self.watches.items() for u in w.urls()})
+
+    async def run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await asyncio.gather(*(w.run(http) for w in self.watches.values()))
