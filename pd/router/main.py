@@ -11,12 +11,16 @@ from aiohttp import web
 from pd.cli_args import parse_dataclass
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
+from pd.router.discovery.kubernetes import KubeAPI
 from pd.signing import optional_token
 
 EPILOG = """examples:
   pd-router --prefill http://p1:8100 --decode http://d1:8200 --decode http://d2:8200
   pd-router --worker http://w1:8100 --worker http://w2:8100 --policy sticky-to-room
   pd-router --admin-token T   # workers join with: pd-worker ... --register-with URL --admin-token T
+  pd-router --discovery file --discovery-file workers.txt   # lines 'prefill http://p1:8100'
+  pd-router --discovery kubernetes --k8s-prefill-selector kubernetes.io/service-name=pd-prefill \
+            --k8s-decode-selector kubernetes.io/service-name=pd-decode   # in a pod
 """
 
 
@@ -26,6 +30,12 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
+    if cfg.discovery == "kubernetes":
+        try:
+            KubeAPI.from_flags(cfg.k8s_api, cfg.k8s_namespace)
+        except ValueError as e:
+            print(f"pd-router: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
