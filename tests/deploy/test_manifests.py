@@ -1,0 +1,119 @@
+"""deploy/kubernetes (issue 44): every overlay renders (`kubectl kustomize`), each object passes
+`kubernetes-validate --strict` against the API's schemas, and every flag, port and probe path the
+manifests name exists in pd: the args parse with pd-router's and pd-worker's own parsers, the
+probes name the container's ports and the routes the servers serve."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+import yaml
+
+from pd.router.app import make_app
+from pd.router.config import RouterConfig
+from pd.router.main import parse_config
+from pd.worker.main import parse_args
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+KUSTOMIZE = os.path.join(ROOT, "deploy", "kubernetes")
+OVERLAYS = sorted(os.listdir(os.path.join(KUSTOMIZE, "overlays")))
+K8S_VERSION = "1.33.0"  # a version every maintained cluster has reached
+
+needs_kubectl = pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl renders the overlays (not installed)"
+)
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", os.path.join(KUSTOMIZE, "overlays", overlay)],
+        check=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], int]]:
+    """(deployment, container, its pod's termination grace seconds)."""
+    return [
+        (o["metadata"]["name"], c, o["spec"]["template"]["spec"]["terminationGracePeriodSeconds"])
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    ]
+
+
+def test_there_are_overlays_for_cpu_gpu_and_hpa() -> None:
+    assert {"cpu", "gpu", "hpa"} <= set(OVERLAYS)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_is_valid_against_the_api_schemas(overlay: str) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install 'pd[k8s]'")
+    objects = render(overlay)
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "Role"} <= kinds, kinds
+    for o in objects:
+        kv.validate(o, K8S_VERSION, strict=True)
+    # the check itself can fail: a misspelt field is refused
+    bad = next(o for o in objects if o["kind"] == "Deployment")
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, K8S_VERSION, strict=True)
+
+
+def _routes_of_the_worker() -> set[str]:
+    with open(os.path.join(ROOT, "pd", "worker", "api", "server.py")) as f:
+        return set(re.findall(r'add_get\("(/[^"]*)"', f.read()))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_flag_port_and_probe_path_exists(overlay: str) -> None:
+    router_paths = {r.resource.canonical for r in make_app(RouterConfig()).router.routes()}
+    worker_paths = _routes_of_the_worker()
+    assert "/ready" in worker_paths and "/health" in worker_paths
+    seen = set()
+    for name, c, grace in containers(render(overlay)):
+        command = c["command"][0]
+        seen.add(command)
+        env = {e["name"] for e in c.get("env", [])}
+        # $(VAR) is the kubelet's: each must be a variable of the container
+        args = []
+        for a in c["args"]:
+            for var in re.findall(r"\$\((\w+)\)", a):
+                assert var in env, (name, var)
+            args.append(re.sub(r"\$\(\w+\)", "10.1.2.3", a))
+        if command == "pd-router":
+            cfg = parse_config(args)
+            port, paths = cfg.port, router_paths
+            assert cfg.k8s_selectors, name
+        elif command == "pd-worker":
+            wcfg = parse_args(args)
+            port, paths = wcfg.port, worker_paths
+            assert wcfg.advertise_url == f"http://10.1.2.3:{wcfg.port}", name
+            ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+            assert ports.get("kv-bootstrap") == wcfg.bootstrap_port, name
+            # the drain (after the preStop's pause) ends before the kubelet's SIGKILL
+            pause = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+            assert pause + wcfg.drain_timeout_s < grace, (name, pause, wcfg.drain_timeout_s, grace)
+        else:
+            raise AssertionError(f"{name}: unknown command {command}")
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["http"] == port, name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in c:
+                get = c[probe]["httpGet"]
+                assert get["port"] in ports and get["path"] in paths, (name, probe, get)
+        if command == "pd-worker":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+            for secret in c.get("env", []):
+                if "valueFrom" in secret and "secretKeyRef" in secret["valueFrom"]:
+                    assert secret["name"] == "PD_CLUSTER_TOKEN"
+    assert seen == {"pd-router", "pd-worker"}
