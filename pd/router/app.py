@@ -19,6 +19,7 @@ import pd.router.admin as admin
 import pd.router.fanout as fanout
 import pd.router.tokenize as tokenize
 from pd.cors import enable_cors
+from pd.kube_api import KubeAPI
 from pd.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -35,7 +36,7 @@ from pd.protocol.names import REQUEST_ID_HEADER
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.discovery import FileDiscovery
-from pd.router.discovery.kubernetes import KubeAPI, KubernetesDiscovery
+from pd.router.discovery.kubernetes import KubernetesDiscovery
 from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
 from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY

@@ -9,9 +9,9 @@ import sys
 from aiohttp import web
 
 from pd.cli_args import parse_dataclass
+from pd.kube_api import KubeAPI
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
-from pd.router.discovery.kubernetes import KubeAPI
 from pd.signing import optional_token
 
 EPILOG = """examples:

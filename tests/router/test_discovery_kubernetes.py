@@ -11,8 +11,9 @@ import contextlib
 
 import pytest
 
+from pd.kube_api import KubeAPI
 from pd.router import RouterConfig, make_app
-from pd.router.discovery.kubernetes import KubeAPI, KubernetesDiscovery, slice_urls
+from pd.router.discovery.kubernetes import KubernetesDiscovery, slice_urls
 from pd.router.registry import Registry
 from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for
 from tests.router.kube_api import KubeAPIDouble, endpoint_slice

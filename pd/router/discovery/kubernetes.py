@@ -6,85 +6,26 @@ outage keeps the workers there are and retries with a backoff.
 
 An endpoint whose `ready` condition is false (starting, failing its readiness probe, draining or
 terminating) leaves the router: it gets no new request, and the streams it serves finish (issue
-26's meaning of readiness). Plain aiohttp, no client package: in a pod it reads the service
-account's token (again at each connection: projected tokens rotate), CA and namespace."""
+26's meaning of readiness). The API is reached as pd/kube_api.py says."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import os
-import ssl
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from pd.kube_api import Gone, KubeAPI
 from pd.router.discovery.sync import WorkerSet
 from pd.router.registry import Registry
 
 log = logging.getLogger("pd.router")
 
-SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 WATCH_TIMEOUT_S = 300  # the API ends a watch after this; it is resumed at once
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0)  # between failed attempts (the last repeats)
-
-
-class Gone(Exception):
-    """410: the resourceVersion was compacted away; list again."""
-
-
-@dataclass(frozen=True)
-class KubeAPI:
-    """Where the API server is and how to authenticate to it."""
-
-    base: str  # https://host:port (no trailing slash)
-    namespace: str
-    token_file: str | None = None  # read at each connection
-    ca_file: str | None = None
-
-    @classmethod
-    def from_flags(cls, api: str | None, namespace: str | None) -> KubeAPI:
-        """`--k8s-api` (default: the pod's API server), `--k8s-namespace` (default: the pod's)."""
-        token = os.path.join(SERVICE_ACCOUNT, "token")
-        ca = os.path.join(SERVICE_ACCOUNT, "ca.crt")
-        if api is None:
-            host, port = (
-                os.environ.get("KUBERNETES_SERVICE_HOST"),
-                os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
-            )
-            if not host:
-                raise ValueError(
-                    "--discovery kubernetes outside a pod needs --k8s-api URL (no "
-                    "KUBERNETES_SERVICE_HOST)"
-                )
-            api = f"https://{host}:{port}"
-        if namespace is None:
-            try:
-                with open(os.path.join(SERVICE_ACCOUNT, "namespace")) as f:
-                    namespace = f.read().strip()
-            except OSError:
-                namespace = "default"
-        return cls(
-            api.rstrip("/"),
-            namespace,
-            token if os.path.exists(token) else None,
-            ca if os.path.exists(ca) else None,
-        )
-
-    def headers(self) -> dict[str, str]:
-        if self.token_file is None:
-            return {}
-        with open(self.token_file) as f:
-            return {"Authorization": f"Bearer {f.read().strip()}"}
-
-    def ssl_context(self) -> ssl.SSLContext | None:
-        return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
-
-    def slices_url(self) -> str:
-        return f"{self.base}/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
 
 
 def slice_urls(obj: Mapping[str, Any], port_name: str) -> set[str]:
