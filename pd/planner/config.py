@@ -11,7 +11,7 @@ from pd.cli_args import flag as _flag
 from pd.planner.decide import SLO, Bounds, PlannerKnobs
 from pd.registration import normalize_url
 
-CONNECTORS = ("local", "simulated", "virtual")
+CONNECTORS = ("local", "simulated", "virtual", "kubernetes")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class PlannerConfig:
         None, "virtual: where the decision is written (acknowledged in FILE.ack)"
     )
     ack_timeout_s: float = _flag(300.0, "virtual: how long a decision waits for its ack")
+    k8s_api: str | None = _flag(
+        None, "kubernetes: the API server's URL (default: the pod's, with its service account)"
+    )
+    k8s_namespace: str | None = _flag(None, "kubernetes: the Deployments' namespace (the pod's)")
+    k8s_prefill_deployment: str = _flag("pd-prefill", "kubernetes: the prefill Deployment")
+    k8s_decode_deployment: str = _flag("pd-decode", "kubernetes: the decode Deployment")
     host: str = _flag("127.0.0.1", "address of the planner's own /metrics and /health")
     port: int = _flag(8300, "port of the planner's /metrics and /health (0 picks a free one)")
     log_level: str = _flag("info", "log level", choices=("debug", "info", "warning", "error"))

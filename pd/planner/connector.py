@@ -6,7 +6,8 @@ it came from, and brings the cluster towards it.
 - `LocalConnector` and `SimulatedConnector` (processes.py) start and stop worker processes on
   this host: `pd-worker`, or hosts of `--simulate` workers whose start-up takes their profile's
   time;
-- the `kubernetes` connector comes with the Deployments it scales (issue 44).
+- `KubernetesConnector` (kubernetes.py) sets the replicas of the prefill and decode Deployments
+  of deploy/kubernetes through their scale subresource, the pod it chose drained first.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ EPILOG = """examples:
       --connector local --worker-args '--threads 1' --max-decode 2
   pd-planner --router http://127.0.0.1:8000 --admin-token T --slo-ttft-ms 1000 --slo-itl-ms 50 \\
       --connector simulated --simulate llama-3.1-70b:h100:tp4 --time-scale 2
+  pd-planner --router http://pd-router:8000 --slo-ttft-ms 2000 --slo-itl-ms 100 \
+      --connector kubernetes   # in a pod: deploy/kubernetes/overlays/planner
 """
 
 
@@ -57,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except ValueError as e:  # the connector's set-up (e.g. kubernetes outside a pod)
+        print(f"pd-planner: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

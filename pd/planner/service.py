@@ -13,9 +13,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pd.kube_api import KubeAPI
 from pd.planner.config import PlannerConfig
 from pd.planner.connector import Connector
 from pd.planner.decide import Planner
+from pd.planner.kubernetes import KubernetesConnector
 from pd.planner.metrics import PlannerMetrics
 from pd.planner.observe import ClusterReader
 from pd.planner.processes import LocalConnector, SimulatedConnector
@@ -29,6 +31,13 @@ def make_connector(cfg: PlannerConfig) -> Connector:
     if cfg.connector == "virtual":
         assert cfg.decision_file is not None
         return VirtualConnector(cfg.decision_file, cfg.ack_timeout_s)
+    if cfg.connector == "kubernetes":
+        return KubernetesConnector(
+            KubeAPI.from_flags(cfg.k8s_api, cfg.k8s_namespace),
+            {"prefill": cfg.k8s_prefill_deployment, "decode": cfg.k8s_decode_deployment},
+            cfg.router,
+            cfg.admin_token,
+        )
     args = shlex.split(cfg.worker_args)
     if cfg.connector == "simulated":
         assert cfg.simulate is not None

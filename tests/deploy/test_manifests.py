@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
+from pd.planner.main import parse_config as parse_planner
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
 from pd.router.main import parse_config
 from pd.worker.main import parse_args
+
+PLANNER_PATHS = {"/health", "/metrics"}  # pd/planner/service.py
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 KUSTOMIZE = os.path.join(ROOT, "deploy", "kubernetes")
@@ -47,8 +50,17 @@ def containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any],
     ]
 
 
-def test_there_are_overlays_for_cpu_gpu_and_hpa() -> None:
-    assert {"cpu", "gpu", "hpa"} <= set(OVERLAYS)
+def test_there_are_overlays_for_cpu_gpu_and_either_autoscaler() -> None:
+    assert {"cpu", "gpu", "hpa", "planner"} <= set(OVERLAYS)
+
+
+@needs_kubectl
+def test_hpa_and_the_planner_never_both_scale_a_deployment() -> None:
+    for overlay in OVERLAYS:
+        objects = render(overlay)
+        hpa = any(o["kind"] == "HorizontalPodAutoscaler" for o in objects)
+        planner = any(c["command"] == ["pd-planner"] for _, c, _ in containers(objects))
+        assert not (hpa and planner), overlay
 
 
 @needs_kubectl
@@ -79,7 +91,8 @@ def test_every_flag_port_and_probe_path_exists(overlay: str) -> None:
     worker_paths = _routes_of_the_worker()
     assert "/ready" in worker_paths and "/health" in worker_paths
     seen = set()
-    for name, c, grace in containers(render(overlay)):
+    objects = render(overlay)
+    for name, c, grace in containers(objects):
         command = c["command"][0]
         seen.add(command)
         env = {e["name"] for e in c.get("env", [])}
@@ -93,6 +106,12 @@ def test_every_flag_port_and_probe_path_exists(overlay: str) -> None:
             cfg = parse_config(args)
             port, paths = cfg.port, router_paths
             assert cfg.k8s_selectors, name
+        elif command == "pd-planner":
+            pcfg = parse_planner(args)
+            port, paths = pcfg.port, PLANNER_PATHS
+            assert pcfg.connector == "kubernetes" and pcfg.router == "http://pd-router:8000"
+            deployments = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"}
+            assert {pcfg.k8s_prefill_deployment, pcfg.k8s_decode_deployment} <= deployments
         elif command == "pd-worker":
             wcfg = parse_args(args)
             port, paths = wcfg.port, worker_paths
@@ -116,4 +135,4 @@ def test_every_flag_port_and_probe_path_exists(overlay: str) -> None:
             for secret in c.get("env", []):
                 if "valueFrom" in secret and "secretKeyRef" in secret["valueFrom"]:
                     assert secret["name"] == "PD_CLUSTER_TOKEN"
-    assert seen == {"pd-router", "pd-worker"}
+    assert {"pd-router", "pd-worker"} <= seen

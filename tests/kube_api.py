@@ -1,10 +1,13 @@
-"""An in-process double of the Kubernetes API for EndpointSlices, serving list and watch as the
+"""An in-process double of the Kubernetes API: EndpointSlices (list and watch), Deployments' scale
+subresource and Pods (list, merge-patch), with a ReplicaSet controller's part of it (pods made
+and deleted to the replicas, the lowest `pod-deletion-cost` deleted first). It serves them as the
 API server does: one resourceVersion counter, a list's version to watch from, `ADDED`/`MODIFIED`/
 `DELETED` events after it, `BOOKMARK`s when asked (`allowWatchBookmarks`), a watch ended after
 `timeoutSeconds`, an `ERROR` event of a `410` Status for a version compacted away (`compact()`),
 equality label selectors, and outages (`down`: 503) and cut connections (`cut_watches()`).
 
-tests/router/test_discovery_kubernetes.py drives it with the official `kubernetes` client's
+tests/router/test_discovery_kubernetes.py and tests/planner/test_kubernetes_connector.py drive
+it with the official `kubernetes` client's
 `watch.Watch` too, so that it speaks the API and not only pd's assumptions."""
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from typing import Any
 from aiohttp import web
 
 GROUP = "/apis/discovery.k8s.io/v1"
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+# the patches the API takes that are the same for these flat fields (a JSON patch is not served)
+PATCHES = ("application/merge-patch+json", "application/strategic-merge-patch+json")
 
 
 def endpoint_slice(
@@ -72,6 +78,10 @@ class KubeAPIDouble:
         self.bookmarks = 0
         self._changed = asyncio.Event()
         self._open: set[web.StreamResponse] = set()
+        self.deployments: dict[str, int] = {}  # name -> replicas
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.scale_patches: list[tuple[str, int]] = []
+        self._made = 0
 
     # ------------------------------------------------------------------ the cluster's side
 
@@ -109,7 +119,97 @@ class KubeAPIDouble:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get(f"{GROUP}/namespaces/{{ns}}/endpointslices", self._handle)
+        scale = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+        app.router.add_get(scale, self._scale)
+        app.router.add_patch(scale, self._scale)
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
+        app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}", self._pod_patch)
         return app
+
+    # ------------------------------------------------------------------ Deployments and Pods
+
+    def deployment(self, name: str, replicas: int) -> None:
+        """A Deployment of pods labelled app.kubernetes.io/name=NAME, reconciled at once."""
+        self.deployments[name] = replicas
+        self._reconcile(name)
+
+    def pods_of(self, name: str, terminating: bool | None = None) -> list[dict[str, Any]]:
+        return [
+            p for p in self.pods.values()
+            if p["metadata"]["labels"]["app.kubernetes.io/name"] == name
+            and (terminating is None or bool(p["metadata"].get("deletionTimestamp")) == terminating)
+        ]  # fmt: skip
+
+    def finish_terminations(self) -> None:
+        """The terminating pods' drains end: they are gone."""
+        for pod in [p for p in self.pods.values() if p["metadata"].get("deletionTimestamp")]:
+            del self.pods[pod["metadata"]["name"]]
+
+    def _reconcile(self, name: str) -> None:
+        alive = self.pods_of(name, terminating=False)
+        want = self.deployments[name]
+        while len(alive) < want:
+            self._made += 1
+            pod = {
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"{name}-{self._made}", "namespace": self.namespace,
+                             "labels": {"app.kubernetes.io/name": name}, "annotations": {},
+                             "resourceVersion": str(self.version)},
+                "spec": {"containers": [{"name": "worker", "image": "pd"}]},
+                "status": {"phase": "Running", "podIP": f"10.0.{self._made // 250}.{self._made % 250 + 1}"},
+            }  # fmt: skip
+            self.pods[pod["metadata"]["name"]] = pod
+            alive.append(pod)
+        # a ReplicaSet deletes the lowest pod-deletion-cost first (then the newest)
+        alive.sort(key=lambda p: (int(p["metadata"]["annotations"].get(DELETION_COST, "0")),
+                                  -int(p["metadata"]["name"].rsplit("-", 1)[1])))  # fmt: skip
+        for pod in alive[: max(0, len(alive) - want)]:
+            pod["metadata"]["deletionTimestamp"] = "2026-12-07T00:00:00Z"
+
+    async def _scale(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if self.down:
+            return web.json_response(
+                _status(503, "ServiceUnavailable", "the API is down"), status=503
+            )
+        if request.match_info["ns"] != self.namespace or name not in self.deployments:
+            return web.json_response(
+                _status(404, "NotFound", f'deployments.apps "{name}" not found'), status=404
+            )
+        if request.method == "PATCH":
+            if request.content_type not in PATCHES:
+                return web.json_response(
+                    _status(415, "UnsupportedMediaType", request.content_type), status=415
+                )
+            body = await request.json()
+            self.deployments[name] = int(body["spec"]["replicas"])
+            self.scale_patches.append((name, self.deployments[name]))
+            self._reconcile(name)
+        n = self.deployments[name]
+        return web.json_response({
+            "apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {"name": name, "namespace": self.namespace, "resourceVersion": str(self.version)},
+            "spec": {"replicas": n},
+            "status": {"replicas": len(self.pods_of(name)), "selector": f"app.kubernetes.io/name={name}"},
+        })  # fmt: skip
+
+    async def _pods(self, request: web.Request) -> web.Response:
+        selector = request.query.get("labelSelector", "")
+        items = [p for p in self.pods.values() if _matches(p["metadata"]["labels"], selector)]
+        return web.json_response({"apiVersion": "v1", "kind": "PodList",
+                                  "metadata": {"resourceVersion": str(self.version)}, "items": items})  # fmt: skip
+
+    async def _pod_patch(self, request: web.Request) -> web.Response:
+        pod = self.pods.get(request.match_info["name"])
+        if pod is None:
+            return web.json_response(_status(404, "NotFound", "pod not found"), status=404)
+        if request.content_type not in PATCHES:
+            return web.json_response(
+                _status(415, "UnsupportedMediaType", request.content_type), status=415
+            )
+        body = await request.json()
+        pod["metadata"]["annotations"].update((body.get("metadata") or {}).get("annotations") or {})
+        return web.json_response(pod)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if self.down:
