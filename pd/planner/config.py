@@ -24,7 +24,9 @@ class PlannerConfig:
         5.0, "seconds between observations (the planner's: x --time-scale in real time)"
     )
     cooldown_s: float = _flag(60.0, "a role shrinks no sooner than this after its last change")
-    window_s: float = _flag(30.0, "the arrival rate's and mean lengths' window")
+    window_s: float = _flag(
+        60.0, "the arrival rate's and mean lengths' window (a rise beyond its noise shows at once)"
+    )
     min_prefill: int = _flag(1, "fewest prefill workers")
     max_prefill: int = _flag(8, "most prefill workers")
     min_decode: int = _flag(1, "fewest decode workers")

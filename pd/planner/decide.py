@@ -8,8 +8,9 @@ Per role, the estimate against the SLO, from tokens:
   and KV tokens spread over `n`.
 
 The target is the largest of: the workers there are; a predictive floor, from the arrival rate
-and mean lengths (prefill: the offered prompt tokens a second over the rate, each worker at most
-`target_load` busy; decode: by Little's law the rows in flight if every request decodes at the
+and mean lengths (prefill: the fewest workers that queueing (queueing.py, M/D/c) says meet the
+TTFT SLO for `ttft_quantile` of the prompts, each prompt's prefill its mean tokens over the
+fitted rate; decode: by Little's law the rows in flight if every request decodes at the
 SLO's pace, and the fewest workers whose fitted step at those rows meets the ITL); and one worker
 more when the estimate misses the SLO (a reactive step). A role shrinks by one worker only when
 its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
@@ -25,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from pd.planner.fit import RateFit, StepFit
+from pd.planner.queueing import servers_for
 from pd.planner.signals import Observation
 
 log = logging.getLogger("pd.planner")
@@ -59,7 +61,7 @@ class Bounds:
 class PlannerKnobs:
     cooldown_s: float = 60.0  # a role shrinks no sooner than this after its last change
     down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
-    target_load: float = 0.8  # the predictive floor keeps a prefill worker at most this busy
+    ttft_quantile: float = 0.9  # the share of prompts the prefill floor sizes for (queueing.py)
     kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
     confirm: int = 2  # observations in a row that must miss the SLO before a reactive step
 
@@ -145,8 +147,13 @@ class Planner:
             rate = self.rate_fit.tokens_per_s
             if rate is None:
                 return 0
-            offered = obs.arrivals_per_s * obs.prompt_tokens
-            return math.ceil(offered / (rate * self.knobs.target_load))
+            if obs.prompt_tokens <= 0:
+                return 0
+            _, most = self.bounds.of("prefill")
+            service = obs.prompt_tokens / rate
+            return servers_for(
+                obs.arrivals_per_s, service, self.slo.ttft_s, self.knobs.ttft_quantile, most
+            )
         return self._decode_floor(obs)
 
     def _decode_floor(self, obs: Observation) -> int:

@@ -11,6 +11,7 @@ planner's time), not one poll: a few seconds of a bursty load say little of its 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,7 +27,8 @@ PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
 # Not ready for these: not a worker of its role yet (or any more).
 NOT_COUNTED = ("starting", "draining", "parked")
 RECENT_POLLS = 3  # the short window a rising arrival rate is read over
-WINDOW_S = 30.0  # the arrival rate's and mean lengths' window (the planner's seconds)
+RISE_SIGMAS = 2.0  # ... when it is this many standard deviations of its count over the window's
+WINDOW_S = 60.0  # the arrival rate's and mean lengths' window (the planner's seconds)
 
 
 @dataclass
@@ -102,12 +104,16 @@ class ClusterReader:
         first, last = self._totals[0], self._totals[-1]
         span = last.at - first.at
         rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
-        # A rise shows at once: the rate of the last few polls when it is higher (a fall waits
-        # for the window, as scale-downs wait for their cool-down).
+        # A rise shows at once: the rate of the last few polls when it is higher by more than
+        # the noise of their few seconds' count (two standard deviations of a Poisson count), so
+        # that a steady load's fluctuations never read as a rise (a fall waits for the window, as
+        # scale-downs wait for their cool-down).
         recent = self._totals[-min(len(self._totals), RECENT_POLLS + 1)]
         short = last.at - recent.at
         if short > 0:
-            rate = max(rate, (last.arrivals - recent.arrivals) / short)
+            count = last.arrivals - recent.arrivals
+            if count / short - rate > RISE_SIGMAS * math.sqrt(max(count, 1.0)) / short:
+                rate = count / short
         done = last.prefills_done - first.prefills_done
         prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
         # Each request's first token is sampled on P, the others on D.

@@ -226,7 +226,7 @@ async def _drive(
     cfg = PlannerConfig(
         router=url, connector="simulated", slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms, interval_s=knob(args, "interval_s", 2.0, 5.0),
-        cooldown_s=knob(args, "cooldown_s", 10.0, 60.0), window_s=knob(args, "interval_s", 2.0, 5.0) * 5,
+        cooldown_s=knob(args, "cooldown_s", 10.0, 60.0), window_s=knob(args, "interval_s", 2.0, 5.0) * 12,
         min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
@@ -438,7 +438,16 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
         "timeline": _timeline(run.samples),
         **({"fit_error": round(run.fit_error, 4)} if run.fit_error is not None else {}),
         **({"decisions": run.decisions} if run.decisions else {}),
+        # each request: [due s, phase, TTFT s, time per output token s] (None: none)
+        "requests_detail": [
+            [round(r.planned_s, 2), p, _round(r.ttft_s), _round(r.tpot_s)]
+            for r, p in zip(run.records, run.phase_of)
+        ],
     }
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
 
 
 def _timeline(samples: list[Sample]) -> list[list[float]]:
@@ -532,8 +541,10 @@ def run(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=1)
     if args.plot:
         write_plot(args.plot, out, setups, phases)
-    if args.json:
-        print(json.dumps(out))
+    if args.json:  # the per-request detail only in --out's file
+        print(json.dumps({k: v if not isinstance(v, dict) else
+                          {kk: vv for kk, vv in v.items() if kk != "requests_detail"}
+                          for k, v in out.items()}))  # fmt: skip
     else:
         print(render(out, setups))
     return 0
