@@ -39,9 +39,10 @@ from pd.router.discovery import FileDiscovery
 from pd.router.discovery.kubernetes import KubernetesDiscovery
 from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
-from pd.router.keys import CONFIG, HEALTH, METRICS, PROXY, REGISTRY
+from pd.router.keys import CONFIG, HEALTH, METRICS, PICKER, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
 from pd.router.migrate import CONTINUATION
+from pd.router.picker import Picker, picker_health, serve_picker
 from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.proxy import KV, Proxy, json_response
 from pd.router.registry import Registry
@@ -262,9 +263,18 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(kube.run()))
     await checker.check_all()
     tasks += [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
+    grpc_server = None
+    if cfg.endpoint_picker:
+        picker = app[PICKER] = Picker(app[REGISTRY], hashed=cfg.prefix_index_blocks > 0)
+        grpc_server, port, checks = await serve_picker(picker, cfg.host, cfg.picker_port)
+        picker.port = port
+        tasks.append(asyncio.create_task(picker_health(picker, checks, cfg.health_interval)))
+        log.info("endpoint picker (ext_proc) on %s:%d", cfg.host, port)
     try:
         yield
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(1.0)
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -50,6 +50,12 @@ class RouterConfig:
         None, "label selector of the co-located workers' EndpointSlices"
     )
     k8s_port_name: str = _flag("http", "the EndpointSlice port the workers serve HTTP on")
+    endpoint_picker: bool = _flag(
+        False, "also serve the Gateway API Inference Extension's endpoint picker (Envoy "
+        "ext_proc, gRPC; docs/deploy.md): the decode worker picked for each request, with pd's "
+        "policies (needs pip install 'pd[k8s]')", store_true=True,
+    )  # fmt: skip
+    picker_port: int = _flag(9002, "--endpoint-picker: its gRPC port (0 picks a free one)")
     policy: str = _flag("load-aware", "routing policy of every pool", choices=POLICIES)
     prefill_policy: str | None = _flag(
         None, "policy of the prefill pool (default: --policy)", choices=POLICIES
@@ -207,6 +213,7 @@ class RouterConfig:
             "--discovery kubernetes needs a --k8s-prefill-selector, --k8s-decode-selector or "
             "--k8s-worker-selector",
         )
+        check(0 <= self.picker_port < 65536, "--picker-port must be in 0..65535")
         check(self.health_interval > 0, "--health-interval must be > 0")
         check(self.health_timeout > 0, "--health-timeout must be > 0")
         check(self.health_failures >= 1, "--health-failures must be >= 1")

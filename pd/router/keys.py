@@ -7,6 +7,7 @@ from aiohttp import web
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.metrics import RouterMetrics
+from pd.router.picker import Picker
 from pd.router.proxy import Proxy
 from pd.router.registry import Registry
 
@@ -15,3 +16,4 @@ REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", RouterMetrics)
 HEALTH = web.AppKey("health", HealthChecker)
 PROXY = web.AppKey("proxy", Proxy)
+PICKER = web.AppKey("picker", Picker)  # --endpoint-picker only

@@ -12,6 +12,7 @@ from pd.cli_args import parse_dataclass
 from pd.kube_api import KubeAPI
 from pd.router.app import make_app
 from pd.router.config import RouterConfig
+from pd.router.picker import MISSING
 from pd.signing import optional_token
 
 EPILOG = """examples:
@@ -30,6 +31,14 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
+    if cfg.endpoint_picker:
+        try:
+            import envoy.service.ext_proc.v3.external_processor_pb2_grpc  # noqa: F401
+            import grpc  # noqa: F401
+            import grpc_health.v1.health  # noqa: F401
+        except ImportError as e:
+            print(f"pd-router: {MISSING} ({e})", file=sys.stderr)
+            return 2
     if cfg.discovery == "kubernetes":
         try:
             KubeAPI.from_flags(cfg.k8s_api, cfg.k8s_namespace)

