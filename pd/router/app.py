@@ -268,6 +268,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         picker = app[PICKER] = Picker(app[REGISTRY], hashed=cfg.prefix_index_blocks > 0)
         grpc_server, port, checks = await serve_picker(picker, cfg.host, cfg.picker_port)
         picker.port = port
+        app[METRICS].picker = picker
         tasks.append(asyncio.create_task(picker_health(picker, checks, cfg.health_interval)))
         log.info("endpoint picker (ext_proc) on %s:%d", cfg.host, port)
     try:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from pd.router.hist import Hist
 from pd.router.pairing import unpaired
+from pd.router.picker import Picker
 from pd.router.registry import Registry
 
 # "local": decode-local prefill; "none": answered before a route was chosen (bad input, 503)
@@ -56,6 +57,7 @@ class RouterMetrics(Collector):
         self.migrations: dict[str, int] = {}  # reason -> broken streams continued elsewhere
         self.migration_wait = Hist()  # from a break to the continuation's first byte
         self.disconnects = {(p, o): 0 for p in registry.pools for o in DISCONNECT_OUTCOMES}
+        self.picker: Picker | None = None  # --endpoint-picker's decisions
         self.prom = CollectorRegistry()
         self.prom.register(self)
 
@@ -91,6 +93,29 @@ class RouterMetrics(Collector):
         )
         arrivals.add_metric([], self.arrivals)
         yield arrivals
+        if self.picker is not None:
+            decisions = CounterMetricFamily(
+                "pd_router_picker_decisions",
+                "--endpoint-picker: requests a worker was picked for (Envoy ext_proc)",
+            )
+            decisions.add_metric([], self.picker.decisions)
+            yield decisions
+            picks = CounterMetricFamily(
+                "pd_router_picker_picks",
+                "--endpoint-picker: picks by decode endpoint (ip:port)",
+                labels=["endpoint"],
+            )
+            for endpoint, n in sorted(self.picker.picked.items()):
+                picks.add_metric([endpoint], n)
+            yield picks
+            refusals = CounterMetricFamily(
+                "pd_router_picker_refusals",
+                "--endpoint-picker: requests answered by the picker itself (400, 503), by status",
+                labels=["status"],
+            )
+            for code, n in sorted(self.picker.refusals.items()):
+                refusals.add_metric([str(code)], n)
+            yield refusals
         for name, doc, hists in (
             (
                 "pd_router_ttft_seconds",

@@ -69,6 +69,7 @@ class Picker:
     port: int = 0  # the gRPC port it serves on
     decisions: int = 0
     picked: dict[str, int] = field(default_factory=dict)  # ip:port -> picks
+    refusals: dict[int, int] = field(default_factory=dict)  # status -> requests refused
 
     def pick(
         self, path: str, headers: dict[str, str], body: bytes, subset: list[str] | None
@@ -183,6 +184,7 @@ def make_servicer(picker: Picker) -> Any:
                 try:
                     got = picker.pick(path, headers, body, subset)
                 except APIError as e:
+                    picker.refusals[e.status] = picker.refusals.get(e.status, 0) + 1
                     log.info("picker refused %s %s: %d %s", path,
                              headers.get(REQUEST_ID_HEADER.lower(), ""), e.status, e.message)  # fmt: skip
                     yield refuse(e)

@@ -196,6 +196,9 @@ async def test_envoy_sends_each_request_to_the_decode_worker_the_picker_chose(st
             async with http.post(f"{url}/v1/completions", json=COMPLETION) as r:
                 assert r.status == 503 and r.headers.get("retry-after") == "1"
                 assert (await r.json())["error"]["code"] == "no_healthy_worker"
+        metrics = await (await client.get("/metrics")).text()
+        assert f"pd_router_picker_decisions_total {float(n + 4)}" in metrics
+        assert 'pd_router_picker_refusals_total{status="503"} 1.0' in metrics
         async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as ch:
             got = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service="")
