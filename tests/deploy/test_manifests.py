@@ -26,6 +26,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 KUSTOMIZE = os.path.join(ROOT, "deploy", "kubernetes")
 OVERLAYS = sorted(os.listdir(os.path.join(KUSTOMIZE, "overlays")))
 K8S_VERSION = "1.33.0"  # a version every maintained cluster has reached
+CRD_GROUPS = ("inference.networking.k8s.io", "gateway.networking.k8s.io")
 
 needs_kubectl = pytest.mark.skipif(
     shutil.which("kubectl") is None, reason="kubectl renders the overlays (not installed)"
@@ -50,8 +51,47 @@ def containers(objects: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any],
     ]
 
 
-def test_there_are_overlays_for_cpu_gpu_and_either_autoscaler() -> None:
-    assert {"cpu", "gpu", "hpa", "planner"} <= set(OVERLAYS)
+def test_there_are_overlays_for_cpu_gpu_either_autoscaler_and_the_gateway() -> None:
+    assert {"cpu", "gpu", "hpa", "planner", "gie"} <= set(OVERLAYS)
+
+
+@needs_kubectl
+def test_the_gateway_kinds_have_their_required_fields() -> None:
+    """InferencePool (GIE v1) and HTTPRoute (Gateway API v1) have no schema in
+    kubernetes-validate: their CRDs' required fields, and that they point at what exists."""
+    objects = render("gie")
+    by_kind = {o["kind"]: o for o in objects}
+    pool, route = by_kind["InferencePool"], by_kind["HTTPRoute"]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert set(spec) >= {"selector", "targetPorts", "endpointPickerRef"}
+    assert spec["selector"]["matchLabels"]  # v1: matchLabels only
+    assert 1 <= len(spec["targetPorts"]) <= 8 and all(
+        1 <= p["number"] <= 65535 for p in spec["targetPorts"]
+    )
+    epp = spec["endpointPickerRef"]
+    assert epp["failureMode"] in ("FailOpen", "FailClose") and epp["port"]["number"]
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    picker = services[epp["name"]]  # the picker's Service, to the router's gRPC port
+    assert epp["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
+    router = next(c for n, c, _ in containers(objects) if c["command"] == ["pd-router"])
+    assert "--endpoint-picker" in router["args"]
+    assert f"--picker-port={epp['port']['number']}" in router["args"]
+    decode = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "pd-decode"
+    )
+    labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    worker = decode["spec"]["template"]["spec"]["containers"][0]
+    assert spec["targetPorts"][0]["number"] in [p["containerPort"] for p in worker["ports"]]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    assert route["spec"]["parentRefs"] and route["spec"]["rules"]
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        pool["metadata"]["name"],
+    )
 
 
 @needs_kubectl
@@ -71,6 +111,8 @@ def test_every_object_is_valid_against_the_api_schemas(overlay: str) -> None:
     kinds = {o["kind"] for o in objects}
     assert {"Deployment", "Service", "PodDisruptionBudget", "Role"} <= kinds, kinds
     for o in objects:
+        if o["apiVersion"].split("/")[0] in CRD_GROUPS:
+            continue  # no built-in schema: test_the_gateway_kinds_have_their_required_fields
         kv.validate(o, K8S_VERSION, strict=True)
     # the check itself can fail: a misspelt field is refused
     bad = next(o for o in objects if o["kind"] == "Deployment")
