@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow
 # Small enough for CI: the search times its candidates at 1, 8 and 32 rows and a 256-row chunk.
 FLAGS = ("--threads", "1", "--kv-pages", "192", "--max-model-len", "1024", "--chunk-size", "256",
          "--max-running-requests", "32")  # fmt: skip
+# One batch of 8 (16 took 72 s of CI's 20 minutes on the AVX2 kind: issue 44's note).
 TOPICS = [
     "the ocean", "a lighthouse keeper", "bread", "the moon", "a lost key", "winter mornings",
-    "a small robot", "libraries", "rain on a roof", "an old map", "mountains", "a train journey",
-    "coffee", "a garden in spring", "the night sky", "a river",
+    "a small robot", "libraries",
 ]  # fmt: skip
 TOKENS = 64
 
@@ -99,7 +99,7 @@ async def _answer(http: aiohttp.ClientSession, url: str, topic: str) -> list[str
 
 
 async def _alone_and_eight_at_a_time(url: str) -> int:
-    """How many of the 16 answers are the same token for token, run one at a time and then 8 at
+    """How many of the 8 answers are the same token for token, run one at a time and then 8 at
     a time."""
     async with aiohttp.ClientSession() as http:
         alone = [await _answer(http, url, t) for t in TOPICS]
@@ -112,7 +112,7 @@ async def _alone_and_eight_at_a_time(url: str) -> int:
 async def test_the_same_tokens_alone_and_eight_at_a_time_co_located_and_through_p_and_d(
     deployment, aiohttp_server
 ):
-    """The co-located worker and router + P + D each run the 16 answers alone, then 8 at a time;
+    """The co-located worker and router + P + D each run the 8 answers alone, then 8 at a time;
     the two deployments at once (each on its own threads: one's load is not the other's
     batch), which halves the test's minutes."""
     urls, _ = deployment
@@ -120,7 +120,7 @@ async def test_the_same_tokens_alone_and_eight_at_a_time_co_located_and_through_
     both, pd = await asyncio.gather(
         _alone_and_eight_at_a_time(urls["both"]), _alone_and_eight_at_a_time(router)
     )
-    assert both >= 14 and pd >= 14, f"the same alone and 8 at a time: {both} co-located, {pd} PD"
+    assert both >= 7 and pd >= 7, f"the same alone and 8 at a time: {both} co-located, {pd} PD"
     async with aiohttp.ClientSession() as http:
         # README's example, greedy, on the default kernels
         body = chat("What is the capital of France?", max_tokens=30, temperature=0)
