@@ -174,6 +174,11 @@ class WorkerConfig:
     register_with: str | None = _flag(None, "router URL to register this worker with at start")
     admin_token: str | None = _flag(None, "the router's admin token, for --register-with")
     advertise_url: str | None = _flag(None, "URL the router should use for this worker")
+    prefill_peer: tuple[str, ...] = _flag(
+        (), "decode: a prefill worker URL that an endpoint picker may name in a signed "
+        "x-prefiller-host-port header (repeatable): this worker then prefills there first "
+        "(docs/deploy.md)", repeat=True,
+    )  # fmt: skip
     kv_advertise_host: str | None = _flag(
         None,
         "prefill: the address decode workers dial for the KV bootstrap channel (default: --host; "

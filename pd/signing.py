@@ -28,12 +28,16 @@ from typing import Any
 import orjson
 
 from pd.protocol import APIError
-from pd.protocol.names import CONTINUATION, KV_PARAMS, SIG
+from pd.protocol.names import CONTINUATION, KV_PARAMS, PREFILLER, SIG
 
 FLAG = "--cluster-token"
 TOKEN_ENV = "PD_CLUSTER_TOKEN"
 # Each field its own label: a signature of one kind is never valid as another.
-_LABELS = {KV_PARAMS: b"pd-kv-params-v1", CONTINUATION: b"pd-continuation-v1"}
+_LABELS = {
+    KV_PARAMS: b"pd-kv-params-v1",
+    CONTINUATION: b"pd-continuation-v1",
+    PREFILLER: b"pd-prefiller-v1",
+}
 
 
 def optional_token(value: str | None) -> bytes | None:
@@ -75,6 +79,21 @@ def sign_continuation(token: bytes | None, body: dict[str, Any]) -> dict[str, An
         return body
     sig = sign(token, CONTINUATION, continuation_payload(body))
     return {**body, CONTINUATION: {**body[CONTINUATION], SIG: sig}}
+
+
+def prefiller_payload(host_port: str, body: bytes) -> dict[str, str]:
+    """What the endpoint picker signs when it names a prefill worker for D: that worker and the
+    request's body (its SHA-256), so the header cannot be moved onto another request."""
+    return {"prefiller": host_port, "body": hashlib.sha256(body).hexdigest()}
+
+
+def check_prefiller(token: bytes | None, host_port: str, body: bytes, sig: str | None) -> bool:
+    """Whether `sig` is the picker's signature of `host_port` for this `body` (never without a
+    token: an unsigned header is refused from anywhere)."""
+    if token is None or not sig or not sig.isascii():
+        return False
+    want = sign(token, PREFILLER, prefiller_payload(host_port, body))
+    return hmac.compare_digest(sig.encode(), want.encode())
 
 
 def is_loopback(remote: str | None) -> bool:

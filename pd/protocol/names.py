@@ -7,6 +7,10 @@ from __future__ import annotations
 # Headers
 TOKEN_IDS_HEADER = "X-PD-Token-Ids"  # the router asks a stream for each event's token ids ("1")
 REQUEST_ID_HEADER = "X-Request-Id"  # the client's id for its request, passed on and answered
+# The endpoint picker (GIE) names the prefill worker for D (as llm-d does), signed: D then runs
+# the P -> D exchange itself (pd/worker/disagg/prefiller.py)
+PREFILLER_HEADER = "x-prefiller-host-port"
+PREFILLER_SIG_HEADER = "x-pd-prefiller-sig"
 
 # SSE: OpenAI's end of a stream, and pd's comment lines (`: pd-...`, which clients ignore)
 SSE_DONE = b"data: [DONE]\n\n"
@@ -20,3 +24,4 @@ SSE_MIGRATE = b": " + MIGRATE_MARK + b" draining\n\n"
 KV_PARAMS = "kv_transfer_params"  # P's answer, D's input (wire.KVTransferParams)
 CONTINUATION = "pd_continuation"  # a migrated choice's output so far (docs/migration.md §3)
 SIG = "pd_sig"  # the signature inside either
+PREFILLER = "prefiller"  # what the picker's PREFILLER_SIG_HEADER signs (its label)

@@ -46,6 +46,7 @@ from pd.router.picker import Picker, picker_health, serve_picker
 from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.proxy import KV, Proxy, json_response
 from pd.router.registry import Registry
+from pd.signing import optional_token
 
 log = logging.getLogger("pd.router")
 
@@ -265,7 +266,11 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks += [asyncio.create_task(checker.run()), asyncio.create_task(app[PROXY].idle.run())]
     grpc_server = None
     if cfg.endpoint_picker:
-        picker = app[PICKER] = Picker(app[REGISTRY], hashed=cfg.prefix_index_blocks > 0)
+        picker = app[PICKER] = Picker(
+            app[REGISTRY],
+            hashed=cfg.prefix_index_blocks > 0,
+            token=optional_token(cfg.cluster_token),
+        )
         grpc_server, port, checks = await serve_picker(picker, cfg.host, cfg.picker_port)
         picker.port = port
         app[METRICS].picker = picker

@@ -5,7 +5,11 @@ load-aware, cache-aware on the prompt, sticky), and answers with the pick:
 
 - the `x-gateway-destination-endpoint` header (`ip:port`) and the same key in the `envoy.lb`
   dynamic metadata, which Envoy's original-destination cluster sends the request to;
-- the prefill worker it picked too, as llm-d does: `x-prefiller-host-port`;
+- the prefill worker it picked too, as llm-d does: `x-prefiller-host-port`, signed with the
+  cluster token for this body (`x-pd-prefiller-sig`): a decode worker that has that prefill
+  worker among its `--prefill-peer`s runs the P -> D exchange itself
+  (pd/worker/disagg/prefiller.py), so a gateway that forwards to one endpoint still gets
+  disaggregation;
 - a subset hint from the gateway (`envoy.lb.subset_hint`, `x-gateway-destination-endpoint-subset`)
   limits the pick to those endpoints;
 - no decode worker to take it: an immediate 503 (OpenAI-style JSON, `Retry-After`); a pick while
@@ -29,15 +33,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pd.protocol import APIError, error_body, parse_json_body, parse_request
-from pd.protocol.names import REQUEST_ID_HEADER
+from pd.protocol.names import PREFILLER as PREFILLER_FIELD
+from pd.protocol.names import PREFILLER_HEADER, PREFILLER_SIG_HEADER, REQUEST_ID_HEADER
 from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.registry import Registry
 from pd.router.worker import Worker
+from pd.signing import prefiller_payload, sign
 
 log = logging.getLogger("pd.router")
 
 DESTINATION = "x-gateway-destination-endpoint"
-PREFILLER = "x-prefiller-host-port"
+PREFILLER = PREFILLER_HEADER
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -66,6 +72,7 @@ class Picker:
 
     registry: Registry
     hashed: bool = True  # the prefix index is on: cache-aware picks hash the prompt
+    token: bytes | None = None  # the cluster token: signs the prefill worker named for D
     port: int = 0  # the gRPC port it serves on
     decisions: int = 0
     picked: dict[str, int] = field(default_factory=dict)  # ip:port -> picks
@@ -119,11 +126,15 @@ def make_servicer(picker: Picker) -> Any:
             header=base_pb2.HeaderValue(key=key, raw_value=value.encode())
         )
 
-    def answer(phase: str, pick: Pick) -> Any:
+    def answer(phase: str, pick: Pick, body: bytes) -> Any:
         dest = host_port(pick.decode.url)
         sets = [header(DESTINATION, dest)]
         if pick.prefill is not None:
-            sets.append(header(PREFILLER, host_port(pick.prefill.url)))
+            named = host_port(pick.prefill.url)
+            sets.append(header(PREFILLER, named))
+            if picker.token is not None:  # D runs the exchange only when it is signed
+                sig = sign(picker.token, PREFILLER_FIELD, prefiller_payload(named, body))
+                sets.append(header(PREFILLER_SIG_HEADER, sig))
         common = ep.CommonResponse(
             header_mutation=ep.HeaderMutation(set_headers=sets), clear_route_cache=True
         )
@@ -189,7 +200,7 @@ def make_servicer(picker: Picker) -> Any:
                              headers.get(REQUEST_ID_HEADER.lower(), ""), e.status, e.message)  # fmt: skip
                     yield refuse(e)
                     continue
-                yield answer(phase, got)
+                yield answer(phase, got, body)
 
     return Servicer()
 

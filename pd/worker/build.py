@@ -205,7 +205,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
             cfg.kv_quarantine_s,
             cfg.page_wait_timeout_s,
         )
-        role = Decode(decode)
+        role = Decode(decode, optional_token(cfg.cluster_token), cfg.prefill_peer)
         metrics.read_peers_lost_from(lambda: decode.manager.peers_lost)
     name = cfg.served_model_name or model.name
     metrics.serve_model_server_names(name)

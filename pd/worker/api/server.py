@@ -381,7 +381,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             headers={"Retry-After": "1"},
         )
     prompts = request.app[PROMPTS]
-    req = await prompts.parse(request.path, await request.read())
+    # The role's part of a gateway's exchange first (decode: the prefill worker it names)
+    raw = await worker.role.body_for(request.path, request.headers, await request.read())
+    req = await prompts.parse(request.path, raw)
     if req.model is not None and req.model not in worker.accepted_names:
         raise APIError(
             404,

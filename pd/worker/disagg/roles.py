@@ -15,7 +15,7 @@ The prompt ids come as `prompt_ids`, awaited only on the paths that tokenize (th
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from pd.protocol import (
@@ -25,8 +25,10 @@ from pd.protocol import (
     CompletionRequest,
     bad_request,
 )
+from pd.protocol.names import PREFILLER_HEADER
 from pd.worker.disagg.decode_side import DecodeSide
 from pd.worker.disagg.prefill_side import PrefillSide
+from pd.worker.disagg.prefiller import prefill_elsewhere
 from pd.worker.engine import AdmitRequest, Engine, RequestHandle, every_choice
 from pd.worker.text.token_rules import TokenRules
 
@@ -56,6 +58,11 @@ class Role(Protocol):
         """`handle`'s answer never left (the client left first): let go of what it kept."""
         ...
 
+    async def body_for(self, path: str, headers: Mapping[str, str], raw: bytes) -> bytes:
+        """The body to serve, after the role's part of an exchange a gateway asked for (decode:
+        a prefill worker named by the endpoint picker, prefiller.py); `raw` otherwise."""
+        ...
+
     async def admit(
         self,
         req: Request,
@@ -77,6 +84,14 @@ class CoLocated:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    async def body_for(self, path: str, headers: Mapping[str, str], raw: bytes) -> bytes:
+        if PREFILLER_HEADER in headers:
+            raise bad_request(
+                f"{PREFILLER_HEADER} is for decode workers; this one is {self.name}",
+                PREFILLER_HEADER,
+            )
+        return raw
 
     def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
         return prompt_limit
@@ -180,9 +195,18 @@ class Decode(CoLocated):
     name = "decode"
     takes_params = True
 
-    def __init__(self, side: DecodeSide) -> None:
+    def __init__(
+        self, side: DecodeSide, token: bytes | None = None, prefill_peers: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(side.engine)
         self.side = side
+        self.token = token  # the cluster token, which the picker's header is signed with
+        self.prefill_peers = prefill_peers  # --prefill-peer: the P a gateway may name
+
+    async def body_for(self, path: str, headers: Mapping[str, str], raw: bytes) -> bytes:
+        return await prefill_elsewhere(
+            self.name, self.token, self.prefill_peers, path, headers, raw
+        )
 
     def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
         # P's params may carry the prompt's logprobs: ~40 bytes an alternative, a position.

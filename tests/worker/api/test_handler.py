@@ -80,6 +80,9 @@ class StandInRole:
     def unanswered(self, handle: RequestHandle, reason: str) -> None:
         pass
 
+    async def body_for(self, path, headers, raw: bytes) -> bytes:
+        return raw
+
     async def admit(self, req, prompt_ids, rules=None, choice_rules=None) -> RequestHandle:
         ids = await prompt_ids()  # the handler's PromptBuilder: its 400s come from here
         if self.refuse is not None:
