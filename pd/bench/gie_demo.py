@@ -4,7 +4,9 @@ default: no weights to load; `--real` runs the embedded model), pd-router with
 `--endpoint-picker`, and Envoy consulting it (pd/bench/envoy.py); sends `--requests` requests
 through Envoy (every other one streamed), and prints one JSON line: `requests`, `ok`,
 `decisions` (the picker's count, from the router's /metrics), `matched` (answers Envoy served
-from the endpoint the picker chose: its `x-pd-upstream` equals `x-pd-picked`) and `seconds`."""
+from the endpoint the picker chose: its `x-pd-upstream` equals `x-pd-picked`), `pulled` (requests
+whose KV the decode worker pulled from the prefill worker the picker named: disaggregated, not
+prefilled on D) and `seconds`."""
 
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ async def _run(args: argparse.Namespace) -> int:
         urls: dict[str, list[str]] = {}
         for role in ("prefill", "decode", "decode"):
             port = _free_port()
+            # each decode worker trusts the prefill worker: the picker names it, signed
+            peers = ["--prefill-peer", urls["prefill"][0]] if role == "decode" else []
             procs.append(_spawn("pd.worker.main", "--role", role, "--port", str(port),
-                                "--threads", "1", *model))  # fmt: skip
+                                "--threads", "1", *model, *peers))  # fmt: skip
             urls.setdefault(role, []).append(f"http://127.0.0.1:{port}")
         for u in urls["prefill"] + urls["decode"]:
             await _wait_healthy(u, procs, timeout=600)
@@ -69,14 +73,22 @@ async def _run(args: argparse.Namespace) -> int:
                     matched += r.status == 200 and up is not None and up == picked
             async with http.get(f"{router}/metrics") as r:
                 text = await r.text()
+            pulled = 0.0  # requests whose KV a decode worker pulled from P: disaggregated
+            for u in urls["decode"]:
+                async with http.get(f"{u}/metrics") as r:
+                    pulled += sum(
+                        float(line.split()[-1]) for line in (await r.text()).splitlines()
+                        if line.startswith("pd_kv_transfer_seconds_count")
+                    )  # fmt: skip
         decisions = next(
             (float(line.split()[-1]) for line in text.splitlines()
              if line.startswith("pd_router_picker_decisions_total")), 0.0,
         )  # fmt: skip
         out = {"requests": args.requests, "ok": ok, "decisions": int(decisions),
-               "matched": matched, "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+               "matched": matched, "pulled": int(pulled),
+               "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
         print(json.dumps(out), flush=True)
-        return 0 if ok == matched == int(decisions) == args.requests else 1
+        return 0 if ok == matched == int(decisions) == int(pulled) == args.requests else 1
     finally:
         if envoy is not None:
             envoy.stop()

@@ -1,6 +1,7 @@
 """scripts/gie_demo.sh as a user runs it: Envoy, pd-router --endpoint-picker, a prefill and two
 decode workers (simulated GPUs), 24 requests through Envoy, one JSON line in which every request
-was answered, decided by the picker and served by the endpoint it chose."""
+was answered, decided by the picker, served by the endpoint it chose, and disaggregated (the decode
+worker pulled its KV from the prefill worker the picker named)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,4 @@ def test_the_demo_ends_with_every_request_matched() -> None:
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert line["requests"] >= 20
     assert line["ok"] == line["decisions"] == line["matched"] == line["requests"], line
+    assert line["pulled"] == line["requests"], line  # each prefilled on P, pulled by D
