@@ -9,10 +9,19 @@ both the router and the worker: the worker calls it, the router's package re-exp
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import orjson
+
+
+def host_port(url: str) -> str:
+    """`host:port` of a worker URL (IPv6 in brackets; the scheme's port when none is given): what
+    Envoy dials for the endpoint picker's pick, and how a decode worker knows its prefill peers."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def normalize_url(url: str) -> str:

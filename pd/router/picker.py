@@ -30,11 +30,11 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from pd.protocol import APIError, error_body, parse_json_body, parse_request
 from pd.protocol.names import PREFILLER as PREFILLER_FIELD
 from pd.protocol.names import PREFILLER_HEADER, PREFILLER_SIG_HEADER, REQUEST_ID_HEADER
+from pd.registration import host_port
 from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.registry import Registry
 from pd.router.worker import Worker
@@ -49,14 +49,6 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 MISSING = "the endpoint picker needs the k8s extra: pip install 'pd[k8s]' (grpcio, xds-protos)"
-
-
-def host_port(url: str) -> str:
-    """`ip:port` of a worker URL (what Envoy's original-destination cluster dials)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 @dataclass

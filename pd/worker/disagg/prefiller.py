@@ -13,23 +13,16 @@ pulls, P's pinned pages are freed by their lease (`--lease-ttl-s`)."""
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
 
 from pd.protocol import APIError, bad_request
 from pd.protocol.names import KV_PARAMS, PREFILLER_HEADER, PREFILLER_SIG_HEADER
+from pd.registration import host_port
 from pd.signing import check_prefiller
 
 TIMEOUT_S = 300.0  # P's answer: a long prompt's prefill
-
-
-def host_port(url: str) -> str:
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
 
 
 def prefill_request(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
