@@ -12,8 +12,9 @@ and mean lengths (prefill: the fewest workers that queueing (queueing.py, M/D/c)
 TTFT SLO for `ttft_quantile` of the prompts, each prompt's prefill its mean tokens over the
 fitted rate; decode: by Little's law the rows in flight if every request decodes at the
 SLO's pace, and the fewest workers whose fitted step at those rows meets the ITL); and one worker
-more when the estimate misses the SLO (a reactive step). A role shrinks by one worker only when
-its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
+more when the estimate misses the SLO (a reactive step). The floor has a dead band
+(`floor_band`): it grows a role when the arrivals less 10% need it, and lets a worker go only
+when the arrivals plus 10% do not. A role shrinks by one worker only when its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
 of the SLO, and `cooldown_s` has passed since its last change: so a constant load never turns it
 back and forth. Bounds per role, and a budget of workers both roles share: when the two targets
 exceed it, the role further from its SLO keeps its growth first.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pd.planner.fit import RateFit, StepFit
 from pd.planner.queueing import servers_for
@@ -62,6 +63,10 @@ class PlannerKnobs:
     cooldown_s: float = 60.0  # a role shrinks no sooner than this after its last change
     down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
     ttft_quantile: float = 0.9  # the share of prompts the prefill floor sizes for (queueing.py)
+    # The floor's dead band: it adds a worker when the arrivals less this share need it, and
+    # lets one go only when the arrivals plus this share do not (a load at a boundary, and its
+    # noise, never turn it back and forth)
+    floor_band: float = 0.1
     kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
     confirm: int = 2  # observations in a row that must miss the SLO before a reactive step
 
@@ -139,10 +144,13 @@ class Planner:
         pool = sum(w.kv_pages_total for w in ds) / len(ds)
         return sum(w.kv_pages_used for w in ds) / (n * pool)
 
-    def floor(self, obs: Observation, role: str) -> int:
-        """The predictive floor: the workers the arrival rate and lengths need (0: unknown)."""
+    def floor(self, obs: Observation, role: str, load: float = 1.0) -> int:
+        """The predictive floor: the workers the arrival rate (x `load`) and lengths need (0:
+        unknown)."""
         if obs.arrivals_per_s <= 0:
             return 0
+        if load != 1.0:
+            obs = replace(obs, arrivals_per_s=obs.arrivals_per_s * load)
         if role == "prefill":
             rate = self.rate_fit.tokens_per_s
             if rate is None:
@@ -211,10 +219,13 @@ class Planner:
             now_est[role] = est
             pressure[role] = (est / slo) if est is not None else 0.0
             target = max(current, low)
-            floor = state.floor = self.floor(obs, role)
+            state.floor = self.floor(obs, role)
+            band = self.knobs.floor_band
+            floor = self.floor(obs, role, 1 - band)  # to grow: needed even at 1 - band
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals need {floor}")
+            floor = self.floor(obs, role, 1 + band)  # to shrink: not needed even at 1 + band
             # A reactive step waits for the last one: its worker is not ready yet (the load it
             # would take still shows on the others).
             settled = len(obs.of(role)) >= current

@@ -27,7 +27,8 @@ PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
 # Not ready for these: not a worker of its role yet (or any more).
 NOT_COUNTED = ("starting", "draining", "parked")
 RECENT_POLLS = 3  # the short window a rising arrival rate is read over
-RISE_SIGMAS = 2.0  # ... when it is this many standard deviations of its count over the window's
+RISE_SIGMAS = 2.0
+RECENT_PROMPTS = 8  # prompts done in the last polls before their mean length counts as a rise  # ... when it is this many standard deviations of its count over the window's
 WINDOW_S = 60.0  # the arrival rate's and mean lengths' window (the planner's seconds)
 
 
@@ -116,6 +117,11 @@ class ClusterReader:
                 rate = count / short
         done = last.prefills_done - first.prefills_done
         prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
+        # Longer prompts show at once too: the last polls' mean when it is higher, over enough
+        # prompts to be one (a phase of long prompts at the same rate needs more prefill now).
+        lately = last.prefills_done - recent.prefills_done
+        if lately >= RECENT_PROMPTS:
+            prompt = max(prompt, (last.prefill_tokens - recent.prefill_tokens) / lately)
         # Each request's first token is sampled on P, the others on D.
         output = (last.sampled_tokens - first.sampled_tokens) / done + 1 if done else 0.0
         return Observation(at, signals, max(0.0, rate), prompt, output)

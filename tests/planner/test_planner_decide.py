@@ -6,6 +6,7 @@ budget is shared."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +22,7 @@ from pd.planner import (
     StepSample,
     WorkerSignals,
 )
+from pd.planner.queueing import servers_for
 
 # The fluid cluster's true costs (a 70B-like decode step; seconds)
 FIXED, PER_ROW, PER_KV = 0.012, 0.00005, 2e-8
@@ -244,3 +246,25 @@ def test_the_decode_floor_waits_for_a_fit_with_a_slope():
     wide = tuple(StepSample(r, 4000 * r, 0.0145 + 0.004 * r) for r in (1, 4, 8, 16))
     planner.step_fit.add(wide)
     assert planner.step_fit.spread and planner.floor(obs, "decode") >= 2
+
+
+def test_a_load_at_the_floors_boundary_with_its_noise_never_turns_back():
+    """Arrivals whose mean sits where the prefill floor goes from 2 workers to 3, read each poll
+    with a Poisson window's noise (6%): the floor's dead band holds one size for ten minutes."""
+    service = 2000 / PREFILL_RATE
+    edge = next(
+        x / 100 for x in range(100, 2000)
+        if servers_for(x / 100, service, SLOS.ttft_s, 0.9, 8) == 3
+    )  # fmt: skip
+    rng = random.Random(3)
+    loads = [Load(arrivals=edge * (1 + rng.gauss(0, 0.06))) for _ in range(int(600 / INTERVAL))]
+    planner = Planner(SLOS)
+    run(planner, Fluid(prefill=3, decode=1), loads)
+    assert planner.direction_changes == 0, [
+        d.line() for d in planner.decisions if d.reasons != ("holds",)
+    ]
+    assert planner.roles["prefill"].downs + planner.roles["prefill"].ups <= 1
+    # without the band, the same noise turns it
+    flappy = Planner(SLOS, knobs=PlannerKnobs(floor_band=0.0, cooldown_s=30.0))
+    run(flappy, Fluid(prefill=3, decode=1), loads)
+    assert flappy.direction_changes >= 1
