@@ -30,6 +30,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pd.bench.envoy import start_envoy
+from pd.router.config import RouterConfig
+from pd.router.picker import Picker
+from pd.router.registry import Registry
+
 API_KEY = "bench-key"
 TARGET_ADDED_P50_MS = 1.0
 TARGET_C64_RATIO = 0.45
@@ -57,6 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="high concurrency (default: 64)")
     p.add_argument("--policy", default="load-aware", help="router policy (default: load-aware)")
     p.add_argument("--no-bare", action="store_true", help="skip the bare-relay reference")
+    p.add_argument(
+        "--picker", action="store_true",
+        help="also the gateway path: Envoy consulting pd-router --endpoint-picker (ext_proc), "
+        "then straight to D (needs pip install 'pd[k8s]'), and the picker's decision cost",
+    )  # fmt: skip
+    p.add_argument(
+        "--also-concurrency", default="",
+        help="more closed-loop concurrencies, comma-separated (e.g. 16): each target at each",
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------ helper processes
@@ -247,12 +261,14 @@ async def _drive(
                 cpu1 = _cpu_s(pid) if pid is not None else None
                 cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 add(f"c1_{name}", lat, elapsed, cpu)
+        levels = [int(c) for c in args.also_concurrency.split(",") if c] + [args.concurrency]
         for _ in range(args.rounds):
-            for name, (url, payload, headers) in targets.items():
-                lat, elapsed = await _closed_loop(
-                    session, url, payload, headers, args.concurrency, args.duration
-                )
-                add(f"c{args.concurrency}_{name}", lat, elapsed)
+            for level in levels:
+                for name, (url, payload, headers) in targets.items():
+                    lat, elapsed = await _closed_loop(
+                        session, url, payload, headers, level, args.duration
+                    )
+                    add(f"c{level}_{name}", lat, elapsed)
     return results
 
 
@@ -260,7 +276,7 @@ async def _drive(
 
 
 def run(args: argparse.Namespace) -> int:
-    p_port, d_port, r_port, b_port = (_free_port() for _ in range(4))
+    p_port, d_port, r_port, b_port, picker_port = (_free_port() for _ in range(5))
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     me = "pd.bench.router"
     procs = [
@@ -287,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
                 "warning",
                 "--local-prefill-max-tokens",  # the PD flow, P then D, as the bare relay does
                 "0",
+                *(["--endpoint-picker", "--picker-port", str(picker_port)] if args.picker else []),
             ]
         ),
     ]
@@ -316,7 +333,10 @@ def run(args: argparse.Namespace) -> int:
             json_headers,
         )
 
+    envoy = None
+
     async def main() -> dict:
+        nonlocal envoy
         async with aiohttp.ClientSession() as s:
             for url in (
                 p_url,
@@ -325,6 +345,10 @@ def run(args: argparse.Namespace) -> int:
                 *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"]),
             ):
                 await _wait_ready(s, url, procs)
+        if args.picker:  # Envoy in front, consulting the router's picker; D answers directly
+            envoy = await asyncio.to_thread(start_envoy, picker_port)
+            targets["gateway"] = (envoy.url + "/v1/completions", orjson.dumps(body), json_headers)
+            await asyncio.sleep(1.5)  # the router's health check has admitted D (the picker's)
         return await _drive(args, targets, pids)
 
     try:
@@ -332,6 +356,8 @@ def run(args: argparse.Namespace) -> int:
 
         raw = uvloop.run(main())
     finally:
+        if envoy is not None:
+            envoy.stop()
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -376,6 +402,12 @@ def run(args: argparse.Namespace) -> int:
             cpu = out["c1_router_cpu_us"] - out["c1_bare_cpu_us"]
             out["c1_router_minus_bare_cpu_us"] = round(cpu, 1)
         out["meets_relay_budget"] = bool(relay <= TARGET_RELAY_MS)
+    if args.picker:
+        out["picker_decision_us"] = picker_decision_us()
+        for level in [int(x) for x in args.also_concurrency.split(",") if x] + [c]:
+            out[f"c{level}_gateway_vs_router"] = round(
+                out[f"c{level}_gateway_rps"] / out[f"c{level}_router_rps"], 3
+            )
     out["meets_targets"] = bool(
         out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS and out["c64_ratio"] >= TARGET_C64_RATIO
     )
@@ -384,6 +416,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(out, list(targets), c)
     return 0
+
+
+def picker_decision_us(n: int = 20000) -> float:
+    """The endpoint picker's decision alone (pd/router/picker.py `Picker.pick`: the body parsed,
+    the prompt hashed for the prefix index, the decode pool's load-aware choice and the prefill
+    worker's), in process, over two decode workers and one prefill worker."""
+    reg = Registry(RouterConfig(prefill=("http://p:1",), decode=("http://d1:1", "http://d2:1")))
+    for pool in (reg.prefill, reg.decode):
+        for w in list(pool.workers.values()):
+            pool.set_healthy(w, True)
+    picker = Picker(reg)
+    body = orjson.dumps({"model": "m", "prompt": "The quick brown fox. " * 8, "max_tokens": 32})
+    for _ in range(1000):
+        picker.pick("/v1/completions", {}, body, None)
+    t = perf_counter()
+    for _ in range(n):
+        picker.pick("/v1/completions", {}, body, None)
+    return round((perf_counter() - t) / n * 1e6, 1)
 
 
 def _print_table(out: dict, names: list[str], c: int) -> None:
