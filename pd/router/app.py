@@ -270,6 +270,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             app[REGISTRY],
             hashed=cfg.prefix_index_blocks > 0,
             token=optional_token(cfg.cluster_token),
+            shed=cfg.picker_shed,
         )
         grpc_server, port, checks = await serve_picker(picker, cfg.host, cfg.picker_port)
         picker.port = port

@@ -56,6 +56,10 @@ class RouterConfig:
         "policies (needs pip install 'pd[k8s]')", store_true=True,
     )  # fmt: skip
     picker_port: int = _flag(9002, "--endpoint-picker: its gRPC port (0 picks a free one)")
+    picker_shed: bool = _flag(
+        False, "--endpoint-picker: answer 429 while every decode worker is busy (none ready) "
+        "rather than queue on the least loaded", store_true=True,
+    )  # fmt: skip
     policy: str = _flag("load-aware", "routing policy of every pool", choices=POLICIES)
     prefill_policy: str | None = _flag(
         None, "policy of the prefill pool (default: --policy)", choices=POLICIES

@@ -12,8 +12,9 @@ load-aware, cache-aware on the prompt, sticky), and answers with the pick:
   disaggregation;
 - a subset hint from the gateway (`envoy.lb.subset_hint`, `x-gateway-destination-endpoint-subset`)
   limits the pick to those endpoints;
-- no decode worker to take it: an immediate 503 (OpenAI-style JSON, `Retry-After`); a pick while
-  every candidate is busy and `--picker-shed` is on: 429.
+- no decode worker to take it: an immediate 503 (OpenAI-style JSON, `Retry-After`); while every
+  decode worker is busy (alive, but none ready: each has said it cannot admit), with
+  `--picker-shed`: 429 (without it, as the router does, the least loaded busy one queues it).
 
 It serves the gRPC health service (overall and `envoy.service.ext_proc.v3.ExternalProcessor`),
 SERVING while the router has a healthy decode worker. The workers are the router's (its
@@ -65,6 +66,7 @@ class Picker:
     registry: Registry
     hashed: bool = True  # the prefix index is on: cache-aware picks hash the prompt
     token: bytes | None = None  # the cluster token: signs the prefill worker named for D
+    shed: bool = False  # --picker-shed: 429 while every decode worker is busy (not ready)
     port: int = 0  # the gRPC port it serves on
     decisions: int = 0
     picked: dict[str, int] = field(default_factory=dict)  # ip:port -> picks
@@ -87,6 +89,9 @@ class Picker:
         exclude = [
             w for w in pool.healthy if allowed is not None and host_port(w.url) not in allowed
         ]
+        if self.shed and pool.all_busy:  # every one is alive but admits nothing now
+            raise APIError(429, "every decode worker is busy: retry later", "rate_limit_exceeded",
+                           "overloaded", headers={"Retry-After": "1"})  # fmt: skip
         decode = pool.choose(key, exclude, prompt)
         if decode is None:
             why = (

@@ -44,6 +44,15 @@ async def test_the_picker_alone_honours_the_subset_and_refuses_without_workers(s
     with pytest.raises(Exception) as refused:
         picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": "hi"}', ["10.9.9.9:1"])
     assert refused.value.status == 503  # type: ignore[attr-defined]
+    # every decode worker busy (alive, none ready): queued on one, or 429 when shedding
+    for d in (d1, d2):
+        d.ready = False
+    await wait_for(lambda: reg.decode.all_busy, timeout=15.0)
+    assert picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": "hi"}', None)
+    shedding = Picker(reg, shed=True)
+    with pytest.raises(Exception) as shed:
+        shedding.pick("/v1/completions", {}, b'{"model": "m", "prompt": "hi"}', None)
+    assert shed.value.status == 429 and shed.value.headers == {"Retry-After": "1"}  # type: ignore[attr-defined]
     with pytest.raises(Exception) as bad:
         picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": 5}', None)
     assert bad.value.status == 400  # type: ignore[attr-defined]
