@@ -104,6 +104,12 @@ class Picker:
         prefill = None
         if pool is self.registry.decode and self.registry.prefill.healthy:
             prefill = self.registry.prefill.choose(key, (), prompt)
+        if prompt is not None and prompt.blocks:
+            # The answer never passes here: the prompt's KV is taken to be where it goes now
+            # (the decode worker pulls or computes it), for the next cache-aware pick.
+            pool.record(decode, prompt.blocks)
+            if prefill is not None:
+                self.registry.prefill.record(prefill, prompt.blocks)
         self.decisions += 1
         hp = host_port(decode.url)
         self.picked[hp] = self.picked.get(hp, 0) + 1

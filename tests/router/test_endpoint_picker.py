@@ -7,6 +7,7 @@ gRPC health service follows the workers (issue 44)."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -56,6 +57,25 @@ async def test_the_picker_alone_honours_the_subset_and_refuses_without_workers(s
     with pytest.raises(Exception) as bad:
         picker.pick("/v1/completions", {}, b'{"model": "m", "prompt": 5}', None)
     assert bad.value.status == 400  # type: ignore[attr-defined]
+
+
+async def test_cache_aware_picks_follow_the_prompt(stub, router):
+    """With the cache-aware policy the picker sends a prompt where it sent the same prefix
+    before (it records each pick's prompt: the answer never passes through it)."""
+    ds = [await stub("decode") for _ in range(3)]
+    client = await router(decode=ds, policy="cache-aware")
+    reg = registry_of(client)
+    await wait_for(lambda: len(reg.decode.healthy) == 3, timeout=15.0)
+    picker = Picker(reg)
+    convo = " ".join(f"word{i}" for i in range(600))
+
+    def body(tail: str) -> bytes:
+        return json.dumps({"model": "m", "prompt": convo + tail}).encode()
+
+    first = picker.pick("/v1/completions", {}, body(""), None).decode.url
+    reg.decode.workers[first].inflight = 5  # busier than the others: only its cache keeps it
+    for i in range(6):  # the same long prefix, another ending: the same worker
+        assert picker.pick("/v1/completions", {}, body(f" then {i}"), None).decode.url == first
 
 
 @needs_envoy
