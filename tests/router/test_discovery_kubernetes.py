@@ -15,8 +15,8 @@ from pd.kube_api import KubeAPI
 from pd.router import RouterConfig, make_app
 from pd.router.discovery.kubernetes import KubernetesDiscovery, slice_urls
 from pd.router.registry import Registry
-from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for
 from tests.kube_api import KubeAPIDouble, endpoint_slice
+from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for
 
 P_SEL = "kubernetes.io/service-name=pd-prefill"
 D_SEL = "kubernetes.io/service-name=pd-decode"
