@@ -76,7 +76,10 @@ class KubeAPI:
         return ssl.create_default_context(cafile=self.ca_file) if self.ca_file else None
 
     def slices_url(self) -> str:
-        return f"{self.base}/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
+        return f"{self.base}{self.slices_path()}"
+
+    def slices_path(self) -> str:
+        return f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices"
 
     async def request(
         self,

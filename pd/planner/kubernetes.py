@@ -86,8 +86,7 @@ class KubernetesConnector(Connector):
             pod, url = victim
             if url is not None and self.router_url is not None:
                 try:  # the router stops sending to it at once
-                    async with aiohttp.ClientSession() as s:
-                        await deregister_from_router(self.router_url, url, self.admin_token, s)
+                    await deregister_from_router(self.router_url, url, self.admin_token, http)
                 except RegistrationError as e:  # its endpoint's removal does it too
                     log.warning("router did not forget %s: %s", url, e)
             await self.api.request(

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from pd.kube_api import Gone, KubeAPI
+from pd.kube_api import Gone, KubeAPI, KubeError
 from pd.router.discovery.sync import WorkerSet
 from pd.router.registry import Registry
 
@@ -84,7 +84,7 @@ class SliceWatch:
                 log.info("endpointslices %s: version compacted, listing again", self.selector)
                 self.version = None
                 self.relists += 1
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KubeError) as e:
                 self.failures += 1
                 wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
                 attempt += 1
@@ -95,18 +95,9 @@ class SliceWatch:
                 await asyncio.sleep(wait)
 
     async def list(self, http: aiohttp.ClientSession) -> None:
-        async with http.get(
-            self.api.slices_url(),
-            params={"labelSelector": self.selector},
-            headers=self.api.headers(),
-            ssl=self.api.ssl_context(),
-            timeout=aiohttp.ClientTimeout(total=30),
-        ) as r:
-            if r.status != 200:
-                raise aiohttp.ClientResponseError(
-                    r.request_info, (), status=r.status, message=(await r.text())[:200]
-                )
-            body = await r.json()
+        body = await self.api.request(
+            http, "GET", self.api.slices_path(), params={"labelSelector": self.selector}
+        )
         self.slices = {i["metadata"]["name"]: i for i in body.get("items") or []}
         self.version = body["metadata"]["resourceVersion"]
         self.synced = True
@@ -132,9 +123,7 @@ class SliceWatch:
             if r.status == 410:
                 raise Gone()
             if r.status != 200:
-                raise aiohttp.ClientResponseError(
-                    r.request_info, (), status=r.status, message=(await r.text())[:200]
-                )
+                raise KubeError(r.status, (await r.text())[:300])
             async for line in r.content:
                 if line.strip():
                     self.event(json.loads(line))

@@ -87,6 +87,21 @@ async def test_a_signed_header_has_d_prefill_on_p_then_decode(p_and_d):
         assert await _metric(http, p_url, "pd_prompt_tokens_total") > p_before  # P prefilled
         # and D pulled its KV from P, rather than prefilling it
         assert await _metric(http, d_url, "pd_kv_transfer_seconds_count") == pulls_before + 1
+        await _pages_free(http, p_url, d_url)
+
+
+async def _pages_free(http: aiohttp.ClientSession, *urls: str) -> None:
+    """Every page back (cached ones count as free), nothing pinned, the page walk clean."""
+    for url in urls:
+        for _ in range(100):
+            async with http.get(f"{url}/health") as r:
+                h = await r.json()
+            load = h["load"]
+            if load["kv_pages_free"] == load["kv_pages_total"] and not load["kv_pages_held"]:
+                break
+            await asyncio.sleep(0.1)
+        assert load["kv_pages_free"] == load["kv_pages_total"] and not load["kv_pages_held"], load
+        assert h["integrity"] == "ok", h["integrity"]
 
 
 @pytest.mark.parametrize("case", ["unsigned", "forged", "other_body", "not_a_peer", "to_p"])
@@ -110,3 +125,5 @@ async def test_an_untrusted_header_is_a_400(p_and_d, case):
             body = await r.json()
             assert r.status == 400, body
     assert body["error"]["param"] == PREFILLER_HEADER, body
+    async with aiohttp.ClientSession() as http:
+        await _pages_free(http, p_url, d_url)  # nothing admitted on either
