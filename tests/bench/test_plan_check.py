@@ -31,7 +31,9 @@ def test_bad_arguments_are_refused_before_anything_starts(extra, capsys):
 def test_the_des_and_the_processes_agree_on_a_light_load(capsys):
     """One P and one D at GPU costs (8B on an H100, K = 5), 8 requests at 2/s: both sides serve
     every request, and the processes' TTFT and TPOT medians are within the DES's by the margin
-    the HTTP hops and the router's relay can add (measured: ~2% at K = 30)."""
+    the HTTP hops and the router's relay can add (measured: ~2% at K = 30). That margin is wall
+    time, not modeled time: on a loaded 2-core machine the hops of one request take up to ~100 ms,
+    so the TTFT bound is the ratio's or that wall excess scaled to the model's clock."""
     argv = ["plan-check", "--profile", "llama-3.1-8b:h100:tp1", "--prefill-workers", "1",
             "--decode-workers", "1", "--workload", "random", "--input-len", "256",
             "--output-len", "16", "--num-requests", "8", "--rates", "2", "--time-scale", "5",
@@ -43,5 +45,7 @@ def test_the_des_and_the_processes_agree_on_a_light_load(capsys):
     if point["process"]["refused"]:
         pytest.skip(f"the machine is too loaded: clock overshoot {point['process']['overshoot']}")
     ratios = point["process_over_des"]
-    assert 0.8 <= ratios["ttft_p50"] <= 1.6, ratios
+    excess_wall_ms = (point["process"]["ttft_ms"]["p50"] - point["des"]["ttft_ms"]["p50"]) * 5
+    assert 0.8 <= ratios["ttft_p50"], ratios
+    assert ratios["ttft_p50"] <= 1.6 or excess_wall_ms <= 150, (ratios, excess_wall_ms)
     assert 0.8 <= ratios["tpot_p50"] <= 1.3, ratios
