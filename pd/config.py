@@ -179,6 +179,19 @@ class WorkerConfig:
         "x-prefiller-host-port header (repeatable): this worker then prefills there first "
         "(docs/deploy.md)", repeat=True,
     )  # fmt: skip
+    prefill_peer_selector: str | None = _flag(
+        None, "decode: the prefill workers an endpoint picker may name, as the ready endpoints of "
+        "the EndpointSlices of this label selector (e.g. kubernetes.io/service-name=pd-prefill), "
+        "watched; with --prefill-peer's",
+    )  # fmt: skip
+    k8s_api: str | None = _flag(
+        None, "--prefill-peer-selector: the Kubernetes API server's URL (default: the pod's, "
+        "with its service account's token and CA)",
+    )  # fmt: skip
+    k8s_namespace: str | None = _flag(
+        None, "--prefill-peer-selector's namespace (default: the pod's)"
+    )
+    k8s_port_name: str = _flag("http", "the EndpointSlice port prefill workers serve HTTP on")
     kv_advertise_host: str | None = _flag(
         None,
         "prefill: the address decode workers dial for the KV bootstrap channel (default: --host; "
@@ -349,6 +362,10 @@ class WorkerConfig:
             or self.host not in ("0.0.0.0", "::", ""),
             f"--host {self.host!r} listens everywhere: give --kv-advertise-host, the address "
             "decode workers can dial for this worker's KV",
+        )
+        check(
+            (not self.prefill_peer and self.prefill_peer_selector is None) or self.role == "decode",
+            "--prefill-peer and --prefill-peer-selector are for --role decode",
         )
         check(self.lease_ttl_s > 0, "--lease-ttl-s must be > 0")
         check(self.kv_transfer_timeout_s > 0, "--kv-transfer-timeout-s must be > 0")

@@ -35,6 +35,7 @@ from pd.worker.disagg import (
     TransferRole,
 )
 from pd.worker.disagg.contract import KVRunner, make_transfer_manager, runtime_format
+from pd.worker.disagg.prefiller import PrefillPeers
 from pd.worker.engine import Delta, Engine, KVConnector, RequestHandle, Scheduler
 from pd.worker.engine.engine import StepExecutor
 from pd.worker.metrics import WorkerMetrics
@@ -205,7 +206,14 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
             cfg.kv_quarantine_s,
             cfg.page_wait_timeout_s,
         )
-        role = Decode(decode, optional_token(cfg.cluster_token), cfg.prefill_peer)
+        peers = PrefillPeers.from_flags(
+            cfg.prefill_peer,
+            cfg.prefill_peer_selector,
+            cfg.k8s_api,
+            cfg.k8s_namespace,
+            cfg.k8s_port_name,
+        )
+        role = Decode(decode, optional_token(cfg.cluster_token), peers)
         metrics.read_peers_lost_from(lambda: decode.manager.peers_lost)
     name = cfg.served_model_name or model.name
     metrics.serve_model_server_names(name)

@@ -84,6 +84,25 @@ def test_the_gateway_kinds_have_their_required_fields() -> None:
     assert spec["selector"]["matchLabels"].items() <= labels.items()
     worker = decode["spec"]["template"]["spec"]["containers"][0]
     assert spec["targetPorts"][0]["number"] in [p["containerPort"] for p in worker["ports"]]
+    # D takes the picker's named P only from its own watch of the prefill workers' slices: the
+    # router's selector, read with a service account allowed to list and watch them.
+    selector = "--prefill-peer-selector=kubernetes.io/service-name=pd-prefill"
+    assert selector in worker["args"]
+    assert "--k8s-prefill-selector=" + selector.split("=", 1)[1] in router["args"]
+    account = decode["spec"]["template"]["spec"]["serviceAccountName"]
+    (binding,) = [
+        o for o in objects
+        if o["kind"] == "RoleBinding" and {"kind": "ServiceAccount", "name": account} in o["subjects"]
+    ]  # fmt: skip
+    (role,) = [
+        o
+        for o in objects
+        if o["kind"] == "Role" and o["metadata"]["name"] == binding["roleRef"]["name"]
+    ]
+    assert any(
+        "endpointslices" in r["resources"] and {"list", "watch"} <= set(r["verbs"])
+        for r in role["rules"]
+    )
     assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
     assert route["spec"]["parentRefs"] and route["spec"]["rules"]
     backend = route["spec"]["rules"][0]["backendRefs"][0]

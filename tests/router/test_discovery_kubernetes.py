@@ -12,8 +12,9 @@ import contextlib
 import pytest
 
 from pd.kube_api import KubeAPI
+from pd.kube_slices import slice_urls
 from pd.router import RouterConfig, make_app
-from pd.router.discovery.kubernetes import KubernetesDiscovery, slice_urls
+from pd.router.discovery.kubernetes import KubernetesDiscovery
 from pd.router.registry import Registry
 from tests.kube_api import KubeAPIDouble, endpoint_slice
 from tests.router.conftest import COMPLETION, FAST, registry_of, sse_events, wait_for

@@ -180,8 +180,10 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[WORKER].engine
     engine.start()
     ticker = asyncio.create_task(_tick_readiness(app))
+    role = asyncio.create_task(app[WORKER].role.run())  # decode: its prefill peers' watch
     yield
     ticker.cancel()
+    role.cancel()
     await engine.stop()
     app[PROMPTS].close()
     await app[GRAMMARS].aclose()

@@ -4,7 +4,8 @@ endpoint (the Gateway API Inference Extension: pd-router --endpoint-picker picks
 
 Taken only when the header is signed by the picker with the cluster token, bound to this
 request's body (`x-pd-prefiller-sig`, pd/signing.py), and names a prefill worker of this decode
-worker's own set (`--prefill-peer`); otherwise 400. D then asks P what the router would
+worker's own set (`PrefillPeers`: `--prefill-peer` URLs, and on Kubernetes the ready endpoints of
+the prefill workers' EndpointSlices, `--prefill-peer-selector`, watched); otherwise 400. D then asks P what the router would
 (`max_tokens` 1, no stream, `kv_transfer_params={"do_remote_decode": true}`), and serves the
 request with P's answer's `kv_transfer_params` (signed by P, checked as any). A request for at
 most one token needs no KV from anywhere: this worker serves it alone. If D then fails before it
@@ -12,17 +13,61 @@ pulls, P's pinned pages are freed by their lease (`--lease-ttl-s`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
 import orjson
 
+from pd.kube_api import KubeAPI
+from pd.kube_slices import SliceWatch
 from pd.protocol import APIError, bad_request
 from pd.protocol.names import KV_PARAMS, PREFILLER_HEADER, PREFILLER_SIG_HEADER
 from pd.registration import host_port
 from pd.signing import check_prefiller
 
 TIMEOUT_S = 300.0  # P's answer: a long prompt's prefill
+
+
+class PrefillPeers:
+    """The prefill workers a picker may name to this decode worker: the `--prefill-peer` URLs,
+    and with a `watch` the ready endpoints of the EndpointSlices of `--prefill-peer-selector`
+    (a P leaves the set when its endpoint turns not ready or goes; a request naming it is then
+    a 400, and the picker, which watches the same slices, stops naming it)."""
+
+    def __init__(self, urls: Iterable[str] = (), watch: SliceWatch | None = None) -> None:
+        self.static = tuple(urls)
+        self.watch = watch
+
+    @classmethod
+    def from_flags(
+        cls,
+        urls: Iterable[str],
+        selector: str | None,
+        api: str | None,
+        namespace: str | None,
+        port_name: str,
+    ) -> PrefillPeers:
+        if selector is None:
+            return cls(urls)
+        kube = KubeAPI.from_flags(api, namespace)
+        return cls(urls, SliceWatch(kube, selector, port_name, lambda: None))
+
+    def urls(self) -> tuple[str, ...]:
+        watched = sorted(self.watch.urls()) if self.watch is not None else []
+        return self.static + tuple(watched)
+
+    def find(self, named: str) -> str | None:
+        """The URL of the peer `named` (host:port), or None."""
+        return next((u for u in self.urls() if host_port(u) == named), None)
+
+    async def run(self) -> None:
+        """Watch the slices (forever; the caller cancels), or return at once without a watch."""
+        if self.watch is None:
+            return
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            await self.watch.run(http)
 
 
 def prefill_request(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
@@ -40,7 +85,7 @@ def prefill_request(body: dict[str, Any], max_tokens: int | None) -> dict[str, A
 async def prefill_elsewhere(
     role: str,
     token: bytes | None,
-    peers: tuple[str, ...],
+    peers: PrefillPeers,
     path: str,
     headers: Any,
     raw: bytes,
@@ -59,10 +104,12 @@ async def prefill_elsewhere(
             f"for this request's body ({PREFILLER_SIG_HEADER})",
             param,
         )
-    peer = next((u for u in peers if host_port(u) == named), None)
+    peer = peers.find(named)
     if peer is None:
         raise bad_request(
-            f"{named} is not a prefill worker of this decode worker (--prefill-peer)", param
+            f"{named} is not a prefill worker of this decode worker (--prefill-peer, "
+            "--prefill-peer-selector)",
+            param,
         )
     try:
         body = orjson.loads(raw)

@@ -28,7 +28,7 @@ from pd.protocol import (
 from pd.protocol.names import PREFILLER_HEADER
 from pd.worker.disagg.decode_side import DecodeSide
 from pd.worker.disagg.prefill_side import PrefillSide
-from pd.worker.disagg.prefiller import prefill_elsewhere
+from pd.worker.disagg.prefiller import PrefillPeers, prefill_elsewhere
 from pd.worker.engine import AdmitRequest, Engine, RequestHandle, every_choice
 from pd.worker.text.token_rules import TokenRules
 
@@ -63,6 +63,11 @@ class Role(Protocol):
         a prefill worker named by the endpoint picker, prefiller.py); `raw` otherwise."""
         ...
 
+    async def run(self) -> None:
+        """What the role does in the background while the worker serves, until cancelled
+        (decode: watch its prefill peers); returns at once when there is nothing."""
+        ...
+
     async def admit(
         self,
         req: Request,
@@ -92,6 +97,9 @@ class CoLocated:
                 PREFILLER_HEADER,
             )
         return raw
+
+    async def run(self) -> None:
+        return None
 
     def body_limit(self, prompt_limit: int, max_model_len: int) -> int:
         return prompt_limit
@@ -196,12 +204,18 @@ class Decode(CoLocated):
     takes_params = True
 
     def __init__(
-        self, side: DecodeSide, token: bytes | None = None, prefill_peers: tuple[str, ...] = ()
+        self,
+        side: DecodeSide,
+        token: bytes | None = None,
+        prefill_peers: PrefillPeers | None = None,
     ) -> None:
         super().__init__(side.engine)
         self.side = side
         self.token = token  # the cluster token, which the picker's header is signed with
-        self.prefill_peers = prefill_peers  # --prefill-peer: the P a gateway may name
+        self.prefill_peers = prefill_peers or PrefillPeers()  # the P a gateway may name
+
+    async def run(self) -> None:
+        await self.prefill_peers.run()
 
     async def body_for(self, path: str, headers: Mapping[str, str], raw: bytes) -> bytes:
         return await prefill_elsewhere(

@@ -1,6 +1,7 @@
 """A decode worker given a signed `x-prefiller-host-port` (the endpoint picker's, issue 44) runs the
 P -> D exchange itself: P prefills, D pulls and decodes; an unsigned, forged or moved header, a
-prefill worker not among D's `--prefill-peer`s, or the header sent to a prefill worker is a 400.
+prefill worker not among D's peers (`--prefill-peer`, or the EndpointSlices of
+`--prefill-peer-selector`), or the header sent to a prefill worker is a 400.
 Simulated GPUs (real worker processes, modeled steps)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pd.bench.pd import _free_port, _spawn, _wait_healthy
 from pd.protocol.names import PREFILLER, PREFILLER_HEADER, PREFILLER_SIG_HEADER
 from pd.signing import prefiller_payload, sign
 from pd.worker.disagg.prefiller import host_port
+from tests.kube_api import KubeAPIDouble, endpoint_slice
 
 TOKEN = "pd-test-prefiller"
 PROFILE = "llama-3.1-8b:h100:tp1"
@@ -127,3 +129,51 @@ async def test_an_untrusted_header_is_a_400(p_and_d, case):
     assert body["error"]["param"] == PREFILLER_HEADER, body
     async with aiohttp.ClientSession() as http:
         await _pages_free(http, p_url, d_url)  # nothing admitted on either
+
+
+async def test_the_prefill_peers_follow_the_endpointslices(p_and_d, aiohttp_server):
+    """`--prefill-peer-selector` (the gie overlay's decode workers): D's set of prefill peers is
+    the ready endpoints of the prefill Service's EndpointSlices, watched. Before P's slice exists
+    the header naming it is a 400; once its endpoint is ready, D prefills there; when it turns
+    not ready (draining), a 400 again."""
+    p_url, _ = p_and_d
+    named = host_port(p_url)
+    api = KubeAPIDouble()
+    server = await aiohttp_server(api.app())
+    dp = _free_port()
+    d_url = f"http://127.0.0.1:{dp}"
+    proc = _spawn(
+        "pd.worker.main", "--role", "decode", "--port", str(dp), "--simulate", PROFILE,
+        "--prefill-peer-selector", "kubernetes.io/service-name=pd-prefill",
+        "--k8s-api", str(server.make_url("")).rstrip("/"), "--k8s-namespace", api.namespace,
+    )  # fmt: skip
+    host, port = named.rsplit(":", 1)
+
+    async def status_until(http: aiohttp.ClientSession, want: int) -> dict:
+        for _ in range(100):
+            async with http.post(
+                f"{d_url}/v1/completions", data=BODY, headers=_signed(named, BODY)
+            ) as r:
+                body = await r.read()
+                if r.status == want:
+                    return {"status": r.status, "body": body}
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"still {r.status}, not {want}: {body[:300]!r}")
+
+    try:
+        await _wait_healthy(d_url, [proc], timeout=120)
+        async with aiohttp.ClientSession() as http:
+            got = await status_until(http, 400)
+            assert b"not a prefill worker of this decode worker" in got["body"]
+            api.put(endpoint_slice("pd-prefill-1", "pd-prefill", int(port), [host]))
+            pulls = await _metric(http, d_url, "pd_kv_transfer_seconds_count")
+            got = await status_until(http, 200)
+            assert got["body"].rstrip().endswith(b"data: [DONE]")
+            assert await _metric(http, d_url, "pd_kv_transfer_seconds_count") == pulls + 1
+            api.put(endpoint_slice("pd-prefill-1", "pd-prefill", int(port), [host], ready=False))
+            await status_until(http, 400)
+            await _pages_free(http, p_url, d_url)
+        assert api.lists >= 1 and api.watches >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
