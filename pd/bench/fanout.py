@@ -24,7 +24,8 @@ import uuid
 
 import aiohttp
 
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
+from pd.ports import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +90,7 @@ async def _measure(args: argparse.Namespace, router: str, p_url: str) -> dict[st
 def run(args: argparse.Namespace) -> int:
     half = str(max(1, args.threads // 2))
     common = ["--dtype", args.dtype, "--max-model-len", "4096", "--threads", half]
-    p_port, d_port, r_port = _free_port(), _free_port(), _free_port()
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
     procs = [
         _spawn("pd.worker.main", "--role", "prefill", "--port", str(p_port), *common),
         _spawn("pd.worker.main", "--role", "decode", "--port", str(d_port), *common),

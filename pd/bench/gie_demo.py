@@ -20,7 +20,8 @@ import time
 import aiohttp
 
 from pd.bench.envoy import start_envoy
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
+from pd.ports import free_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ async def _run(args: argparse.Namespace) -> int:
         model = [] if args.real else ["--simulate", args.simulate]
         urls: dict[str, list[str]] = {}
         for role in ("prefill", "decode", "decode"):
-            port = _free_port()
+            port = free_port()
             # each decode worker trusts the prefill worker: the picker names it, signed
             peers = ["--prefill-peer", urls["prefill"][0]] if role == "decode" else []
             procs.append(_spawn("pd.worker.main", "--role", role, "--port", str(port),
@@ -50,7 +51,7 @@ async def _run(args: argparse.Namespace) -> int:
             urls.setdefault(role, []).append(f"http://127.0.0.1:{port}")
         for u in urls["prefill"] + urls["decode"]:
             await _wait_healthy(u, procs, timeout=600)
-        port, picker = _free_port(), _free_port()
+        port, picker = free_port(), free_port()
         procs.append(_spawn(
             "pd.router.main", "--port", str(port), "--endpoint-picker", "--picker-port",
             str(picker), "--prefill", urls["prefill"][0],

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from pd.ports import free_port
 
 INSTALL = "pip install 'llama-cpp-python[server]'"
 
@@ -53,13 +54,6 @@ def unavailable() -> str:
         if importlib.util.find_spec(module) is None:
             return f"{module} is not installed ({INSTALL})"
     return ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def version() -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import aiohttp
 from pd.bench import serve
 from pd.bench.serve.cli import BenchInputError, check_args, emit, measure, parse_rates
 from pd.bench.serve.runner import Target
+from pd.ports import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,12 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("setups")
     w.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores to share out")
     w.add_argument("--dtype", default="auto", help="compute dtype of the workers")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(module: str, *args: str) -> subprocess.Popen:
@@ -68,7 +62,7 @@ def start_setup(kind: str, args: argparse.Namespace) -> tuple[str, list[subproce
     """Start the co-located worker ("both") or P + D + router ("pd"); returns the client URL."""
     common = ["--dtype", args.dtype, "--max-model-len", "4096"]
     if kind == "both":
-        port = _free_port()
+        port = free_port()
         procs = [
             _spawn(
                 "pd.worker.main",
@@ -83,7 +77,7 @@ def start_setup(kind: str, args: argparse.Namespace) -> tuple[str, list[subproce
         ]
         return f"http://127.0.0.1:{port}", procs
     half = str(max(1, args.threads // 2))
-    p_port, d_port, r_port = _free_port(), _free_port(), _free_port()
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
     procs = [
         _spawn(
             "pd.worker.main", "--role", "prefill", "--port", str(p_port), "--threads", half, *common

@@ -30,9 +30,10 @@ import aiohttp
 import orjson
 
 from pd.bench import serve
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
 from pd.bench.serve.cli import BenchInputError, check_args, measure
 from pd.bench.serve.runner import Target
+from pd.ports import free_port
 from pd.sim.launch import DEFAULT_MAX_OVERSHOOT, clock_counters, overshoot, start_sim_workers
 
 DES_POLICY = {"round-robin": "round-robin", "load-aware": "least-loaded"}
@@ -88,7 +89,7 @@ async def _process(args: argparse.Namespace, rates: list[float]) -> list[dict[st
     try:
         for url in sim.all_urls:
             await _wait_healthy(url, sim.procs)
-        port = _free_port()
+        port = free_port()
         router = _spawn(
             "pd.router.main", "--port", str(port), "--policy", args.policy,
             "--local-prefill-max-tokens", "0", "--health-interval", "0.5",

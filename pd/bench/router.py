@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import aiohttp
 import orjson
 
 from pd.bench.envoy import start_envoy
+from pd.ports import free_port
 from pd.router.config import RouterConfig
 from pd.router.picker import Picker
 from pd.router.registry import Registry
@@ -158,12 +158,6 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, *argv],
@@ -276,7 +270,7 @@ async def _drive(
 
 
 def run(args: argparse.Namespace) -> int:
-    p_port, d_port, r_port, b_port, picker_port = (_free_port() for _ in range(5))
+    p_port, d_port, r_port, b_port, picker_port = (free_port() for _ in range(5))
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     me = "pd.bench.router"
     procs = [

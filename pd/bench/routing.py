@@ -40,9 +40,10 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd.bench import serve
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
 from pd.bench.serve.cli import BenchInputError, check_args, measure
 from pd.bench.serve.runner import Target
+from pd.ports import free_port
 from pd.sim.launch import (
     DEFAULT_MAX_OVERSHOOT,
     clock_counters,
@@ -203,7 +204,7 @@ def start_workers(args: argparse.Namespace) -> tuple[list[str], list[str], list]
         ("decode", args.decode_workers, args.d_kv_pages or 2600),
     ):
         for _ in range(n):
-            port = _free_port()
+            port = free_port()
             procs.append(
                 _spawn("pd.worker.main", "--role", role, "--port", str(port),
                        "--kv-pages", str(pages), *common)
@@ -223,7 +224,7 @@ def router_rss_bytes(pid: int) -> int:
 async def run_setup(
     setup: Setup, p_urls: list[str], d_urls: list[str], args: argparse.Namespace, worker_procs: list
 ) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     router = _spawn(
         "pd.router.main", "--port", str(port), "--policy", setup.policy,
         "--local-prefill-max-tokens", str(setup.local), "--health-interval", "0.5",

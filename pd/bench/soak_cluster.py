@@ -7,7 +7,6 @@ import asyncio
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from typing import Any
 
 import aiohttp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pd.ports import free_port
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -61,7 +56,7 @@ class Cluster:
         self._preexec = _die_with_parent()
 
     def add(self, name: str, module: str, *args: str) -> Service:
-        port = _free_port()
+        port = free_port()
         argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *args]
         log_path = os.path.join(self.log_dir, f"{name}.log")
         svc = Service(name, argv, f"http://127.0.0.1:{port}", log_path)

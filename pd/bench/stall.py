@@ -201,9 +201,9 @@ async def measure_one(
 
 
 def _start_worker(threads: int, role: str) -> tuple[subprocess.Popen, str]:
-    from pd.bench.pd import _free_port
+    from pd.ports import free_port
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PD_CLUSTER_TOKEN": os.environ.get("PD_CLUSTER_TOKEN", "pd-bench")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pd.worker.main", "--role", role, "--port", str(port),

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -31,6 +30,7 @@ import aiohttp
 from pd.planner.connector import Connector
 from pd.planner.decide import ROLES, Decision
 from pd.planner.signals import Observation
+from pd.ports import free_port
 from pd.registration import RegistrationError, deregister_from_router
 from pd.signing import TOKEN_ENV
 
@@ -46,12 +46,6 @@ class Managed:
     url: str
     proc: subprocess.Popen[bytes]
     state: str = "starting"  # -> "ready" -> "leaving"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class ProcessConnector(Connector):

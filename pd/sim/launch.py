@@ -11,7 +11,6 @@ exceeds `max_overshoot` (a few percent: then raise K).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,20 +19,9 @@ from typing import Any
 
 import aiohttp
 
+from pd.ports import free_ports
+
 DEFAULT_MAX_OVERSHOOT = 0.05
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import orjson
 import pytest
 
 from pd.bench.serve.cli import measure, parse_targets
+from pd.ports import free_port
 from tests.bench.conftest import serve_args
 from tests.bench.openai_stub import OpenAIStub
 
@@ -111,12 +111,6 @@ async def test_compare_alternates_targets_per_rate(aiohttp_server):
     assert slow[0]["tpot_ms"]["p50"] > fast[0]["tpot_ms"]["p50"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -132,7 +126,7 @@ def _free_port() -> int:
     ],
 )
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, needle, tmp_path):
-    argv = [a.replace("{port}", str(_free_port())) for a in argv]
+    argv = [a.replace("{port}", str(free_port())) for a in argv]
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "pd.bench.cli", "serve", *argv],
@@ -157,7 +151,7 @@ async def test_malformed_trace_is_a_clear_error(aiohttp_server, tmp_path):
 
 def test_json_output_shape(tmp_path):
     """`--json` prints one object with the documented keys (against a stub in a subprocess)."""
-    port = _free_port()
+    port = free_port()
     stub = subprocess.Popen(
         [sys.executable, "-c", STUB_MAIN, str(port)], stdout=subprocess.PIPE, text=True
     )

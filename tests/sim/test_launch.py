@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd.worker.simulated.host import worker_configs
 from pd.sim.launch import host_groups, overshoot
+from pd.worker.simulated.host import worker_configs
 
 
 def test_hosts_group_workers_of_one_role():

@@ -36,7 +36,7 @@ import aiohttp
 
 from pd.bench.elastic.hpa import HPA, PERIOD_S
 from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, plateau, scaled
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
 from pd.bench.plan_search import Search, attainment_at
 from pd.bench.serve.client import RequestRecord, stream_request
 from pd.bench.serve.metrics import SLO, summarize
@@ -46,6 +46,7 @@ from pd.planner.config import PlannerConfig
 from pd.planner.observe import ClusterReader
 from pd.planner.processes import SimulatedConnector
 from pd.planner.service import PlannerService
+from pd.ports import free_port
 from pd.sim import CostModel, parse_profile
 from pd.sim.cluster import ClusterSpec, Limits, SimJob, SimTurn
 from pd.sim.launch import SimWorkers, clock_counters, overshoot, start_sim_workers
@@ -190,7 +191,7 @@ async def run_setup(
     try:
         for url in sim.all_urls:
             await _wait_healthy(url, sim.procs)
-        port = _free_port()
+        port = free_port()
         router = _spawn(
             "pd.router.main", "--port", str(port), "--admin-token", ADMIN,
             "--local-prefill-max-tokens", "0", "--health-interval", "0.5",

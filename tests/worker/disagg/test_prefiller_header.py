@@ -12,7 +12,8 @@ import os
 import aiohttp
 import pytest
 
-from pd.bench.pd import _free_port, _spawn, _wait_healthy
+from pd.bench.pd import _spawn, _wait_healthy
+from pd.ports import free_port
 from pd.protocol.names import PREFILLER, PREFILLER_HEADER, PREFILLER_SIG_HEADER
 from pd.signing import prefiller_payload, sign
 from pd.worker.disagg.prefiller import host_port
@@ -26,7 +27,7 @@ PROFILE = "llama-3.1-8b:h100:tp1"
 def p_and_d():
     before = os.environ.get("PD_CLUSTER_TOKEN")
     os.environ["PD_CLUSTER_TOKEN"] = TOKEN  # _spawn passes it on
-    pp, dp = _free_port(), _free_port()
+    pp, dp = free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
     procs = [
         _spawn("pd.worker.main", "--role", "prefill", "--port", str(pp), "--simulate", PROFILE),
@@ -140,7 +141,7 @@ async def test_the_prefill_peers_follow_the_endpointslices(p_and_d, aiohttp_serv
     named = host_port(p_url)
     api = KubeAPIDouble()
     server = await aiohttp_server(api.app())
-    dp = _free_port()
+    dp = free_port()
     d_url = f"http://127.0.0.1:{dp}"
     proc = _spawn(
         "pd.worker.main", "--role", "decode", "--port", str(dp), "--simulate", PROFILE,
