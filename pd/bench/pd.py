@@ -14,7 +14,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from typing import IO
 
 import aiohttp
 
@@ -32,22 +34,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--dtype", default="auto", help="compute dtype of the workers")
 
 
+# Each spawned process's stderr, an unnamed temporary file (gone when closed): what a process
+# that exits during the set-up said is shown (a missing model, a refused flag), not lost.
+_STDERR: dict[int, IO[bytes]] = {}
+
+
 def _spawn(module: str, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PD_CLUSTER_TOKEN": os.environ.get("PD_CLUSTER_TOKEN", "pd-bench")}
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], env=env, stdout=subprocess.DEVNULL, stderr=err
     )
+    _STDERR[proc.pid] = err
+    return proc
+
+
+def _exited(proc: subprocess.Popen) -> str:
+    """What a process that exited said last on stderr (when _spawn started it)."""
+    err = _STDERR.get(proc.pid)
+    tail = ""
+    if err is not None:
+        err.seek(0)
+        tail = err.read()[-2000:].decode(errors="replace").strip()
+    args = " ".join(map(str, proc.args)) if isinstance(proc.args, list) else str(proc.args)
+    return f"{args} exited with {proc.returncode}" + (f":\n{tail}" if tail else "")
 
 
 async def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as http:
         while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a process of the setup exited")
+            gone = [p for p in procs if p.poll() is not None]
+            if gone:
+                raise RuntimeError(f"a process of the setup exited: {_exited(gone[0])}")
             try:
                 async with http.get(f"{url}/health") as r:
                     if r.status == 200:
