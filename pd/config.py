@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pd.cli_args import flag as _flag
 from pd.cors import ORIGINS_HELP, check_origins
+from pd.tracing import OTLP_ENDPOINT_HELP, OTLP_SAMPLE_RATIO_HELP, otlp_flags_error
 
 ROLES = ("prefill", "decode", "both")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -287,6 +288,12 @@ class WorkerConfig:
     drain_timeout_s: float = _flag(600.0, "on SIGTERM, longest wait for running requests")
     seed: int = _flag(0, "seed of the sampler for requests without their own seed")
     allowed_origins: tuple[str, ...] = _flag((), ORIGINS_HELP, repeat=True, metavar="ORIGIN")
+    priority_aging_s: float = _flag(
+        5.0, "a waiting request's priority counts one lower (first) for every this many seconds "
+        "it has waited: none waits forever behind higher ones",
+    )  # fmt: skip
+    otlp_endpoint: str | None = _flag(None, OTLP_ENDPOINT_HELP)
+    otlp_sample_ratio: float = _flag(1.0, OTLP_SAMPLE_RATIO_HELP)
     simulate: str | None = _flag(
         None,
         "run a simulated device instead of a model: PROFILE is MODEL:DEVICE[:tpN][:LINK] or a "
@@ -396,6 +403,9 @@ class WorkerConfig:
         )
         check(self.kv_quarantine_s >= 0, "--kv-quarantine-s must be >= 0")
         check_origins(self.allowed_origins)
+        why = otlp_flags_error(self.otlp_endpoint, self.otlp_sample_ratio)
+        check(not why, why)
+        check(self.priority_aging_s > 0, "--priority-aging-s must be > 0")
         check(self.time_scale > 0, "--time-scale must be > 0")
         check(self.startup_s >= 0 or self.startup_s == -1, "--startup-s must be >= 0, or -1")
         check(self.simulate is not None or not self.park, "--park needs --simulate")

@@ -23,7 +23,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 
 extras="nixl"
-[ "${1:-}" = "--test" ] && extras="$extras,test,k8s"
+[ "${1:-}" = "--test" ] && extras="$extras,test,k8s,otel"
 command -v nvidia-smi >/dev/null 2>&1 && extras="$extras,cuda"
 pip -e ".[$extras]"
 

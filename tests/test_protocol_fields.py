@@ -57,7 +57,7 @@ def test_unknown_fields_are_refused_as_openai_does_or_accepted_and_logged_once(c
             parse_request(CHAT, {**BASE[CHAT], "x_custom": 1}, ignore_unknown_fields=True)
     assert sum("x_custom" in r.message for r in caplog.records) == 1
     with pytest.raises(APIError, match="not supported"):  # refused fields stay refused
-        parse_request(CHAT, {**BASE[CHAT], "priority": 5}, ignore_unknown_fields=True)
+        parse_request(CHAT, {**BASE[CHAT], "use_beam_search": True}, ignore_unknown_fields=True)
 
 
 def test_stream_options_need_stream_and_their_own_fields_are_checked():

@@ -119,7 +119,8 @@ FIELDS: dict[str, FieldRule] = {
     "prediction": _rule(ACCEPTED, "predicted outputs speed OpenAI's answers up; the answer "
                         "is the same without it", "chat"),
     # -- scheduling, caching, tenancy
-    "priority": _rule(REFUSED, "vLLM extra: no priority scheduling", "both", 0),
+    "priority": _rule(SERVED, "vLLM extra: lower first; the router's priority class and the "
+                      "workers' order of waiting requests (docs/api.md)"),
     "cache_salt": _rule(SERVED, "vLLM extra: isolates the prefix cache (docs/security.md)"),
     "user": _rule(SERVED, "a room key for sticky routing"),
     "session_id": _rule(SERVED, "pd extra: a room key for sticky routing"),

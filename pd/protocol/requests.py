@@ -28,6 +28,9 @@ from pd.protocol.options import (
 from pd.protocol.tools import ToolRequest, check_tool_message, parse_tools
 
 
+PRIORITY_LIMIT = (1 << 31) - 1  # vLLM's priority is an int: a 32-bit one here
+
+
 @dataclass
 class _RequestBase:
     model: str | None
@@ -48,6 +51,9 @@ class _RequestBase:
     # The router's `pd_continuation.output_token_ids` (docs/migration.md §3): the output the
     # uninterrupted request had generated; this worker goes on from there. None: a new request.
     continuation: list[int] | None = None
+    # vLLM's `priority` (lower first; None: not given, 0): the router's class
+    # (pd/router/admission.py) and the order the workers take waiting requests in.
+    priority: int | None = None
 
     @property
     def room_key(self) -> str | None:
@@ -79,6 +85,7 @@ def _parse_common(body: dict) -> dict[str, Any]:
         n=n,
         raw=body,
         continuation=parse_continuation(body.get("pd_continuation"), n),
+        priority=integer(body, "priority", None, -PRIORITY_LIMIT, PRIORITY_LIMIT),
     )
 
 

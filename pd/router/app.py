@@ -33,13 +33,14 @@ from pd.protocol import (
     unknown_fields,
 )
 from pd.protocol.names import REQUEST_ID_HEADER
+from pd.router.admission import CLASS_HEADER, PRIORITY_OF_CLASS, Admission
 from pd.router.answer_size import check_expected
 from pd.router.config import RouterConfig
 from pd.router.discovery import FileDiscovery
 from pd.router.discovery.kubernetes import KubernetesDiscovery
 from pd.router.exchange import Exchange, RequestFacts
 from pd.router.health import HealthChecker
-from pd.router.keys import CONFIG, HEALTH, METRICS, PICKER, PROXY, REGISTRY
+from pd.router.keys import ADMISSION, CONFIG, HEALTH, METRICS, PICKER, PROXY, REGISTRY
 from pd.router.metrics import RouterMetrics
 from pd.router.migrate import CONTINUATION
 from pd.router.picker import Picker, picker_health, serve_picker
@@ -49,6 +50,7 @@ from pd.router.registry import Registry
 from pd.signing import optional_token
 
 log = logging.getLogger("pd.router")
+TICKET = "pd_ticket"  # the request's admission ticket (request[TICKET])
 
 
 def _error(
@@ -174,6 +176,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             )
             return Exchange(request, facts, t0, answer_limit=answer_limit)
 
+        admission = request.app[ADMISSION]
+        cls = admission.class_of(request.headers.get(CLASS_HEADER), req.priority)
+        if req.priority is None and cls != "default":  # the workers order by it
+            body["priority"] = PRIORITY_OF_CLASS[cls]
+
         if isinstance(req, CompletionRequest) and req.batch is not None:
             # A list of prompts: one sub-exchange each, routed by its own prompt (fanout.py).
             subs = [
@@ -185,13 +192,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
             ]
             ex = subs[0]
             route = proxy.registry.route()
-            resp = await fanout.serve(
-                proxy, request, subs, route, req.n, req.include_usage, req.stream
-            )
+            work = fanout.serve(proxy, request, subs, route, req.n, req.include_usage, req.stream)
         else:
             ex = exchange(req, body)
             route = proxy.registry.route()
-            resp = await proxy.handle(ex, route)
+            work = proxy.handle(ex, route)
+        try:
+            ticket = await admission.enter(cls)
+        except BaseException:
+            work.close()  # never started
+            raise
+        request[TICKET] = ticket
+        try:
+            resp = await ticket.run(work)
+        finally:
+            admission.leave(ticket)
         status = ex.status or str(resp.status)
         return resp
     except (APIError, web.HTTPException) as e:
@@ -290,10 +305,21 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await session.close()
 
 
+async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
+    """A response's headers go out: its request is past preemption (admission.py)."""
+    ticket = request.get(TICKET)
+    if ticket is not None:
+        ticket.sent = True
+
+
 def make_app(cfg: RouterConfig) -> web.Application:
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[_middleware(cfg)])
     registry = Registry(cfg)
     router_metrics = RouterMetrics(registry)
+    router_metrics.admission = app[ADMISSION] = Admission(
+        cfg.max_concurrency, cfg.class_limits, enabled=not cfg.no_priority
+    )
+    app.on_response_prepare.append(_first_byte)
     worker_headers = (
         {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else None
     )

@@ -9,6 +9,8 @@ from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.cli_args import flag as _flag
 from pd.cors import ORIGINS_HELP, check_origins
 from pd.registration import normalize_url
+from pd.router.admission import CLASSES, DEFAULT_LIMITS, ClassLimits
+from pd.tracing import OTLP_ENDPOINT_HELP, OTLP_SAMPLE_RATIO_HELP, otlp_flags_error
 
 POLICIES = ("round-robin", "load-aware", "sticky-to-room", "cache-aware")
 POOLS = ("prefill", "decode", "both")
@@ -188,6 +190,44 @@ class RouterConfig:
     allowed_origins: tuple[str, ...] = _flag((), ORIGINS_HELP, repeat=True, metavar="ORIGIN")
     access_log: bool = _flag(False, "log every request (costs latency)", store_true=True)
     log_level: str = _flag("info", "logging level", choices=("debug", "info", "warning", "error"))
+    otlp_endpoint: str | None = _flag(None, OTLP_ENDPOINT_HELP)
+    otlp_sample_ratio: float = _flag(1.0, OTLP_SAMPLE_RATIO_HELP)
+    max_concurrency: int = _flag(
+        0, "requests served at once (a slot each); beyond, they wait by priority class "
+        "(docs/api.md); 0: no budget, every request admitted",
+    )  # fmt: skip
+    class_reserved: str = _flag(
+        "system=1", "slots of --max-concurrency that only a class takes: CLASS=N,... (classes "
+        "system, interactive, default, batch)",
+    )  # fmt: skip
+    class_queue: str = _flag(
+        "system=64,interactive=64,default=128,batch=512",
+        "requests that may wait for a slot, per class (429 beyond): CLASS=N,...",
+    )
+    class_deadline_s: str = _flag(
+        "system=30,interactive=10,default=30,batch=300",
+        "the longest wait for a slot, per class, in seconds (408 beyond): CLASS=S,...",
+    )
+    no_priority: bool = _flag(
+        False, "no priority classes: one first-come-first-served queue, no reserved slots, no "
+        "preemption", store_true=True,
+    )  # fmt: skip
+
+    @property
+    def class_limits(self) -> dict[str, ClassLimits]:
+        """--class-reserved, --class-queue and --class-deadline-s, per class."""
+        reserved = _per_class(self.class_reserved, "--class-reserved", int)
+        queue = _per_class(self.class_queue, "--class-queue", int)
+        deadline = _per_class(self.class_deadline_s, "--class-deadline-s", float)
+        out = {}
+        for c in CLASSES:
+            base = DEFAULT_LIMITS[c]
+            out[c] = ClassLimits(
+                reserved=int(reserved.get(c, 0)),
+                queue=int(queue.get(c, base.queue)),
+                deadline_s=float(deadline.get(c, base.deadline_s)),
+            )
+        return out
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -245,6 +285,19 @@ class RouterConfig:
         check(self.sticky_room_table_bytes >= 1024, "--sticky-room-table-bytes must be >= 1024")
         check(self.local_prefill_max_tokens >= 0, "--local-prefill-max-tokens must be >= 0")
         check_origins(self.allowed_origins)
+        why = otlp_flags_error(self.otlp_endpoint, self.otlp_sample_ratio)
+        check(not why, why)
+        check(self.max_concurrency >= 0, "--max-concurrency must be >= 0")
+        limits = self.class_limits  # raises ValueError on a malformed spec
+        check(
+            all(v.reserved >= 0 and v.queue >= 0 and v.deadline_s > 0 for v in limits.values()),
+            "--class-reserved and --class-queue must be >= 0, --class-deadline-s > 0",
+        )
+        check(
+            not self.max_concurrency
+            or sum(v.reserved for v in limits.values()) <= self.max_concurrency,
+            "--class-reserved holds more slots than --max-concurrency",
+        )
         for name in ("api_key", "admin_token", "worker_api_key", "cluster_token"):
             check(getattr(self, name) != "", f"--{name.replace('_', '-')} must not be empty")
 
@@ -275,3 +328,19 @@ class RouterConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterConfig:
         return dataclass_from_args(cls, args)
+
+
+def _per_class(spec: str, flag: str, kind: type[int] | type[float]) -> dict[str, float]:
+    """`CLASS=VALUE,...` as {class: value}; ValueError naming `flag` when malformed."""
+    out: dict[str, float] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        cls, eq, value = part.partition("=")
+        cls = cls.strip()
+        if not eq or cls not in CLASSES:
+            raise ValueError(f"{flag} {spec!r}: each entry is CLASS=VALUE, CLASS one of "
+                             f"{', '.join(CLASSES)}")  # fmt: skip
+        try:
+            out[cls] = kind(value)
+        except ValueError:
+            raise ValueError(f"{flag} {spec!r}: {value!r} is not a number") from None
+    return out

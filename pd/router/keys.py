@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from pd.router.admission import Admission
 from pd.router.config import RouterConfig
 from pd.router.health import HealthChecker
 from pd.router.metrics import RouterMetrics
@@ -16,4 +17,5 @@ REGISTRY = web.AppKey("registry", Registry)
 METRICS = web.AppKey("metrics", RouterMetrics)
 HEALTH = web.AppKey("health", HealthChecker)
 PROXY = web.AppKey("proxy", Proxy)
+ADMISSION = web.AppKey("admission", Admission)
 PICKER = web.AppKey("picker", Picker)  # --endpoint-picker only

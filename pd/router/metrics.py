@@ -19,6 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pd.router.admission import CLASSES, Admission
 from pd.router.hist import Hist
 from pd.router.pairing import unpaired
 from pd.router.picker import Picker
@@ -58,6 +59,7 @@ class RouterMetrics(Collector):
         self.migration_wait = Hist()  # from a break to the continuation's first byte
         self.disconnects = {(p, o): 0 for p in registry.pools for o in DISCONNECT_OUTCOMES}
         self.picker: Picker | None = None  # --endpoint-picker's decisions
+        self.admission: Admission | None = None  # priority classes (admission.py)
         self.prom = CollectorRegistry()
         self.prom.register(self)
 
@@ -93,6 +95,8 @@ class RouterMetrics(Collector):
         )
         arrivals.add_metric([], self.arrivals)
         yield arrivals
+        if self.admission is not None:
+            yield from _admission_families(self.admission)
         if self.picker is not None:
             decisions = CounterMetricFamily(
                 "pd_router_picker_decisions",
@@ -286,3 +290,29 @@ class RouterMetrics(Collector):
                 running.add_metric(lv, w.load.running)
                 kv.add_metric(lv, w.load.kv_usage)
         return [inflight, healthy, queued, running, kv, index]
+
+
+def _admission_families(admission: Admission) -> Iterable[Metric]:
+    outcomes = CounterMetricFamily(
+        "pd_router_class_requests",
+        "Requests by priority class and admission outcome (admitted, queued: waited for a "
+        "slot first, refused: 429, its queue full, timed_out: 408, preempted: 503 before its "
+        "first byte, for a higher class)",
+        labels=["class", "outcome"],
+    )
+    for (cls, outcome), n in admission.counts.items():
+        outcomes.add_metric([cls, outcome], n)
+    yield outcomes
+    for name, doc, values in (
+        ("pd_router_class_queued", "Requests waiting for a slot, by class", admission.queued),
+        ("pd_router_class_inflight", "Requests holding a slot, by class", admission.inflight),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=["class"])
+        for cls in CLASSES:
+            gauge.add_metric([cls], values[cls])
+        yield gauge
+    budget = GaugeMetricFamily(
+        "pd_router_concurrency_budget", "--max-concurrency (0: no budget, all admitted)"
+    )
+    budget.add_metric([], admission.budget)
+    yield budget

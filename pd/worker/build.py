@@ -164,7 +164,13 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
     c = KVContract.of(runner)  # what shapes the KV: pages of other models never match
     salt = f"{c.model_fingerprint}:{c.dtype}:{c.kv_layout}:tp{tp}"
     cache = KVCacheManager(num_pages, cfg.page_size, prefix_cache=cfg.prefix_cache, salt=salt)
-    scheduler = Scheduler(cache, cfg.chunk_size, cfg.max_running_requests, cfg.resolved_pull_slots)
+    scheduler = Scheduler(
+        cache,
+        cfg.chunk_size,
+        cfg.max_running_requests,
+        cfg.resolved_pull_slots,
+        aging_s=cfg.priority_aging_s,
+    )
     prefill = decode = None
     connector = KVConnector(CoLocated.name)
     if cfg.role == "prefill":

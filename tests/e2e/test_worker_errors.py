@@ -52,7 +52,7 @@ BAD_INPUT = [
     (
         "a field pd does not serve",
         "/v1/chat/completions",
-        b'{"messages": [{"role": "user", "content": "hi"}], "priority": 5}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true}',
         400,
         "unsupported_parameter",
     ),

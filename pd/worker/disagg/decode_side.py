@@ -124,6 +124,7 @@ class DecodeSide(TransferRole, KVConnector):
         rules: TokenRules | None = None,
         n: int = 1,
         choice_rules: list[TokenRules | None] | None = None,
+        priority: int = 0,
     ) -> RequestHandle:
         """Queue the request, dial P, then emit P's first token (each choice's, with n > 1: the
         choices fork from the one pull); the pull goes on in a task. Its pages join this
@@ -150,6 +151,7 @@ class DecodeSide(TransferRole, KVConnector):
                 kvp.output_token_ids,
                 kv_from_elsewhere=True,
                 cached_tokens=kvp.cached_tokens,
+                priority=priority,
             )
         )
         if prompt_logprobs is not None:

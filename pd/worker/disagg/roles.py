@@ -130,6 +130,7 @@ class CoLocated:
                 req.cache_salt,
                 every_choice(req.n, rules, choice_rules),
                 req.continuation,
+                priority=req.priority or 0,
             )
         )
 
@@ -193,6 +194,7 @@ class Prefill(CoLocated):
                 every_choice(req.n, rules, choice_rules),
                 req.continuation,
                 budget_past_continuation=True,
+                priority=req.priority or 0,
             )
         )
         self.side.expect(handle.seq)  # its pages go to a decode worker when its token is out
@@ -238,4 +240,6 @@ class Decode(CoLocated):
         kvp = self.side.validate(req.kv_transfer_params, req.n, req.continuation)
         # Its pages join this worker's prefix cache under the client's salt; its rules are
         # built from the same request as P's, and take P's first token before anything else.
-        return await self.side.admit(kvp, req.options, req.cache_salt, rules, req.n, choice_rules)
+        return await self.side.admit(
+            kvp, req.options, req.cache_salt, rules, req.n, choice_rules, req.priority or 0
+        )

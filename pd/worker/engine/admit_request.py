@@ -33,6 +33,7 @@ class AdmitRequest:
     # Its KV (the prompt's and the continuation's) comes from elsewhere (the connector's)
     kv_from_elsewhere: bool = False
     cached_tokens: int = 0  # with KV from elsewhere: the prompt tokens its source had cached
+    priority: int = 0  # vLLM's: lower first (the scheduler's order of waiting requests)
 
     def __post_init__(self) -> None:
         if not self.rules:

@@ -158,7 +158,9 @@ class Engine:
         for i, rules in enumerate(choice_rules, 1):
             options = choice_options(seq.params, i)
             child = self._new_handle(
-                AdmitRequest(seq.prompt_ids, options, rules=(rules,)), SeqStatus.FORKING, n=0
+                AdmitRequest(seq.prompt_ids, options, rules=(rules,), priority=seq.priority),
+                SeqStatus.FORKING,
+                n=0,
             )
             child.seq.cache_salt = seq.cache_salt
             child.seq.num_cached_tokens = seq.num_cached_tokens
@@ -226,7 +228,13 @@ class Engine:
         request_id = f"req-{next(self._ids)}"
         handle = RequestHandle(
             Sequence(
-                request_id, prompt_ids, options, max_tokens, status=status, rules=request.rules[0]
+                request_id,
+                prompt_ids,
+                options,
+                max_tokens,
+                status=status,
+                rules=request.rules[0],
+                priority=request.priority,
             ),
             IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens),
             StopChecker(options.stop, options.include_stop_str_in_output),

@@ -61,6 +61,7 @@ class Sequence:
     # A continuation (docs/migration.md §3): its first `num_given` outputs came with the request
     # (another worker generated them); they are prefilled with the prompt, never emitted.
     num_given: int = 0
+    priority: int = 0  # vLLM's: lower first (the order waiting requests are taken in)
 
     @property
     def num_tokens(self) -> int:

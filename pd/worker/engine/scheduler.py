@@ -10,6 +10,12 @@ Each step gets a token budget (`chunk_size`) shared by decode and prefill tokens
 2. Waiting requests are admitted in arrival order while budget, `max_running` and free pages allow.
    Admission never preempts: it stops at the first request that does not fit.
 
+Priority (vLLM's `priority`, lower first): when the waiting requests' priorities differ, they
+are taken by priority, then arrival (preempted ones still first: they get their pages back
+before anyone); prompts prefilled in chunks get the step's budget in that order too; and the
+request preempted for pages is the lowest priority's newest. No request waits forever: its
+priority counts one lower for every `aging_s` seconds since it arrived.
+
 Pages come from the `KVCacheManager` (pd/kvcache/cache_manager.py), which owns every page's
 state; the scheduler decides when a request takes or drops its references: as tokens are
 scheduled, and exactly once when it finishes, is aborted or is preempted. With the prefix cache,
@@ -22,7 +28,9 @@ request's, whose KV another worker reads, or free ones, for KV another worker wr
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.worker.engine.batch import ScheduledBatch
@@ -37,8 +45,12 @@ class Scheduler:
         chunk_size: int,
         max_running: int,
         arrival_slots: int = 0,
+        aging_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
+        self.aging_s = aging_s  # a waiting request's priority counts one lower per aging_s
+        self.clock = clock
         self.page_size = cache.page_size
         self.chunk_size = chunk_size
         # Running slots count choices: a request with n choices takes n (its children fork
@@ -107,19 +119,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [], [])
-        budget = self.chunk_size
         # Decoding requests first (they set ITL), then prefills in progress; both oldest first.
-        order = sorted(self.running, key=lambda s: s.num_remaining > 1)
-        for seq in order:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = min(seq.num_remaining, budget)
-            if not self._reserve(seq, n, batch):
-                continue
-            self._add(batch, seq, n)
-            budget -= n
+        # When priorities differ: prefills by priority, and those below the first waiting
+        # request's only after it (a prompt's chunks never hold a higher one back).
+        order, deferred = self._running_order()
+        budget = self._run(order, self.chunk_size, batch)
         slots = self.max_running - self.arrival_slots - self.running_choices  # computed here
         while self.waiting and budget > 0 and self.choices_of(self.waiting[0]) <= slots:
             seq = self.waiting[0]
@@ -140,8 +144,45 @@ class Scheduler:
             slots -= self.choices_of(seq)
             self._add(batch, seq, n)
             budget -= n
+        if deferred and budget > 0:
+            self._run(deferred, budget, batch)
         attach_riders(batch, self.forks)
         return batch
+
+    def _running_order(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running requests in the order they get the step's budget, and those (lower
+        prefills) that get what is left after the waiting requests are admitted. Sorts the
+        waiting queue when priorities differ."""
+        running = self.running
+        if _uniform(running, self.waiting):
+            return sorted(running, key=lambda s: s.num_remaining > 1), []
+        now = self.clock()
+        if len(self.waiting) > 1:
+            # Preempted first (as appendleft put them), then by aged priority, then arrival.
+            self.waiting = deque(
+                sorted(self.waiting, key=lambda s: (not s.num_preemptions, self._rank(s, now)))
+            )
+        head = self._rank(self.waiting[0], now) if self.waiting else float("inf")
+        decoding = [s for s in running if s.num_remaining <= 1]
+        prefilling = sorted(
+            (s for s in running if s.num_remaining > 1), key=lambda s: self._rank(s, now)
+        )
+        first = [s for s in prefilling if self._rank(s, now) <= head]
+        return decoding + first, [s for s in prefilling if self._rank(s, now) > head]
+
+    def _run(self, order: list[Sequence], budget: int, batch: ScheduledBatch) -> int:
+        """Give running requests, in `order`, what they ask of `budget`; what is left."""
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = min(seq.num_remaining, budget)
+            if not self._reserve(seq, n, batch):
+                continue
+            self._add(batch, seq, n)
+            budget -= n
+        return budget
 
     def _reuse_prefix(self, seq: Sequence) -> None:
         """Take references on the cached pages of `seq`'s longest cached prefix (none when it
@@ -180,7 +221,7 @@ class Scheduler:
         """Give `seq` the pages for `n` more tokens, preempting the newest requests if needed."""
         need = self._pages_needed(seq, n)
         while not self.cache.can_allocate(need):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -189,6 +230,19 @@ class Scheduler:
             assert pages is not None  # can_allocate said so
             seq.page_ids.extend(pages)
         return True
+
+    def _rank(self, seq: Sequence, now: float) -> float:
+        """Its priority, aged: one lower for every `aging_s` seconds since it arrived (ties:
+        the earlier arrival first, as the key's age breaks them)."""
+        return seq.priority - (now - seq.arrival_time) / self.aging_s
+
+    def _victim(self) -> Sequence:
+        """The running request to preempt for pages: the newest, of the lowest priority."""
+        running = self.running
+        if _uniform(running):
+            return running[-1]
+        worst = max(s.priority for s in running)
+        return next(s for s in reversed(running) if s.priority == worst)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
@@ -328,3 +382,15 @@ class Scheduler:
         and no waiting request holding pages."""
         self.cache.check_integrity(s.page_ids for s in self.running)
         assert all(not s.page_ids for s in self.waiting), "a waiting request holds pages"
+
+
+def _uniform(*groups: Iterable[Sequence]) -> bool:
+    """Whether all their priorities are one (then arrival order alone decides, as without)."""
+    first: int | None = None
+    for group in groups:
+        for s in group:
+            if first is None:
+                first = s.priority
+            elif s.priority != first:
+                return False
+    return True

@@ -248,3 +248,101 @@ def test_pull_slots_are_kept_from_local_requests():
     s.finish(local, "stop")
     s.finish(more, "stop")
     s.check_integrity()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def prioritized(clock: FakeClock, chunk=64, max_running=1, aging_s=5.0) -> Scheduler:
+    return Scheduler(
+        KVCacheManager(64, PAGE, prefix_cache=False), chunk, max_running, aging_s=aging_s,
+        clock=clock,
+    )  # fmt: skip
+
+
+def arriving(clock: FakeClock, name: str, priority: int, prompt_len: int = 5) -> Sequence:
+    q = seq(name, prompt_len)
+    q.priority, q.arrival_time = priority, clock.now
+    return q
+
+
+def test_a_later_higher_priority_request_is_taken_before_earlier_lower_ones():
+    clock = FakeClock()
+    s = prioritized(clock)
+    running = arriving(clock, "running", 0)
+    s.add(running)
+    run_step(s)
+    for name, priority in (("batch-1", 1), ("batch-2", 1), ("default", 0), ("interactive", -1)):
+        clock.now += 0.1
+        s.add(arriving(clock, name, priority))
+    order = []
+    s.finish(running, "stop")
+    while s.has_work:
+        clock.now += 0.1
+        batch = run_step(s)
+        (q,) = batch.seqs
+        order.append(q.request_id)
+        s.finish(q, "stop")  # one slot: the next waiting request is admitted next step
+    assert order == ["interactive", "default", "batch-1", "batch-2"]
+
+
+def test_equal_priorities_keep_arrival_order_and_nothing_waits_forever():
+    clock = FakeClock()
+    s = prioritized(clock, aging_s=5.0)
+    running = arriving(clock, "running", 0)
+    s.add(running)
+    run_step(s)
+    old_batch = arriving(clock, "old-batch", 1)  # waits 11 s: 1 - 11/5 < -1 + 0/5
+    s.add(old_batch)
+    clock.now += 11.0
+    s.add(arriving(clock, "new-interactive", -1))
+    s.finish(running, "stop")
+    assert run_step(s).seqs == [old_batch]  # aged past the newcomer
+    # all the same priority: arrival order, however they differ from 0
+    s2 = prioritized(clock)
+    firsts = [arriving(clock, f"b{i}", 3) for i in range(3)]
+    for q in firsts:
+        s2.add(q)
+    assert [q.request_id for q in s2.waiting] == ["b0", "b1", "b2"]
+    assert run_step(s2).seqs == [firsts[0]]
+
+
+def test_prompts_prefilled_in_chunks_get_the_budget_by_priority():
+    clock = FakeClock()
+    s = prioritized(clock, chunk=8, max_running=4)
+    low, high = arriving(clock, "low", 1, 40), arriving(clock, "high", -1, 40)
+    s.add(low)
+    run_step(s)  # low is admitted first (alone), prefilling
+    s.add(high)
+    batch = run_step(s)  # high is admitted before low's next chunk, and takes the budget
+    assert batch.seqs == [high] and batch.num_new == [8]
+    batch = run_step(s)  # both prefilling now: high first, low none until high is done
+    assert batch.seqs == [high] and batch.num_new == [8]
+    while high.num_remaining > 1:
+        run_step(s)
+    assert low.num_computed == 8  # its first chunk only, all along
+    # an equal-priority pair shares as before: the older first
+
+
+def test_the_request_preempted_for_pages_is_the_lowest_priority():
+    clock = FakeClock()
+    s = Scheduler(KVCacheManager(6, PAGE, prefix_cache=False), 64, 4, clock=clock)
+    low, high = arriving(clock, "low", 2, 8), arriving(clock, "high", -1, 8)
+    s.add(low)
+    run_step(s)
+    clock.now += 0.1
+    s.add(high)
+    run_step(s)  # both running, 2 pages each of 6; decode grows them
+    grow = arriving(clock, "mid", 0, 4)
+    s.add(grow)
+    preempted = []
+    for _ in range(12):
+        preempted += run_step(s).preempted
+        if preempted:
+            break
+    assert preempted and preempted[0] is low
