@@ -48,9 +48,11 @@ from pd.router.prefix_index import PromptKey, prompt_bytes
 from pd.router.proxy import KV, Proxy, json_response
 from pd.router.registry import Registry
 from pd.signing import optional_token
+from pd.tracing import NO_SPAN, Span, setup_tracing
 
 log = logging.getLogger("pd.router")
 TICKET = "pd_ticket"  # the request's admission ticket (request[TICKET])
+SPAN = "pd_span"  # the request's span, when traced (request[SPAN])
 
 
 def _error(
@@ -174,12 +176,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 tokens=tokens,
                 headers=headers,
             )
-            return Exchange(request, facts, t0, answer_limit=answer_limit)
+            return Exchange(
+                request, facts, t0, answer_limit=answer_limit, span=request.get(SPAN, NO_SPAN)
+            )
 
         admission = request.app[ADMISSION]
         cls = admission.class_of(request.headers.get(CLASS_HEADER), req.priority)
         if req.priority is None and cls != "default":  # the workers order by it
             body["priority"] = PRIORITY_OF_CLASS[cls]
+        tracing = proxy.tracing
+        if tracing.enabled:
+            span = tracing.start(
+                f"POST {request.path}",
+                tracing.parent_from_headers(request.headers),
+                kind="server",
+                attributes={"pd.class": cls, "pd.stream": req.stream, "pd.n": req.n},
+            )
+            request[SPAN] = span
 
         if isinstance(req, CompletionRequest) and req.batch is not None:
             # A list of prompts: one sub-exchange each, routed by its own prompt (fanout.py).
@@ -198,11 +211,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             route = proxy.registry.route()
             work = proxy.handle(ex, route)
         try:
+            t_enter = perf_counter()
             ticket = await admission.enter(cls)
         except BaseException:
             work.close()  # never started
             raise
         request[TICKET] = ticket
+        if ex.span.recording:
+            ex.span.set("pd.admission_wait_s", perf_counter() - t_enter)
         try:
             resp = await ticket.run(work)
         finally:
@@ -219,6 +235,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if ex is not None and ex.route is not None:
             route = ex.route
         proxy.metrics.request_done(status, route, ex.ttft if ex else None, perf_counter() - t0)
+        traced = request.get(SPAN)
+        if traced is not None:
+            _end_request_span(traced, status, route, ex)
+
+
+def _end_request_span(span: Span, status: str, route: str, ex: Exchange | None) -> None:
+    span.set("pd.route", route)
+    if status.isdigit():
+        span.set("http.response.status_code", int(status))
+    if ex is not None and ex.ttft is not None:
+        span.set("pd.ttft_s", ex.ttft)
+    if status == "499":
+        span.event("the client went away")
+    elif not status.isdigit() or int(status) >= 500:
+        span.error(f"answered {status}")
+    span.end()
 
 
 def _sub_body(body: dict, prompt: str | list[int], stream: bool) -> dict:
@@ -303,6 +335,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await session.close()
+        await asyncio.to_thread(app[PROXY].tracing.shutdown)  # the last spans out (<= 5 s)
 
 
 async def _first_byte(request: web.Request, response: web.StreamResponse) -> None:
@@ -328,7 +361,8 @@ def make_app(cfg: RouterConfig) -> web.Application:
     app[REGISTRY] = registry
     app[METRICS] = router_metrics
     app[HEALTH] = checker
-    app[PROXY] = Proxy(cfg, registry, router_metrics, checker)
+    tracing = setup_tracing("pd-router", "router", cfg.otlp_endpoint, cfg.otlp_sample_ratio)
+    app[PROXY] = Proxy(cfg, registry, router_metrics, checker, tracing)
     app.cleanup_ctx.append(_upstream_ctx)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from pd.tracing import NO_SPAN, Span
+
 if TYPE_CHECKING:
     from pd.router.prefix_index import PromptKey
     from pd.router.tracker import Tracker
@@ -61,3 +63,16 @@ class Exchange:
     # Most bytes of the answer the router assembles when the client does not stream (0: the
     # whole --max-answer-bytes; a list of prompts shares it out: answer_size.py)
     answer_limit: int = 0
+    # Tracing (pd/tracing.py; NO_SPAN when off): the request's span (a migration leg's, for a
+    # leg), the span of the worker call under way (the one a migration's leg links to), and the
+    # W3C headers that make that call its child on the worker.
+    span: Span = NO_SPAN
+    attempt_span: Span = NO_SPAN
+    trace_headers: dict[str, str] | None = None
+
+    @property
+    def upstream_headers(self) -> dict[str, str]:
+        """The headers of a call to a worker: the request's, and the trace's when traced."""
+        if self.trace_headers is None:
+            return self.facts.headers
+        return {**self.facts.headers, **self.trace_headers}

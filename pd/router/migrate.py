@@ -26,6 +26,7 @@ from pd.protocol.names import CONTINUATION, REQUEST_ID_HEADER
 from pd.router.exchange import Exchange
 from pd.router.tracker import Tracker
 from pd.signing import sign_continuation
+from pd.tracing import NO_TRACING, Tracing
 
 if TYPE_CHECKING:
     from pd.router.metrics import RouterMetrics
@@ -156,6 +157,7 @@ class Migration:
     limit: int
     metrics: RouterMetrics
     token: bytes | None
+    tracing: Tracing = NO_TRACING
 
 
 async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason: str) -> Outcome:
@@ -171,6 +173,7 @@ async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason:
     prompt_usage: dict[str, Any] | None = None
     exclude: list[Worker] = [*ex.exclude, track.worker]
     broken = track.worker
+    previous = ex.attempt_span  # the call whose stream broke (a leg links to it)
     first_reason = reason
     for i in range(n):
         if i in track.finished:
@@ -193,12 +196,24 @@ async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason:
             )
             sink = _Leg(emit, ident, i, ex.facts.include_usage)
             leg = _leg_exchange(ex, i, ids[i], exclude, sink, m.token)
+            if ex.span.recording:  # the leg's span, linked to the call whose stream broke
+                leg.span = m.tracing.start(
+                    "pd.migration",
+                    ex.span,
+                    links=[previous],
+                    attributes={
+                        "pd.reason": reason, "pd.choice": i, "pd.leg": legs,
+                        "pd.tokens_before": len(ids[i]), "pd.broken_worker": broken.url,
+                    },
+                )  # fmt: skip
             try:
-                resp = await m.go_on(leg)
+                with leg.span:
+                    resp = await m.go_on(leg)
             except NoRoute as e:
                 return Outcome(False, why=f"no worker to continue on: {e}")
             except ConnectionResetError:
                 return Outcome(False, gone=True)
+            previous = leg.attempt_span
             if resp is not sink:  # P's final answer, or the failure of every try
                 body = getattr(resp, "body", None)
                 if resp.status != 200 or not isinstance(body, bytes):

@@ -77,6 +77,7 @@ from pd.router.sse import SSECollector, StreamError, answer_to_sse, stream_text
 from pd.router.tracker import Tracker
 from pd.router.worker import Worker
 from pd.signing import optional_token
+from pd.tracing import NO_SPAN, NO_TRACING, Span, Tracing
 
 log = logging.getLogger("pd.router")
 
@@ -123,7 +124,12 @@ def _reason(ex: Exchange, track: Tracker) -> str:
 
 class Proxy:
     def __init__(
-        self, cfg: RouterConfig, registry: Registry, metrics: RouterMetrics, health: HealthChecker
+        self,
+        cfg: RouterConfig,
+        registry: Registry,
+        metrics: RouterMetrics,
+        health: HealthChecker,
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
@@ -143,7 +149,10 @@ class Proxy:
         self._background: set[asyncio.Future] = set()  # releases sent to P
         # How a broken stream goes on (migrate.py): a leg by the usual plan, and a question to
         # one worker (the usage of a request whose legs never sent it)
-        self.migration = Migration(self._go_on, self._ask, cfg.migration_limit, metrics, self.token)
+        self.tracing = tracing  # --otlp-endpoint's, or off
+        self.migration = Migration(
+            self._go_on, self._ask, cfg.migration_limit, metrics, self.token, tracing
+        )
 
     @property
     def _client(self) -> aiohttp.ClientSession:
@@ -205,7 +214,7 @@ class Proxy:
             async with self.session.post(
                 w.url + ex.facts.path,
                 data=orjson.dumps(ex.facts.body),
-                headers=ex.facts.headers,
+                headers=ex.upstream_headers,
                 timeout=self.release_timeout,
             ) as resp:
                 data = await resp.read()
@@ -279,9 +288,13 @@ class Proxy:
                 self.metrics.retries[pool.name] += 1
             tried.append(w)
             tokens = charge(w) if charge is not None else 0
+            span = self._attempt_span(pool, ex, w, n)
             w.acquire(tokens)
             try:
-                result = await attempt(w)
+                with span:
+                    result = await attempt(w)
+                    if isinstance(result, Failure):
+                        span.error(f"{result.status}: {result.body[:200].decode(errors='replace')}")
             finally:
                 w.release(tokens)
             if not isinstance(result, Failure):
@@ -295,6 +308,23 @@ class Proxy:
             if not failure.retryable:
                 break
         return failure or self._no_worker(pool, tried)
+
+    def _attempt_span(self, pool: Pool, ex: Exchange, w: Worker, n: int) -> Span:
+        """A try's client span under the request's, and its headers for the worker (the
+        worker's spans are its children); NO_SPAN when the request is not traced."""
+        if not ex.span.recording:
+            return NO_SPAN
+        span = self.tracing.start(
+            f"pd.{pool.name}",
+            ex.span,
+            kind="client",
+            attributes={"pd.worker": w.url, "pd.try": n, "pd.policy": pool.policy.name},
+        )
+        ex.attempt_span = span
+        ex.trace_headers = self.tracing.headers(span)
+        if n:
+            ex.span.event("retry", {"pd.pool": pool.name, "pd.worker": w.url, "pd.try": n})
+        return span
 
     # ------------------------------------------------------------------------------ flows
 
@@ -455,7 +485,7 @@ class Proxy:
                 async with self._client.post(
                     w.url + ex.facts.path,
                     data=payload,
-                    headers=ex.facts.headers,
+                    headers=ex.upstream_headers,
                     timeout=self.stream_timeout,
                 ) as resp:
                     data = await resp.read()
@@ -507,7 +537,7 @@ class Proxy:
                 resp = await self._client.post(
                     w.url + ex.facts.path,
                     data=payload,
-                    headers={**ex.facts.headers, TOKEN_IDS_HEADER: "1"},
+                    headers={**ex.upstream_headers, TOKEN_IDS_HEADER: "1"},
                     timeout=self.stream_timeout,
                 )
                 if resp.status != 200:

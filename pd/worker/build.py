@@ -18,6 +18,7 @@ from pd.config import WorkerConfig
 from pd.kvcache.cache_manager import KVCacheManager
 from pd.signing import Guard, optional_token
 from pd.sim.profile import parse_profile
+from pd.tracing import NO_TRACING, Tracing, setup_tracing
 from pd.worker.checkpoint import (
     LoadedCheckpoint,
     default_model_path,
@@ -92,6 +93,7 @@ class Worker:
     # --simulate: the `simulate` object of /health (profile, time scale, the clock's figures).
     simulation: Callable[[], dict[str, Any]] | None = None
     startup_s: float = 0.0  # --simulate --startup-s: real seconds from serving to ready
+    tracing: Tracing = NO_TRACING  # --otlp-endpoint: spans of each request (api/spans.py)
     on_activate: Callable[[], None] | None = None  # --park: what POST /activate starts (main.py)
     quantization: str = "none"  # the linear layers' format, --quantization auto resolved
     # How it computes (contract.runtime_format): a P and a D pair only when theirs are equal
@@ -250,6 +252,7 @@ def build_worker(cfg: WorkerConfig, ckpt: LoadedCheckpoint | None = None) -> Wor
         kernels=model.kernels,
         one_row_compile=model.one_row_compile,
         guard=Guard(optional_token(cfg.cluster_token)),
+        tracing=setup_tracing("pd-worker", cfg.role, cfg.otlp_endpoint, cfg.otlp_sample_ratio),
     )
 
 

@@ -69,10 +69,12 @@ async def test_the_planner_adds_a_decode_worker_under_load_and_drains_it_after(
         router = str((await aiohttp_server(make_router(rcfg))).make_url("")).rstrip("/")
         cfg = PlannerConfig(
             router=router, connector="local", slo_ttft_ms=120_000, slo_itl_ms=30_000,
-            interval_s=0.5, cooldown_s=4, window_s=5, max_prefill=1, max_decode=2, budget=3,
+            interval_s=0.5, cooldown_s=10, window_s=5, max_prefill=1, max_decode=2, budget=3,
             admin_token="admin", cluster_token=CLUSTER_TOKEN, worker_args=" ".join(D_FLAGS),
             log_dir=str(tmp_path), port=0,
         )  # fmt: skip
+        # (a cool-down longer than a loaded machine's gap between two waves of the load step,
+        # a worker's start-up included: the step is one plateau, one turn up and one down)
         service = PlannerService(cfg)
         planner = asyncio.create_task(service.run(stopped))
         connector = service.connector

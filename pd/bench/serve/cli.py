@@ -5,6 +5,8 @@ Streams requests of a workload at each rate of `--rates` (Poisson arrivals by de
 NAME=URL` targets (phases alternate between targets at each rate, so their ratios come from one
 machine state). Prints throughput, TTFT/TPOT/ITL percentiles, SLO attainment and goodput per
 rate (`--json`: one object); `--output-dir` adds a CSV of every request and PNG plots.
+`--priority-mix CLASS=WEIGHT,...` sends each request with a priority class drawn from the mix
+(priority.py) and reports the figures per class as well.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import orjson
 
 from pd.bench.serve.arrivals import ARRIVALS
 from pd.bench.serve.client import RequestRecord
-from pd.bench.serve.metrics import SLO, max_rate_at, summarize
+from pd.bench.serve.metrics import SLO, max_rate_at, summarize, summarize_classes
+from pd.bench.serve.priority import CLASSES, assign_classes, parse_mix
 from pd.bench.serve.runner import Phase, Target, run_phase
 from pd.bench.serve.text import TokenText
 from pd.bench.serve.trace import TraceError, read_trace, trace_jobs
@@ -63,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser, *, targets: bool = True) -> None:
     w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     w.add_argument("--tokenizer", help="tokenizer (.gguf or HF dir; default: the embedded model's)")
     w.add_argument("--model", help="model name in the body (default: the first of /v1/models)")
+    w.add_argument(
+        "--priority-mix",
+        metavar="CLASS=WEIGHT,...",
+        help=f"send each request (conversation) with a priority class drawn from this mix with "
+        f"--seed, as header X-Priority-Class, and report per class; classes {', '.join(CLASSES)}; "
+        "weights > 0, normalised (e.g. interactive=0.2,batch=0.8)",
+    )
     add_slo_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
@@ -150,6 +160,17 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchInputError("--warmup must be >= 0")
     if sum(x is not None for x in (args.rates, args.concurrency, args.trace)) > 1:
         raise BenchInputError("give one of --rates, --concurrency, --trace")
+    priority_mix(args)
+
+
+def priority_mix(args: argparse.Namespace) -> dict[str, float] | None:
+    """`--priority-mix` as class -> share (None when not given)."""
+    if args.priority_mix is None:
+        return None
+    try:
+        return parse_mix(args.priority_mix)
+    except ValueError as e:
+        raise BenchInputError(f"--priority-mix {e}") from None
 
 
 def check_workload_args(args: argparse.Namespace) -> None:
@@ -187,6 +208,9 @@ async def measure(
         jobs = trace_jobs(entries, text, args.trace_time_scale)
     else:
         jobs = build(workload_config(args), text)
+    mix = priority_mix(args)
+    if mix is not None:
+        assign_classes(jobs, mix, args.seed)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_itl_p99_ms)
     progress = _progress(sum(len(j.turns) for j in jobs) * len(rates) * len(targets))
     for t in targets:
@@ -200,7 +224,12 @@ async def measure(
                           args.time_scale)  # fmt: skip
             got = await run_phase(t, jobs, phase, progress)
             records.extend(got)
-            results.append(summarize(got, slo) if got else {"target": t.name, "rate": rate})
+            result: dict[str, Any] = (
+                summarize(got, slo) if got else {"target": t.name, "rate": rate}
+            )
+            if got and mix is not None:
+                result["classes"] = summarize_classes(got, slo, list(mix))
+            results.append(result)
     out: dict[str, Any] = {
         "workload": "trace" if args.trace else args.workload,
         "slo": {k: v for k, v in vars(slo).items() if v is not None},
@@ -209,7 +238,22 @@ async def measure(
     }
     best = {t.name: max_rate_at([r for r in results if r["target"] == t.name]) for t in targets}
     out["max_rate_at_90pct"] = best[targets[0].name] if len(targets) == 1 else best
+    if mix is not None:
+        out["priority_mix"] = mix
+        by_class = {t.name: _max_rate_by_class(results, t.name, mix) for t in targets}
+        out["max_rate_at_90pct_by_class"] = (
+            by_class[targets[0].name] if len(targets) == 1 else by_class
+        )
     return out, records
+
+
+def _max_rate_by_class(
+    results: list[dict[str, Any]], target: str, mix: dict[str, float]
+) -> dict[str, float | None]:
+    mine = [r for r in results if r["target"] == target and "classes" in r]
+    return {
+        cls: max_rate_at([{"rate": r["rate"], **r["classes"][cls]} for r in mine]) for cls in mix
+    }
 
 
 def emit(out: dict[str, Any], records: list[RequestRecord], args: argparse.Namespace) -> None:
@@ -237,7 +281,30 @@ def emit(out: dict[str, Any], records: list[RequestRecord], args: argparse.Names
             f"goodput {r['goodput_rps']:.2f} req/s ({100 * r['slo_attainment']:.0f}%)"
             + (f"  errors {r['errors']}" if r["errors"] else "")
         )
+        for line in _class_lines(r.get("classes", {})):
+            print(line)
     print(f"max rate at 90% attainment: {out['max_rate_at_90pct']}")
+    if "max_rate_at_90pct_by_class" in out:
+        print(f"max rate at 90% attainment by class: {out['max_rate_at_90pct_by_class']}")
+
+
+def _class_lines(classes: dict[str, dict[str, Any]]) -> list[str]:
+    """The per-class table under a result's line (--priority-mix)."""
+    if not classes:
+        return []
+    lines = [
+        f"{'class':>19} {'sent':>5} {'ok':>5} {'refused':>7} {'timed_out':>9} {'preempted':>9} "
+        f"{'failed':>6}  {'TTFT p50/p99 ms':>17}  {'TPOT p50/p99 ms':>17}  goodput"
+    ]
+    for cls, c in classes.items():
+        ttft = f"{c['ttft_ms']['p50']}/{c['ttft_ms']['p99']}"
+        tpot = f"{c['tpot_ms']['p50']}/{c['tpot_ms']['p99']}"
+        lines.append(
+            f"{cls:>19} {c['requests']:>5} {c['completed']:>5} {c['refused']:>7} "
+            f"{c['timed_out']:>9} {c['preempted']:>9} {c['failed']:>6}  {ttft:>17}  {tpot:>17}  "
+            f"{c['goodput_rps']:.2f} req/s ({100 * c['slo_attainment']:.0f}%)"
+        )
+    return lines
 
 
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:

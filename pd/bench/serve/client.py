@@ -6,7 +6,12 @@ Each later such chunk adds an inter-token gap (a chunk carrying several tokens c
 prompt tokens come from `usage` (asked with `stream_options.include_usage`), else output tokens
 are the text chunks. A request fails with a kind: `http_<status>`, `timeout`, `connection`,
 `no_sse` (a 200 that is not an event stream, or one without events), `stream_error` (an error
-event, or a stream cut before `[DONE]`).
+event, or a stream cut before `[DONE]`); `error_code` keeps the error body's `code`.
+
+A request's `outcome` is `completed`, or names what a router with a concurrency budget answered
+(docs/api.md, "Priority classes"): `refused` (429: its class's queue was full), `timed_out`
+(408: it waited past its class's deadline), `preempted` (503 with code `preempted`); any other
+failure is `failed` (the bench's own `--request-timeout`, a `timeout`, included).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import aiohttp
 import orjson
 
 from pd._compat import asyncio_timeout
+
+OUTCOMES = ("completed", "refused", "timed_out", "preempted", "failed")
 
 
 @dataclass
@@ -38,10 +45,25 @@ class RequestRecord:
     error: str | None = None  # the failure's kind; None when it completed
     detail: str = ""  # the failure's message
     text: str = ""  # the answer (multi-turn carries it into the next turn)
+    priority_class: str | None = None  # sent as X-Priority-Class (--priority-mix)
+    error_code: str | None = None  # the error body's (or error event's) `code`, if any
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def outcome(self) -> str:
+        """One of `OUTCOMES` (the module's docstring)."""
+        if self.error is None:
+            return "completed"
+        if self.error == "http_429":
+            return "refused"
+        if self.error == "http_408":
+            return "timed_out"
+        if self.error == "http_503" and self.error_code == "preempted":
+            return "preempted"
+        return "failed"
 
     @property
     def lag_s(self) -> float:
@@ -93,7 +115,9 @@ async def _read_stream(
     async with http.post(url, data=orjson.dumps(body), headers=_headers(headers)) as resp:
         if resp.status >= 400:
             record.error = f"http_{resp.status}"
-            record.detail = (await resp.text())[:300]
+            text = await resp.text()
+            record.detail = text[:300]
+            record.error_code = _error_code(text)
             return
         if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             record.error, record.detail = "no_sse", resp.headers.get("Content-Type", "")
@@ -113,6 +137,7 @@ async def _read_stream(
             if "error" in event:
                 record.error = "stream_error"
                 record.detail = str(event["error"].get("message", event["error"]))[:300]
+                record.error_code = _code_of(event)
                 return
             text, finished = _token(event, chat)
             if text or finished:
@@ -150,6 +175,21 @@ def _token(event: dict[str, Any], chat: bool) -> tuple[str, bool]:
     else:
         text = choice.get("text") or ""
     return text, choice.get("finish_reason") is not None
+
+
+def _error_code(text: str) -> str | None:
+    """The `error.code` of an OpenAI-style error body, if it is one."""
+    try:
+        body = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    return _code_of(body)
+
+
+def _code_of(body: Any) -> str | None:
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _headers(extra: dict[str, str] | None) -> dict[str, str]:

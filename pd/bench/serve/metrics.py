@@ -8,6 +8,11 @@ Definitions (vLLM's goodput, DistServe's attainment):
   failures); with no SLO given it is the share that completed;
 - `goodput_rps` = requests meeting the SLOs / the phase's duration (first send to last answer);
 - `max_rate_at_90pct` = the highest rate whose attainment is at least 0.9.
+
+Per priority class (`--priority-mix`), the same figures over the class's requests, goodput and
+throughput over the whole phase's duration (so the classes' goodputs add up to the phase's),
+and the requests by outcome: `completed` + `refused` + `timed_out` + `preempted` + `failed` =
+`requests` (client.py defines them).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pd.bench.serve.client import RequestRecord
+from pd.bench.serve.client import OUTCOMES, RequestRecord
 
 PERCENTILES = (50, 90, 99)
 
@@ -65,12 +70,20 @@ def summary_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     return out
 
 
-def summarize(records: list[RequestRecord], slo: SLO) -> dict[str, Any]:
-    """The figures of one phase (one target at one rate)."""
-    done = [r for r in records if r.ok]
+def phase_duration(records: list[RequestRecord]) -> float:
+    """From the first send to the last answer (s)."""
     start = min((r.sent_s for r in records), default=0.0)
     end = max((r.sent_s + (r.e2e_s or 0.0) for r in records), default=0.0)
-    duration = max(end - start, 1e-9)
+    return max(end - start, 1e-9)
+
+
+def summarize(
+    records: list[RequestRecord], slo: SLO, duration_s: float | None = None
+) -> dict[str, Any]:
+    """The figures of one phase (one target at one rate); rates over `duration_s` if given,
+    else over the records' own span."""
+    done = [r for r in records if r.ok]
+    duration = phase_duration(records) if duration_s is None else duration_s
     meeting = sum(slo.met(r) for r in records)
     errors = Counter(r.error for r in records if r.error)
     return {
@@ -99,6 +112,22 @@ def summarize(records: list[RequestRecord], slo: SLO) -> dict[str, Any]:
         "prompt_tokens_total": sum(r.prompt_tokens or 0 for r in done),
         "cached_tokens_total": sum(r.cached_tokens or 0 for r in done),
     }
+
+
+def summarize_classes(
+    records: list[RequestRecord], slo: SLO, classes: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """Per priority class of `classes` (in that order): its figures and its outcome counts."""
+    duration = phase_duration(records)
+    out = {}
+    for cls in classes:
+        mine = [r for r in records if r.priority_class == cls]
+        figures = summarize(mine, slo, duration)
+        del figures["target"], figures["rate"]
+        outcomes = Counter(r.outcome for r in mine)
+        figures.update({o: outcomes[o] for o in OUTCOMES[1:]})  # `completed` is there already
+        out[cls] = figures
+    return out
 
 
 def max_rate_at(results: list[dict[str, Any]], attainment: float = 0.9) -> float | None:

@@ -14,6 +14,7 @@ from pd.bench.serve.metrics import percentile
 CSV_FIELDS = (
     "target", "rate", "job_id", "turn", "planned_s", "sent_s", "lag_s", "ttft_s", "tpot_s",
     "e2e_s", "itl_p99_s", "prompt_tokens", "output_tokens", "cached_tokens", "error", "detail",
+    "priority_class", "error_code",
 )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ import aiohttp
 
 from pd.bench.serve.arrivals import arrival_times
 from pd.bench.serve.client import RequestRecord, stream_request
+from pd.bench.serve.priority import CLASS_HEADER
 from pd.bench.serve.workloads import Job
 
 
@@ -146,7 +147,9 @@ async def _run_job(
 ) -> None:
     history: list[dict[str, str]] = []
     for k, turn in enumerate(job.turns):
-        record = RequestRecord(target.name, phase.rate, job.job_id, k, planned)
+        record = RequestRecord(
+            target.name, phase.rate, job.job_id, k, planned, priority_class=job.priority_class
+        )
         body: dict[str, Any] = {"max_tokens": turn.max_tokens, "temperature": phase.temperature}
         if target.model is not None:
             body["model"] = target.model
@@ -156,6 +159,8 @@ async def _run_job(
         if job.room is not None:
             body["user"] = job.room
             headers["X-Room-Id"] = job.room
+        if job.priority_class is not None:
+            headers[CLASS_HEADER] = job.priority_class
         if job.chat:
             assert turn.user is not None
             messages = [{"role": "system", "content": turn.system or ""}]
@@ -180,8 +185,10 @@ async def _run_job(
             on_record(record)
         if not record.ok:
             for j in range(k + 1, len(job.turns)):  # the conversation cannot go on
-                cut = RequestRecord(target.name, phase.rate, job.job_id, j, planned)
-                cut.sent_s = record.sent_s
+                cut = RequestRecord(
+                    target.name, phase.rate, job.job_id, j, planned, record.sent_s,
+                    priority_class=job.priority_class,
+                )  # fmt: skip
                 cut.error, cut.detail = "conversation_cut", f"turn {k} failed: {record.error}"
                 records.append(cut)
                 if on_record is not None:

@@ -36,6 +36,7 @@ class Job:
     ignore_eos: bool
     room: str | None = None  # multi-turn: the conversation id (body `user`, X-Room-Id)
     at_s: float | None = None  # trace replay: when to start, from the run's start
+    priority_class: str | None = None  # --priority-mix: sent as X-Priority-Class (priority.py)
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -45,6 +45,7 @@ from pd.worker.api.openai_format import (
     sse,
 )
 from pd.worker.api.prompt import PromptBuilder, Request
+from pd.worker.api.spans import record_request
 from pd.worker.api.tokenize import check_model, detokenize, tokenize
 from pd.worker.build import Worker
 from pd.worker.engine import RequestHandle
@@ -178,6 +179,7 @@ def make_app(worker: Worker) -> web.Application:
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     engine = app[WORKER].engine
+    engine.trace_times = app[WORKER].tracing.enabled
     engine.start()
     ticker = asyncio.create_task(_tick_readiness(app))
     role = asyncio.create_task(app[WORKER].role.run())  # decode: its prefill peers' watch
@@ -185,6 +187,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     ticker.cancel()
     role.cancel()
     await engine.stop()
+    await asyncio.to_thread(app[WORKER].tracing.shutdown)  # the last spans out (<= 5 s)
     app[PROMPTS].close()
     await app[GRAMMARS].aclose()
 
@@ -373,6 +376,39 @@ async def models(request: web.Request) -> web.Response:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     worker = request.app[WORKER]
+    if worker.tracing.enabled:  # its spans, once it ends (spans.py)
+        return await _traced(request, worker)
+    return await _generate(request, worker, [])
+
+
+async def _traced(request: web.Request, worker: Worker) -> web.StreamResponse:
+    t_arrive = time.monotonic()
+    queued: list[tuple[RequestHandle, float]] = []
+    error: str | None = None
+    try:
+        return await _generate(request, worker, queued)
+    except APIError as e:
+        error = f"{e.status}: {e.message}"
+        raise
+    except asyncio.CancelledError:
+        error = "the client left"
+        raise
+    except Exception as e:
+        error = repr(e)
+        raise
+    finally:
+        tracing = worker.tracing
+        parent = tracing.parent_from_headers(request.headers)
+        record_request(
+            tracing, parent, worker.role.name, request.path, queued, t_arrive,
+            time.monotonic(), error,
+        )  # fmt: skip
+
+
+async def _generate(
+    request: web.Request, worker: Worker, queued: list[tuple[RequestHandle, float]]
+) -> web.StreamResponse:
+    """Answer one OpenAI request; each handle queued goes in `queued` with when it was."""
     _check_auth(worker, request)
     if worker.draining:
         raise APIError(
@@ -421,6 +457,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             # The role (co-located, prefill or decode: build.py) queues it, tokenizing when
             # it must.
             handles.append(await worker.role.admit(r, _prompt_ids(prompts, r), rules, choice_rules))
+            queued.append((handles[-1], time.monotonic()))
         answered = await _answer(request, worker, req, handles)
         handles_out = True
         return answered

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from pd.protocol import APIError, GenerationOptions, KVTransferParams, bad_request
@@ -213,6 +214,9 @@ class DecodeSide(TransferRole, KVConnector):
                 rx.abort("request finished before the pull")
                 self.engine.give_back(key)
                 return
+            times = handle.seq.times
+            if times is not None:
+                times.pages = time.monotonic()
             rx.init({KV_POOL: pages})
             state = await rx.wait()
         except APIError as e:  # no pages within the deadline
@@ -233,6 +237,9 @@ class DecodeSide(TransferRole, KVConnector):
             if metrics is not None and rx.started_at is not None and rx.finished_at is not None:
                 metrics.kv_pull.observe(rx.finished_at - rx.started_at)
                 metrics.kv_pull_bytes.inc(num_pages * self.page_bytes)
+            if times is not None:
+                times.pull_start, times.pull_end = rx.started_at, rx.finished_at
+                times.pull_bytes = num_pages * self.page_bytes
             self.engine.kv_arrived(handle, key)
             return
         self._settle(rx, key)

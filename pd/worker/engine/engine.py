@@ -30,7 +30,7 @@ from pd.worker.engine.batch import ScheduledBatch
 from pd.worker.engine.connector import FirstToken, KVConnector, LentPages
 from pd.worker.engine.fork import choice_options
 from pd.worker.engine.postprocess import Finished, OutputProcessor, PendingText, first_logprobs
-from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence
+from pd.worker.engine.request import Delta, RequestHandle, SeqStatus, Sequence, Timeline
 from pd.worker.engine.scheduler import Scheduler
 from pd.worker.engine.step_log import StepLog
 from pd.worker.metrics import WorkerMetrics
@@ -73,6 +73,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.trace_times = False  # keep each request's Timeline (the worker exports traces)
         self.capacity = Capacity(max_model_len, scheduler.page_size, scheduler.cache.num_total)
         # Whether KV comes from or goes to other workers (connector.py): `connect` plugs it in
         self.connector = connector or KVConnector("")
@@ -235,6 +236,7 @@ class Engine:
                 status=status,
                 rules=request.rules[0],
                 priority=request.priority,
+                times=Timeline() if self.trace_times else None,
             ),
             IncrementalDetokenizer(self.tokenizer, options.skip_special_tokens),
             StopChecker(options.stop, options.include_stop_str_in_output),

@@ -207,6 +207,8 @@ class OutputProcessor:
             m.ttft.observe(now - seq.arrival_time)
         elif seq.last_token_time is not None:
             m.itl.observe(now - seq.last_token_time)
+            if seq.times is not None:
+                seq.times.gaps.append(now - seq.last_token_time)
         seq.last_token_time = now
         m.generation_tokens.inc()
 

@@ -33,6 +33,22 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"  # done or aborted; its pages are freed
 
 
+class Timeline:
+    """When a traced request reached each stage (time.monotonic(); None: not reached): what its
+    worker's spans are made of once it ends (pd/worker/api/spans.py). Kept only while the
+    worker exports traces."""
+
+    __slots__ = ("scheduled", "pages", "pull_start", "pull_end", "pull_bytes", "gaps")
+
+    def __init__(self) -> None:
+        self.scheduled: float | None = None  # first admitted to the running batch
+        self.pages: float | None = None  # KV from elsewhere: its pages lent
+        self.pull_start: float | None = None
+        self.pull_end: float | None = None
+        self.pull_bytes = 0
+        self.gaps: list[float] = []  # seconds between its tokens
+
+
 @dataclass(eq=False)
 class Sequence:
     request_id: str
@@ -62,6 +78,7 @@ class Sequence:
     # (another worker generated them); they are prefilled with the prompt, never emitted.
     num_given: int = 0
     priority: int = 0  # vLLM's: lower first (the order waiting requests are taken in)
+    times: Timeline | None = None  # traced: when it reached each stage
 
     @property
     def num_tokens(self) -> int:

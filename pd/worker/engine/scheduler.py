@@ -138,6 +138,8 @@ class Scheduler:
                 seq.num_cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
                 self.cache.count_query(len(seq.prompt_ids), seq.num_cached_tokens)
             self.waiting.popleft()
+            if seq.times is not None and seq.times.scheduled is None:
+                seq.times.scheduled = self.clock()
             seq.page_ids.extend(pages)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

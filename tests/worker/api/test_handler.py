@@ -83,6 +83,9 @@ class StandInRole:
     async def body_for(self, path, headers, raw: bytes) -> bytes:
         return raw
 
+    async def run(self) -> None:
+        return None
+
     async def admit(self, req, prompt_ids, rules=None, choice_rules=None) -> RequestHandle:
         ids = await prompt_ids()  # the handler's PromptBuilder: its 400s come from here
         if self.refuse is not None:
