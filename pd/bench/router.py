@@ -34,6 +34,7 @@ from pd.ports import free_port
 from pd.router.config import RouterConfig
 from pd.router.picker import Picker
 from pd.router.registry import Registry
+from pd.tracing import OTEL_EXTRA_HINT, otel_available
 
 API_KEY = "bench-key"
 TARGET_ADDED_P50_MS = 1.0
@@ -68,6 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "then straight to D (needs pip install 'pd[k8s]'), and the picker's decision cost",
     )  # fmt: skip
     p.add_argument(
+        "--traced", action="store_true",
+        help="also a second router exporting every request's spans (--otlp-endpoint, sample "
+        "ratio 1) to an OTLP/HTTP sink: what tracing costs (needs pip install 'pd[otel]')",
+    )  # fmt: skip
+    p.add_argument(
         "--also-concurrency", default="",
         help="more closed-loop concurrencies, comma-separated (e.g. 16): each target at each",
     )  # fmt: skip
@@ -92,6 +98,25 @@ def _serve_stubs(p_port: int, d_port: int, chunks: int) -> None:
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
+        await asyncio.Event().wait()
+
+    _run_forever(main())
+
+
+def _serve_otlp_sink(port: int) -> None:
+    """An OTLP/HTTP collector that takes every export and keeps nothing (the traced router's)."""
+    from aiohttp import web
+
+    async def main() -> None:
+        async def traces(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=b"", content_type="application/x-protobuf")
+
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/traces", traces)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
 
     _run_forever(main())
@@ -269,7 +294,19 @@ async def _drive(
 # ------------------------------------------------------------------------------ run
 
 
+def _router_argv(port: int, p_url: str, d_url: str, args: argparse.Namespace) -> list[str]:
+    return [
+        "-m", "pd.router.main", "--port", str(port), "--prefill", p_url, "--decode", d_url,
+        "--policy", args.policy, "--api-key", API_KEY, "--admin-token", "bench-admin",
+        "--health-interval", "1", "--log-level", "warning",
+        "--local-prefill-max-tokens", "0",  # the PD flow, P then D, as the bare relay does
+    ]  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.traced and not otel_available():
+        print(f"pd-bench router: --traced needs the otel extra: {OTEL_EXTRA_HINT}", file=sys.stderr)
+        return 2
     p_port, d_port, r_port, b_port, picker_port = (free_port() for _ in range(5))
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     me = "pd.bench.router"
@@ -277,26 +314,7 @@ def run(args: argparse.Namespace) -> int:
         _spawn(["-m", me, "_stubs", str(p_port), str(d_port), str(args.chunks)]),
         _spawn(
             [
-                "-m",
-                "pd.router.main",
-                "--port",
-                str(r_port),
-                "--prefill",
-                p_url,
-                "--decode",
-                d_url,
-                "--policy",
-                args.policy,
-                "--api-key",
-                API_KEY,
-                "--admin-token",
-                "bench-admin",
-                "--health-interval",
-                "1",
-                "--log-level",
-                "warning",
-                "--local-prefill-max-tokens",  # the PD flow, P then D, as the bare relay does
-                "0",
+                *_router_argv(r_port, p_url, d_url, args),
                 *(["--endpoint-picker", "--picker-port", str(picker_port)] if args.picker else []),
             ]
         ),
@@ -304,6 +322,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_bare:
         procs.append(_spawn(["-m", me, "_bare", str(b_port), p_url, d_url]))
     pids = {"router": procs[1].pid, **({} if args.no_bare else {"bare": procs[2].pid})}
+    t_port = free_port()
+    if args.traced:  # the same router, its spans exported to a sink that keeps nothing
+        sink = free_port()
+        procs.append(_spawn(["-m", me, "_otlp_sink", str(sink)]))
+        procs.append(_spawn([*_router_argv(t_port, p_url, d_url, args), "--otlp-endpoint",
+                             f"http://127.0.0.1:{sink}"]))  # fmt: skip
+        pids["traced"] = procs[-1].pid
     body = {
         "model": "stub-model",
         "prompt": "The quick brown fox jumps over the lazy dog. " * 8,
@@ -320,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
             {**json_headers, "Authorization": f"Bearer {API_KEY}"},
         ),
     }
+    if args.traced:
+        targets["traced"] = (
+            f"http://127.0.0.1:{t_port}/v1/completions",
+            orjson.dumps(body),
+            {**json_headers, "Authorization": f"Bearer {API_KEY}"},
+        )
     if not args.no_bare:
         targets["bare"] = (
             f"http://127.0.0.1:{b_port}/v1/completions",
@@ -337,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
                 d_url,
                 f"http://127.0.0.1:{r_port}",
                 *([] if args.no_bare else [f"http://127.0.0.1:{b_port}"]),
+                *([f"http://127.0.0.1:{t_port}"] if args.traced else []),
             ):
                 await _wait_ready(s, url, procs)
         if args.picker:  # Envoy in front, consulting the router's picker; D answers directly
@@ -402,6 +434,12 @@ def run(args: argparse.Namespace) -> int:
             out[f"c{level}_gateway_vs_router"] = round(
                 out[f"c{level}_gateway_rps"] / out[f"c{level}_router_rps"], 3
             )
+    if args.traced:  # tracing's cost: the traced router against the same router untraced
+        for level in [int(x) for x in args.also_concurrency.split(",") if x] + [c]:
+            out[f"c{level}_traced_vs_router"] = round(
+                out[f"c{level}_traced_rps"] / out[f"c{level}_router_rps"], 3
+            )
+        out["c1_traced_added_p50_ms"] = round(out["c1_traced_p50_ms"] - out["c1_router_p50_ms"], 3)
     out["meets_targets"] = bool(
         out["c1_added_p50_ms"] <= TARGET_ADDED_P50_MS and out["c64_ratio"] >= TARGET_C64_RATIO
     )
@@ -460,6 +498,8 @@ def _print_table(out: dict, names: list[str], c: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["_stubs"]:
         _serve_stubs(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1:2] == ["_otlp_sink"]:
+        _serve_otlp_sink(int(sys.argv[2]))
     elif sys.argv[1:2] == ["_bare"]:
         _serve_bare(int(sys.argv[2]), sys.argv[3], sys.argv[4])
     else:

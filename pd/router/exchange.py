@@ -64,10 +64,8 @@ class Exchange:
     # whole --max-answer-bytes; a list of prompts shares it out: answer_size.py)
     answer_limit: int = 0
     # Tracing (pd/tracing.py; NO_SPAN when off): the request's span (a migration leg's, for a
-    # leg), the span of the worker call under way (the one a migration's leg links to), and the
-    # W3C headers that make that call its child on the worker.
+    # leg), and the W3C headers that make the workers' spans its children.
     span: Span = NO_SPAN
-    attempt_span: Span = NO_SPAN
     trace_headers: dict[str, str] | None = None
 
     @property

@@ -173,7 +173,7 @@ async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason:
     prompt_usage: dict[str, Any] | None = None
     exclude: list[Worker] = [*ex.exclude, track.worker]
     broken = track.worker
-    previous = ex.attempt_span  # the call whose stream broke (a leg links to it)
+    previous = ex.span  # the leg a leg continues (the request's own, first)
     first_reason = reason
     for i in range(n):
         if i in track.finished:
@@ -196,7 +196,7 @@ async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason:
             )
             sink = _Leg(emit, ident, i, ex.facts.include_usage)
             leg = _leg_exchange(ex, i, ids[i], exclude, sink, m.token)
-            if ex.span.recording:  # the leg's span, linked to the call whose stream broke
+            if ex.span.recording:  # the leg's span, linked to the leg whose stream broke
                 leg.span = m.tracing.start(
                     "pd.migration",
                     ex.span,
@@ -213,7 +213,7 @@ async def resume(m: Migration, ex: Exchange, track: Tracker, emit: Emit, reason:
                 return Outcome(False, why=f"no worker to continue on: {e}")
             except ConnectionResetError:
                 return Outcome(False, gone=True)
-            previous = leg.attempt_span
+            previous = leg.span
             if resp is not sink:  # P's final answer, or the failure of every try
                 body = getattr(resp, "body", None)
                 if resp.status != 200 or not isinstance(body, bytes):
