@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +106,7 @@ class OtlpReceiver:
         self.host = host
         self.port = 0
         self.posts = 0  # export requests received
+        self.headers: list[dict[str, str]] = []  # each export request's HTTP headers
         self._spans: list[ReceivedSpan] = []
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -184,18 +184,14 @@ class OtlpReceiver:
 
         if request.content_type != "application/x-protobuf":
             return web.Response(status=415, text=f"not protobuf: {request.content_type}")
-        body = await request.read()
-        encoding = request.headers.get("Content-Encoding", "")
-        if encoding == "gzip":
-            body = zlib.decompress(body, 16 + zlib.MAX_WBITS)
-        elif encoding == "deflate":
-            body = zlib.decompress(body)
+        body = await request.read()  # aiohttp has undone a gzip or deflate Content-Encoding
         try:
             spans = decode_export_request(body)
         except Exception as e:  # a malformed body: the exporter's bug, shown to the test
             return web.Response(status=400, text=f"{type(e).__name__}: {e}")
         with self._lock:
             self.posts += 1
+            self.headers.append(dict(request.headers))
             self._spans.extend(spans)
         return web.Response(
             body=ExportTraceServiceResponse().SerializeToString(),

@@ -16,7 +16,10 @@ import pytest
 from pd.bench.pd import _spawn, _wait_healthy
 from pd.ports import free_port
 
-pytest.importorskip("opentelemetry.sdk", reason="needs the otel extra: pip install 'pd[otel]'")
+pytest.importorskip(
+    "opentelemetry.proto",
+    reason="the OTLP receiver decodes with the otel extra: pip install 'pd[otel]'",
+)
 
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
 

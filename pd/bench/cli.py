@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "kernels": "every candidate linear kernel timed at the model's shapes on this CPU (issue 24)",
     "soak": "fault soak: router + P + D under streaming load, each worker killed and restarted",
     "quality": "greedy agreement with a reference server, perplexity, multiple-choice accuracy",
+    "priority-overload": "priority classes vs --no-priority at 2x capacity, simulated P + D (issue 45)",
 }
 
 

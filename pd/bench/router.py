@@ -34,7 +34,6 @@ from pd.ports import free_port
 from pd.router.config import RouterConfig
 from pd.router.picker import Picker
 from pd.router.registry import Registry
-from pd.tracing import OTEL_EXTRA_HINT, otel_available
 
 API_KEY = "bench-key"
 TARGET_ADDED_P50_MS = 1.0
@@ -71,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--traced", action="store_true",
         help="also a second router exporting every request's spans (--otlp-endpoint, sample "
-        "ratio 1) to an OTLP/HTTP sink: what tracing costs (needs pip install 'pd[otel]')",
+        "ratio 1) to an OTLP/HTTP sink: what tracing costs",
     )  # fmt: skip
     p.add_argument(
         "--also-concurrency", default="",
@@ -304,9 +303,6 @@ def _router_argv(port: int, p_url: str, d_url: str, args: argparse.Namespace) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.traced and not otel_available():
-        print(f"pd-bench router: --traced needs the otel extra: {OTEL_EXTRA_HINT}", file=sys.stderr)
-        return 2
     p_port, d_port, r_port, b_port, picker_port = (free_port() for _ in range(5))
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     me = "pd.bench.router"

@@ -182,7 +182,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
         admission = request.app[ADMISSION]
         cls = admission.class_of(request.headers.get(CLASS_HEADER), req.priority)
-        if req.priority is None and cls != "default":  # the workers order by it
+        if not admission.enabled:  # first come, first served here and on the workers
+            if req.priority:
+                raise bad_request(
+                    f"priority {req.priority} asks for priority scheduling, which this router "
+                    "does not do (--no-priority)",
+                    param="priority",
+                )
+        elif req.priority is None and cls != "default":  # the workers order by it
             body["priority"] = PRIORITY_OF_CLASS[cls]
         tracing = proxy.tracing
         if tracing.enabled:

@@ -101,3 +101,17 @@ async def test_a_full_queue_is_a_429_and_a_long_wait_a_408(stub, router):
     counts = await _metric(client, "pd_router_class_requests_total")
     assert counts['pd_router_class_requests_total{class="default",outcome="refused"}'] == 1
     assert counts['pd_router_class_requests_total{class="default",outcome="timed_out"}'] == 1
+
+
+async def test_no_priority_sends_no_class_to_the_workers_and_refuses_a_priority(stub, router):
+    p, d = await stub("prefill"), await stub("decode")
+    client = await router(prefill=[p], decode=[d], no_priority=True)
+    r = await client.post("/v1/completions", json=COMPLETION, headers={"X-Priority-Class": "batch"})
+    assert r.status == 200
+    assert "priority" not in p.requests[-1] and "priority" not in d.requests[-1]
+    counts = await _metric(client, "pd_router_class_requests_total")  # still counted by class
+    assert counts['pd_router_class_requests_total{class="batch",outcome="admitted"}'] == 1
+    r = await client.post("/v1/completions", json={**COMPLETION, "priority": 1})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "priority"
+    r = await client.post("/v1/completions", json={**COMPLETION, "priority": 0})
+    assert r.status == 200

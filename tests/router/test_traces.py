@@ -6,14 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd.tracing import setup_tracing
+from pd.tracing import InMemoryExporter, setup_tracing
 from tests.router.test_migration import COMPLETION_PATH, body_of, two_of
-
-pytest.importorskip("opentelemetry.sdk", reason="needs the otel extra: pip install 'pd[otel]'")
-
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
-    InMemorySpanExporter,
-)
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -21,7 +15,7 @@ CLIENT_SPAN = "b7ad6b7169203331"
 
 @pytest.fixture
 def spans(monkeypatch):
-    exporter = InMemorySpanExporter()
+    exporter = InMemoryExporter()
     tracing = setup_tracing("pd-router", "router", None, 1.0, exporter=exporter)
     monkeypatch.setattr("pd.router.app.setup_tracing", lambda *a, **k: tracing)
     return exporter
