@@ -27,7 +27,6 @@ from pd.protocol.options import (
 )
 from pd.protocol.tools import ToolRequest, check_tool_message, parse_tools
 
-
 PRIORITY_LIMIT = (1 << 31) - 1  # vLLM's priority is an int: a 32-bit one here
 
 
