@@ -76,19 +76,20 @@ def _stages(
         s.end(epoch_ns(end if end is not None else t_end))
 
     first = seq.first_token_time
-    if times.pages is not None or times.pull_start is not None:  # KV from elsewhere
+    lent = isinstance(handle.kv_transfer_params, dict)  # its KV goes on elsewhere: no decode here
+    if times.pages is not None or times.kv_start is not None:  # KV from elsewhere
         span("pd.admission", t_arrive, t_queued)
         span("pd.page_wait", t_queued, times.pages)
-        if times.pull_start is not None:
-            seconds = (times.pull_end or t_end) - times.pull_start
-            span("pd.kv_pull", times.pull_start, times.pull_end,
-                 **{"pd.bytes": times.pull_bytes, "pd.seconds": seconds})  # fmt: skip
+        if times.kv_start is not None:
+            seconds = (times.kv_end or t_end) - times.kv_start
+            span("pd.kv_pull", times.kv_start, times.kv_end,
+                 **{"pd.bytes": times.kv_bytes, "pd.seconds": seconds})  # fmt: skip
     elif times.scheduled is not None:  # computed here
         span("pd.queue", t_arrive, times.scheduled)
         span("pd.prefill", times.scheduled, first)
-        if role == "prefill" and isinstance(handle.kv_transfer_params, dict):
+        if lent:
             span("pd.handoff", first, t_end)
-    if first is not None and (role != "prefill" or not handle.kv_transfer_params):
+    if first is not None and not lent:
         more: dict[str, float | int] = {
             "pd.ttft_s": first - t_arrive,
             "pd.tokens": len(seq.output_ids),

@@ -238,8 +238,8 @@ class DecodeSide(TransferRole, KVConnector):
                 metrics.kv_pull.observe(rx.finished_at - rx.started_at)
                 metrics.kv_pull_bytes.inc(num_pages * self.page_bytes)
             if times is not None:
-                times.pull_start, times.pull_end = rx.started_at, rx.finished_at
-                times.pull_bytes = num_pages * self.page_bytes
+                times.kv_start, times.kv_end = rx.started_at, rx.finished_at
+                times.kv_bytes = num_pages * self.page_bytes
             self.engine.kv_arrived(handle, key)
             return
         self._settle(rx, key)

@@ -38,14 +38,14 @@ class Timeline:
     worker's spans are made of once it ends (pd/worker/api/spans.py). Kept only while the
     worker exports traces."""
 
-    __slots__ = ("scheduled", "pages", "pull_start", "pull_end", "pull_bytes", "gaps")
+    __slots__ = ("scheduled", "pages", "kv_start", "kv_end", "kv_bytes", "gaps")
 
     def __init__(self) -> None:
         self.scheduled: float | None = None  # first admitted to the running batch
         self.pages: float | None = None  # KV from elsewhere: its pages lent
-        self.pull_start: float | None = None
-        self.pull_end: float | None = None
-        self.pull_bytes = 0
+        self.kv_start: float | None = None
+        self.kv_end: float | None = None
+        self.kv_bytes = 0
         self.gaps: list[float] = []  # seconds between its tokens
 
 

@@ -295,7 +295,7 @@ async def test_decode_pulls_with_params_and_prefills_here_without():
     engine = QueueingEngine()
     pulled = []
 
-    async def admit(kvp, options, cache_salt=None, rules=None, n=1, choice_rules=None):
+    async def admit(kvp, options, cache_salt=None, rules=None, n=1, choice_rules=None, priority=0):
         pulled.append((kvp, cache_salt))
         return "pulled"
 
