@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pd.bench.engine import stop_workers
 from pd.bench.serve.arrivals import arrival_times
 from pd.bench.serve.cli import (
     BenchInputError,
@@ -557,14 +558,7 @@ def start_cluster(args: argparse.Namespace) -> tuple[Cluster, list[subprocess.Po
 
 
 def stop(routers: list[subprocess.Popen], sim: Any) -> None:
-    for p in routers:
-        p.terminate()
-    for p in routers:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    stop_workers(routers)
     sim.stop()
 
 

@@ -65,3 +65,13 @@ async def test_a_later_interactive_request_runs_before_the_waiting_batch(worker_
     assert order[:2] == ["batch-0", "interactive"], order  # next after the running one
     assert sorted(order[2:]) == ["batch-1", "batch-2", "batch-3"]  # every batch one finishes
     assert order[2:] == ["batch-1", "batch-2", "batch-3"]  # among equals, arrival order
+    async with aiohttp.ClientSession() as http:  # every page back, the page walk clean
+        for _ in range(100):
+            async with http.get(f"{worker_url}/health") as r:
+                health = await r.json()
+            load = health["load"]
+            if load["kv_pages_free"] == load["kv_pages_total"]:
+                break
+            await asyncio.sleep(0.05)
+    assert load["kv_pages_free"] == load["kv_pages_total"], load
+    assert health["integrity"] == "ok", health["integrity"]

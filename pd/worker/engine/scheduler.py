@@ -166,11 +166,11 @@ class Scheduler:
             )
         head = self._rank(self.waiting[0], now) if self.waiting else float("inf")
         decoding = [s for s in running if s.num_remaining <= 1]
-        prefilling = sorted(
-            (s for s in running if s.num_remaining > 1), key=lambda s: self._rank(s, now)
+        ranked = sorted(
+            ((self._rank(s, now), i, s) for i, s in enumerate(running) if s.num_remaining > 1)
         )
-        first = [s for s in prefilling if self._rank(s, now) <= head]
-        return decoding + first, [s for s in prefilling if self._rank(s, now) > head]
+        first = [s for rank, _, s in ranked if rank <= head]
+        return decoding + first, [s for rank, _, s in ranked if rank > head]
 
     def _run(self, order: list[Sequence], budget: int, batch: ScheduledBatch) -> int:
         """Give running requests, in `order`, what they ask of `budget`; what is left."""
