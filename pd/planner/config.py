@@ -27,6 +27,11 @@ class PlannerConfig:
     window_s: float = _flag(
         60.0, "the arrival rate's and mean lengths' window (a rise beyond its noise shows at once)"
     )
+    headroom: float = _flag(
+        0.0, "the share of the arrival rate the floor keeps workers ready for beyond it (a "
+        "burst shorter than a worker's start-up is met only by workers already there; e.g. "
+        "0.25: the floor sizes for 1.25x the arrivals)",
+    )  # fmt: skip
     min_prefill: int = _flag(1, "fewest prefill workers")
     max_prefill: int = _flag(8, "most prefill workers")
     min_decode: int = _flag(1, "fewest decode workers")
@@ -87,6 +92,7 @@ class PlannerConfig:
         check((self.slo_ttft_ms or 0) > 0 and (self.slo_itl_ms or 0) > 0, "the SLOs must be > 0 ms")
         check(self.interval_s > 0 and self.time_scale > 0, "--interval-s and --time-scale > 0")
         check(self.cooldown_s >= 0 and self.window_s > 0, "--cooldown-s >= 0, --window-s > 0")
+        check(self.headroom >= 0, "--headroom must be >= 0")
         for role in ("prefill", "decode"):
             low, high = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
             check(0 <= low <= high, f"--min-{role} must be >= 0 and <= --max-{role}")
@@ -119,7 +125,7 @@ class PlannerConfig:
 
     @property
     def knobs(self) -> PlannerKnobs:
-        return PlannerKnobs(cooldown_s=self.cooldown_s)
+        return PlannerKnobs(cooldown_s=self.cooldown_s, headroom=self.headroom)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

@@ -3,7 +3,8 @@
 Per role, the estimate against the SLO, from tokens:
 
 - prefill: a new request's TTFT with `n` prefill workers is the uncached prompt tokens queued on
-  them spread over `n`, plus its own, over the fitted prefill rate (tokens a busy second);
+  them spread over `n`, plus its own, over the fitted prefill rate (tokens a busy second), plus
+  the TTFT's part no prefill worker serves (measured: the router's mean TTFT less P's);
 - decode: the ITL with `n` decode workers is the fitted step time (`StepFit`) at the running rows
   and KV tokens spread over `n`.
 
@@ -12,7 +13,9 @@ and mean lengths (prefill: the fewest workers that queueing (queueing.py, M/D/c)
 TTFT SLO for `ttft_quantile` of the prompts, each prompt's prefill its mean tokens over the
 fitted rate; decode: by Little's law the rows in flight if every request decodes at the
 SLO's pace, and the fewest workers whose fitted step at those rows meets the ITL); and one worker
-more when the estimate misses the SLO (a reactive step). The floor has a dead band
+more when the estimate misses the SLO (a reactive step). The floor sizes for the arrivals x
+(1 + `headroom`): a burst shorter than a worker's start-up is met only by workers already
+there. The floor has a dead band
 (`floor_band`): it grows a role when the arrivals less 10% need it, and lets a worker go only
 when the arrivals plus 10% do not. A role shrinks by one worker only when its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
 of the SLO, and `cooldown_s` has passed since its last change: so a constant load never turns it
@@ -67,6 +70,9 @@ class PlannerKnobs:
     # lets one go only when the arrivals plus this share do not (a load at a boundary, and its
     # noise, never turn it back and forth)
     floor_band: float = 0.1
+    # The floor sizes for the arrivals x (1 + headroom): workers kept ready for a burst shorter
+    # than a start-up, and ahead of a ramp by the same share
+    headroom: float = 0.0
     kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
     confirm: int = 2  # observations in a row that must miss the SLO before a reactive step
 
@@ -126,7 +132,7 @@ class Planner:
         if rate is None or n <= 0:
             return None
         queued = sum(w.queued_prefill_tokens for w in obs.of("prefill"))
-        return (queued / n + obs.prompt_tokens) / rate
+        return (queued / n + obs.prompt_tokens) / rate + obs.ttft_overhead_s
 
     def itl(self, obs: Observation, n: int) -> float | None:
         """The decode step with the running load spread over `n` decode workers."""
@@ -159,9 +165,8 @@ class Planner:
                 return 0
             _, most = self.bounds.of("prefill")
             service = obs.prompt_tokens / rate
-            return servers_for(
-                obs.arrivals_per_s, service, self.slo.ttft_s, self.knobs.ttft_quantile, most
-            )
+            slack = self.slo.ttft_s - obs.ttft_overhead_s  # what P's queue and prefill may take
+            return servers_for(obs.arrivals_per_s, service, slack, self.knobs.ttft_quantile, most)
         return self._decode_floor(obs)
 
     def _decode_floor(self, obs: Observation) -> int:
@@ -219,13 +224,14 @@ class Planner:
             now_est[role] = est
             pressure[role] = (est / slo) if est is not None else 0.0
             target = max(current, low)
-            state.floor = self.floor(obs, role)
+            lead = 1 + self.knobs.headroom
+            state.floor = self.floor(obs, role, lead)
             band = self.knobs.floor_band
-            floor = self.floor(obs, role, 1 - band)  # to grow: needed even at 1 - band
+            floor = self.floor(obs, role, lead * (1 - band))  # to grow: needed even at 1 - band
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals need {floor}")
-            floor = self.floor(obs, role, 1 + band)  # to shrink: not needed even at 1 + band
+            floor = self.floor(obs, role, lead * (1 + band))  # to shrink: not even at 1 + band
             # A reactive step waits for the last one: its worker is not ready yet (the load it
             # would take still shows on the others).
             settled = len(obs.of(role)) >= current

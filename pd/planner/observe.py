@@ -41,6 +41,7 @@ class _Seen:
     prefill_busy_s: float = 0.0
     prefills_done: int = 0
     sampled_tokens: int = 0
+    prefill_latency_s: float = 0.0
 
 
 @dataclass
@@ -52,6 +53,9 @@ class _Totals:
     prefill_tokens: int
     prefills_done: int
     sampled_tokens: int
+    prefill_latency_s: float  # arrival to prompt computed, summed over the prefills done
+    ttft_s: float  # the router's TTFT: its sum and count
+    ttfts: float
 
 
 @dataclass
@@ -65,8 +69,8 @@ class ClusterReader:
     _seen: dict[str, _Seen] = field(default_factory=dict)
     _totals: deque[_Totals] = field(default_factory=deque)
     _start: float | None = None
-    _counters: dict[str, int] = field(
-        default_factory=lambda: {"tokens": 0, "done": 0, "sampled": 0}
+    _counters: dict[str, float] = field(
+        default_factory=lambda: {"tokens": 0, "done": 0, "sampled": 0, "latency": 0.0}
     )
 
     def now(self) -> float:
@@ -90,14 +94,17 @@ class ClusterReader:
         workers = [w for w in (listed or {}).get("workers", []) if w.get("role") in PLANNED]
         reports = await asyncio.gather(*(self._worker(http, w) for w in workers))
         signals = tuple(s for s in reports if s is not None)
-        arrivals = await self._arrivals(http)
+        arrivals, ttft_s, ttfts = await self._router_counters(http)
         self._totals.append(
             _Totals(
                 at,
                 arrivals,
-                self._counters["tokens"],
-                self._counters["done"],
-                self._counters["sampled"],
+                int(self._counters["tokens"]),
+                int(self._counters["done"]),
+                int(self._counters["sampled"]),
+                self._counters["latency"],
+                ttft_s,
+                ttfts,
             )
         )
         while len(self._totals) > 2 and at - self._totals[1].at >= self.window_s:
@@ -124,7 +131,15 @@ class ClusterReader:
             prompt = max(prompt, (last.prefill_tokens - recent.prefill_tokens) / lately)
         # Each request's first token is sampled on P, the others on D.
         output = (last.sampled_tokens - first.sampled_tokens) / done + 1 if done else 0.0
-        return Observation(at, signals, max(0.0, rate), prompt, output)
+        # The TTFT's part that no prefill worker serves (the hops, the KV pull, D's first
+        # token): the router's mean TTFT less the prefill workers' mean arrival-to-prompt-done,
+        # over the window.
+        overhead = 0.0
+        ttfts = last.ttfts - first.ttfts
+        if done and ttfts:
+            p_latency = (last.prefill_latency_s - first.prefill_latency_s) / done
+            overhead = max(0.0, (last.ttft_s - first.ttft_s) / ttfts - p_latency)
+        return Observation(at, signals, max(0.0, rate), prompt, output, overhead / self.time_scale)
 
     async def _worker(
         self, http: aiohttp.ClientSession, listed: dict[str, Any]
@@ -142,6 +157,8 @@ class ClusterReader:
         busy = record["prefill_busy_s"] - seen.prefill_busy_s
         self._counters["tokens"] += tokens
         self._counters["done"] += record["prefills_done"] - seen.prefills_done
+        latency = float(record.get("prefill_latency_s", 0.0))
+        self._counters["latency"] += latency - seen.prefill_latency_s
         if role == "decode":
             self._counters["sampled"] += record["sampled_tokens"] - seen.sampled_tokens
         self._seen[url] = _Seen(
@@ -150,6 +167,7 @@ class ClusterReader:
             record["prefill_busy_s"],
             record["prefills_done"],
             record["sampled_tokens"],
+            latency,
         )
         load = health.get("load") or {}
         why = health.get("not_ready_reason")
@@ -172,18 +190,24 @@ class ClusterReader:
             steps=tuple(StepSample(r, kv, s / k) for r, kv, s in record["samples"]),
         )
 
-    async def _arrivals(self, http: aiohttp.ClientSession) -> float:
+    async def _router_counters(self, http: aiohttp.ClientSession) -> tuple[float, float, float]:
+        """The router's arrivals, and its TTFT's sum and count (every route)."""
         try:
             async with http.get(
                 f"{self.router_url}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as r:
                 text = await r.text()
         except (aiohttp.ClientError, TimeoutError):
-            return self._totals[-1].arrivals if self._totals else 0.0
+            last = self._totals[-1] if self._totals else None
+            return (last.arrivals, last.ttft_s, last.ttfts) if last else (0.0, 0.0, 0.0)
+        arrivals = ttft_s = ttfts = 0.0
         for family in text_string_to_metric_families(text):
             if family.name == "pd_router_arrivals":
-                return sum(s.value for s in family.samples if s.name.endswith("_total"))
-        return 0.0
+                arrivals = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            elif family.name == "pd_router_ttft_seconds":
+                ttft_s = sum(s.value for s in family.samples if s.name.endswith("_sum"))
+                ttfts = sum(s.value for s in family.samples if s.name.endswith("_count"))
+        return arrivals, ttft_s, ttfts
 
     async def _get_json(self, http: aiohttp.ClientSession, url: str) -> Any:
         try:

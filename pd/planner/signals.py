@@ -40,6 +40,8 @@ class Observation:
     arrivals_per_s: float = 0.0  # requests a second, recently (the router's)
     prompt_tokens: float = 0.0  # mean uncached prompt tokens a request
     output_tokens: float = 0.0  # mean generated tokens a request
+    # the TTFT's mean part that no prefill worker serves (router TTFT less P's latency)
+    ttft_overhead_s: float = 0.0
 
     def of(self, role: str) -> list[WorkerSignals]:
         """The ready workers of `role`."""

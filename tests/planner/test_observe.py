@@ -77,6 +77,8 @@ async def test_the_reader_finds_rates_lengths_and_steps(aiohttp_server):
         assert obs.arrivals_per_s > 0
         assert obs.prompt_tokens == pytest.approx(prompt, abs=1)  # "1:" .. "5:": one token each
         assert obs.output_tokens == 16  # 1 on P, 15 on D, each request
+        # the TTFT's part no prefill worker serves: the router's mean TTFT less P's own
+        assert 0 < obs.ttft_overhead_s * SCALE < 2.0, obs.ttft_overhead_s
         (pw,) = obs.of("prefill")
         (dw,) = obs.of("decode")
         assert pw.prefill_tokens == pytest.approx(6 * prompt, abs=6) and pw.prefill_busy_s > 0

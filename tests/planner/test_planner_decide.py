@@ -268,3 +268,25 @@ def test_a_load_at_the_floors_boundary_with_its_noise_never_turns_back():
     flappy = Planner(SLOS, knobs=PlannerKnobs(floor_band=0.0, cooldown_s=30.0))
     run(flappy, Fluid(prefill=3, decode=1), loads)
     assert flappy.direction_changes >= 1
+
+
+def test_the_ttfts_part_outside_prefill_counts_in_the_estimate_and_the_floor():
+    """What the router measures beyond P's queue and prefill (hops, the KV pull, D's first
+    token) is added to the TTFT estimate and taken from the floor's slack; headroom sizes the
+    floor for more arrivals than there are."""
+    fluid = Fluid(prefill=2, decode=1)
+    obs = fluid.observe(0.0, Load(arrivals=5.0))  # 2 P meet a 1 s TTFT, not a 0.4 s one
+    planner = Planner(SLOS)
+    planner.observe(obs)
+    base_ttft, base_floor = planner.ttft(obs, 2), planner.floor(obs, "prefill")
+    assert base_ttft is not None
+    late = Observation(obs.at, obs.workers, obs.arrivals_per_s, obs.prompt_tokens,
+                       obs.output_tokens, ttft_overhead_s=0.6)  # fmt: skip
+    assert planner.ttft(late, 2) == pytest.approx(base_ttft + 0.6)
+    service = obs.prompt_tokens / PREFILL_RATE
+    assert planner.floor(late, "prefill") == servers_for(5.0, service, SLOS.ttft_s - 0.6, 0.9, 8)
+    assert planner.floor(late, "prefill") > base_floor
+    roomy = Planner(SLOS, knobs=PlannerKnobs(headroom=0.5))
+    roomy.observe(obs)
+    assert roomy.roles["prefill"].floor == servers_for(7.5, service, SLOS.ttft_s, 0.9, 8)
+    assert roomy.roles["prefill"].floor > planner.roles["prefill"].floor

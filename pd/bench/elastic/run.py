@@ -6,7 +6,9 @@ cluster (real router and workers, steps at the profile's costs x the time scale)
   service in this process with the `simulated` connector adds and removes workers, each ready
   only after its start-up (`--startup-s`, modeled);
 - `fixed`: the smallest split (fewest workers, then fewer prefill) whose SLO attainment on the
-  planner's own discrete-event model (pd/sim/cluster) is at least 90% in every held phase;
+  planner's own discrete-event model (pd/sim/cluster) is at least 90% in every held phase,
+  each held at its rate for two modeled minutes (the peak included: the smallest split that
+  meets the SLOs at the peak);
 - `hpa`: HPA v2's algorithm (hpa.py) per role on running requests per worker, through the same
   connector.
 
@@ -55,6 +57,7 @@ from pd.worker.checkpoint.loader import load_tokenizer
 
 ADMIN = "pd-bench-elastic-admin"
 SETUPS = ("planner", "fixed", "hpa")
+STEADY_S = 120.0  # modeled seconds each held phase runs in the fixed split's model
 SAMPLE_S = 0.5  # real seconds between samples of the workers alive and the targets
 
 
@@ -94,6 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=None,
                    help="spare workers a role, started parked before the load and activated at "
                    "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=0.0,
+                   help="the planner's --headroom (the floor sizes for 1 + this x the arrivals)")  # fmt: skip
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=6)
@@ -151,7 +156,9 @@ def knob(args: argparse.Namespace, name: str, quick_value: float, default: float
 
 def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int]:
     """The fewest workers (then fewer prefill) meeting 90% attainment in every held phase on
-    the discrete-event model (the planner's own: pd-bench plan)."""
+    the discrete-event model (the planner's own: pd-bench plan), each phase held for
+    `STEADY_S` at its rate whatever its length: the split meets the SLOs at the peak (the 8x
+    burst held, not only its first seconds from an empty queue)."""
     profile = parse_profile(args.simulate)
     search = Search(SLO(args.slo_ttft_ms, args.slo_itl_ms), 0.9, "poisson", args.seed)
     held = [ph for ph in phases if ph.plateau]
@@ -163,7 +170,7 @@ def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int
             if all(
                 attainment_at(spec, [
                     SimJob(f"{ph.name}-{i}", (SimTurn(ph.prompt_tokens, ph.output_tokens),))
-                    for i in range(max(50, int(ph.rate * min(ph.seconds, 120))))
+                    for i in range(max(50, int(ph.rate * STEADY_S)))
                 ], ph.rate, search) >= 0.9
                 for ph in held
             ):  # fmt: skip
@@ -232,7 +239,7 @@ async def _drive(
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=knob(args, "startup_s", 5.0, -1.0), log_dir=log_dir, port=0,
-        spares=int(knob(args, "spares", 2, 2)),
+        spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom,
     )  # fmt: skip
     stop = asyncio.Event()
     service: PlannerService | None = None

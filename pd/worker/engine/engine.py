@@ -481,12 +481,14 @@ class Engine:
                 self.scheduler.finish(seq, reason)
             self._deferred.clear()
         self.steps += 1
+        now = time.monotonic()
         self.step_log.record(
             [len(seq.prompt_ids) for seq in batch.seqs],
             batch.num_cached,
             batch.num_new,
             len(out.token_ids),
             seconds,
+            [now - seq.arrival_time for seq in batch.seqs],
         )
         return out
 

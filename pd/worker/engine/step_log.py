@@ -25,6 +25,9 @@ class StepLog:
         self.prefill_tokens = 0  # prompt tokens computed (cache hits excluded)
         self.prefill_busy_s = 0.0  # seconds of the steps that computed prompt tokens
         self.prefills_done = 0  # prompts whose last chunk was computed
+        # arrival to the end of the step that computed a prompt's last chunk, summed over those
+        # prompts: on a prefill worker the part of the TTFT it serves (queue and prefill)
+        self.prefill_latency_s = 0.0
         self.sampled_tokens = 0  # tokens sampled, every row
         self.decode: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.last_decode: tuple[int, int] = (0, 0)  # the latest decode step's rows and KV tokens
@@ -36,16 +39,20 @@ class StepLog:
         num_new: Sequence[int],
         sampled: int,
         seconds: float,
+        waited: Sequence[float] = (),
     ) -> None:
-        """One step: per row its prompt's length, tokens cached before it, tokens it computed."""
+        """One step: per row its prompt's length, tokens cached before it, tokens it computed,
+        and (optional) the seconds since its request arrived, at the step's end."""
         prefill = 0
         kv = 0
-        for plen, cached, new in zip(prompt_lens, num_cached, num_new):
+        for i, (plen, cached, new) in enumerate(zip(prompt_lens, num_cached, num_new)):
             kv += cached + new
             if cached < plen:  # a prompt chunk (a decode row has its whole prompt cached)
                 prefill += min(new, plen - cached)
                 if cached + new >= plen:
                     self.prefills_done += 1
+                    if i < len(waited):
+                        self.prefill_latency_s += waited[i]
         self.steps += 1
         self.sampled_tokens += sampled
         if prefill:
@@ -63,6 +70,7 @@ class StepLog:
             "prefill_tokens": self.prefill_tokens,
             "prefill_busy_s": round(self.prefill_busy_s, 6),
             "prefills_done": self.prefills_done,
+            "prefill_latency_s": round(self.prefill_latency_s, 6),
             "sampled_tokens": self.sampled_tokens,
             "last_sample": {"rows": self.last_decode[0], "kv_tokens": self.last_decode[1]},
             "samples": [[r, kv, round(s, 6)] for i, r, kv, s in self.decode if i > after],
