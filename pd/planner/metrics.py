@@ -93,6 +93,9 @@ class PlannerMetrics(Collector):
              obs.prompt_tokens if obs else 0.0),
             ("pd_planner_mean_output_tokens", "Mean generated tokens a request, recently",
              obs.output_tokens if obs else 0.0),
+            ("pd_planner_ttft_overhead_seconds",
+             "The TTFT's mean part outside prefill: the router's TTFT less the prefill workers'",
+             obs.ttft_overhead_s if obs else 0.0),
         ):  # fmt: skip
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
