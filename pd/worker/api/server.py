@@ -186,6 +186,7 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     ticker.cancel()
     role.cancel()
+    await asyncio.gather(role, return_exceptions=True)  # its finally: sessions closed
     await engine.stop()
     await asyncio.to_thread(app[WORKER].tracing.shutdown)  # the last spans out (<= 5 s)
     app[PROMPTS].close()

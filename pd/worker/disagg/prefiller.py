@@ -13,6 +13,7 @@ pulls, P's pinned pages are freed by their lease (`--lease-ttl-s`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +39,13 @@ class PrefillPeers:
     def __init__(self, urls: Iterable[str] = (), watch: SliceWatch | None = None) -> None:
         self.static = tuple(urls)
         self.watch = watch
+        self._http: aiohttp.ClientSession | None = None
+
+    def http(self) -> aiohttp.ClientSession:
+        """The session the prefill requests share (a connection pool a P), made on first use."""
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession()
+        return self._http
 
     @classmethod
     def from_flags(
@@ -62,12 +70,17 @@ class PrefillPeers:
         return next((u for u in self.urls() if host_port(u) == named), None)
 
     async def run(self) -> None:
-        """Watch the slices (forever; the caller cancels), or return at once without a watch."""
-        if self.watch is None:
-            return
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            await self.watch.run(http)
+        """Watch the slices, if any, until the caller cancels; then close the shared session."""
+        try:
+            if self.watch is None:
+                await asyncio.Event().wait()  # nothing to watch: hold on until cancelled
+            else:
+                timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+                async with aiohttp.ClientSession(timeout=timeout) as http:
+                    await self.watch.run(http)
+        finally:
+            if self._http is not None:
+                await self._http.close()
 
 
 def prefill_request(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
@@ -122,15 +135,14 @@ async def prefill_elsewhere(
         return raw  # P's one token is the whole answer: served here alone
     max_tokens = asked if isinstance(asked, int) and not isinstance(asked, bool) else None
     try:
-        async with aiohttp.ClientSession() as http:
-            async with http.post(
-                peer.rstrip("/") + path,
-                data=orjson.dumps(prefill_request(body, max_tokens)),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=TIMEOUT_S),
-            ) as r:
-                answer = await r.read()
-                status = r.status
+        async with peers.http().post(
+            peer.rstrip("/") + path,
+            data=orjson.dumps(prefill_request(body, max_tokens)),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=TIMEOUT_S),
+        ) as r:
+            answer = await r.read()
+            status = r.status
     except (aiohttp.ClientError, TimeoutError) as e:
         raise APIError(502, f"the prefill worker {named} did not answer: {type(e).__name__}",
                        "server_error", "prefill_failed") from None  # fmt: skip

@@ -65,7 +65,8 @@ class Role(Protocol):
 
     async def run(self) -> None:
         """What the role does in the background while the worker serves, until cancelled
-        (decode: watch its prefill peers); returns at once when there is nothing."""
+        (decode: watch its prefill peers, and close the session its prefill requests share);
+        may return at once when there is nothing."""
         ...
 
     async def admit(
