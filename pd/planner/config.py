@@ -32,6 +32,10 @@ class PlannerConfig:
         "burst shorter than a worker's start-up is met only by workers already there; e.g. "
         "0.25: the floor sizes for 1.25x the arrivals)",
     )  # fmt: skip
+    forecast_s: float = _flag(
+        0.0, "how far ahead the floor sizes a rising arrival rate (its trend beyond 3 standard "
+        "deviations): a worker's start-up (0: no forecast)",
+    )  # fmt: skip
     min_prefill: int = _flag(1, "fewest prefill workers")
     max_prefill: int = _flag(8, "most prefill workers")
     min_decode: int = _flag(1, "fewest decode workers")
@@ -92,7 +96,7 @@ class PlannerConfig:
         check((self.slo_ttft_ms or 0) > 0 and (self.slo_itl_ms or 0) > 0, "the SLOs must be > 0 ms")
         check(self.interval_s > 0 and self.time_scale > 0, "--interval-s and --time-scale > 0")
         check(self.cooldown_s >= 0 and self.window_s > 0, "--cooldown-s >= 0, --window-s > 0")
-        check(self.headroom >= 0, "--headroom must be >= 0")
+        check(self.headroom >= 0 and self.forecast_s >= 0, "--headroom, --forecast-s >= 0")
         for role in ("prefill", "decode"):
             low, high = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
             check(0 <= low <= high, f"--min-{role} must be >= 0 and <= --max-{role}")
@@ -125,7 +129,9 @@ class PlannerConfig:
 
     @property
     def knobs(self) -> PlannerKnobs:
-        return PlannerKnobs(cooldown_s=self.cooldown_s, headroom=self.headroom)
+        return PlannerKnobs(
+            cooldown_s=self.cooldown_s, headroom=self.headroom, forecast_s=self.forecast_s
+        )
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

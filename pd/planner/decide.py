@@ -15,7 +15,8 @@ fitted rate; decode: by Little's law the rows in flight if every request decodes
 SLO's pace, and the fewest workers whose fitted step at those rows meets the ITL); and one worker
 more when the estimate misses the SLO (a reactive step). The floor sizes for the arrivals x
 (1 + `headroom`): a burst shorter than a worker's start-up is met only by workers already
-there. The floor has a dead band
+there; and where the arrival rate's trend rises beyond 3 standard deviations (trend.py), it
+sizes for the trend's line `forecast_s` (a start-up) ahead. The floor has a dead band
 (`floor_band`): it grows a role when the arrivals less 10% need it, and lets a worker go only
 when the arrivals plus 10% do not. A role shrinks by one worker only when its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
 of the SLO, and `cooldown_s` has passed since its last change: so a constant load never turns it
@@ -73,6 +74,10 @@ class PlannerKnobs:
     # The floor sizes for the arrivals x (1 + headroom): workers kept ready for a burst shorter
     # than a start-up, and ahead of a ramp by the same share
     headroom: float = 0.0
+    # A ramp sized ahead: where the arrival rate's trend rises beyond `trend_sigmas`, the floor
+    # sizes for its line `forecast_s` ahead (a worker's start-up; 0: no forecast)
+    forecast_s: float = 0.0
+    trend_sigmas: float = 3.0
     kv_high: float = 0.9  # a decode role whose KV pools are fuller than this grows by one
     confirm: int = 2  # observations in a row that must miss the SLO before a reactive step
 
@@ -212,6 +217,7 @@ class Planner:
             "decode": (self.itl, self.slo.itl_s, "itl"),
         }
         now_est: dict[str, float | None] = {}
+        sized, ahead = self._ahead(obs)
         for role in ROLES:
             state = self.roles[role]
             current = state.target
@@ -225,13 +231,13 @@ class Planner:
             pressure[role] = (est / slo) if est is not None else 0.0
             target = max(current, low)
             lead = 1 + self.knobs.headroom
-            state.floor = self.floor(obs, role, lead)
+            state.floor = self.floor(sized, role, lead)
             band = self.knobs.floor_band
-            floor = self.floor(obs, role, lead * (1 - band))  # to grow: needed even at 1 - band
+            floor = self.floor(sized, role, lead * (1 - band))  # to grow: needed even at 1 - band
             if floor > target:
                 target = floor
-                reasons.append(f"{role}: the arrivals need {floor}")
-            floor = self.floor(obs, role, lead * (1 + band))  # to shrink: not even at 1 + band
+                reasons.append(f"{role}: the arrivals{ahead} need {floor}")
+            floor = self.floor(sized, role, lead * (1 + band))  # to shrink: not even at 1 + band
             # A reactive step waits for the last one: its worker is not ready yet (the load it
             # would take still shows on the others).
             settled = len(obs.of(role)) >= current
@@ -274,6 +280,17 @@ class Planner:
         self.decisions.append(decision)
         del self.decisions[:-DECISIONS_KEPT]
         return decision
+
+    def _ahead(self, obs: Observation) -> tuple[Observation, str]:
+        """`obs` with the arrival rate the floor sizes for: a rising trend's line a start-up
+        ahead (`forecast_s`) where that is higher; and the words for a reason."""
+        if self.knobs.forecast_s <= 0 or obs.trend is None:
+            return obs, ""
+        ahead = obs.trend.ahead(self.knobs.forecast_s, self.knobs.trend_sigmas)
+        if ahead is None or ahead <= obs.arrivals_per_s:
+            return obs, ""
+        words = f" ({ahead:.2f}/s in {self.knobs.forecast_s:g} s, rising)"
+        return replace(obs, arrivals_per_s=ahead), words
 
     def _kv_full(self, obs: Observation, n: int) -> str | None:
         """Why `n` decode workers' KV pools are too full (None: they are not)."""

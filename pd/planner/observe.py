@@ -22,6 +22,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd.planner.signals import Observation, StepSample, WorkerSignals
+from pd.planner.trend import trend
 
 PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
 # Not ready for these: not a worker of its role yet (or any more).
@@ -68,6 +69,8 @@ class ClusterReader:
     clock: Callable[[], float] = time.monotonic
     _seen: dict[str, _Seen] = field(default_factory=dict)
     _totals: deque[_Totals] = field(default_factory=deque)
+    # (at, arrivals) of the polls over two windows: the rate's trend (trend.py)
+    _arrived: deque[tuple[float, float]] = field(default_factory=deque)
     _start: float | None = None
     _counters: dict[str, float] = field(
         default_factory=lambda: {"tokens": 0, "done": 0, "sampled": 0, "latency": 0.0}
@@ -109,6 +112,9 @@ class ClusterReader:
         )
         while len(self._totals) > 2 and at - self._totals[1].at >= self.window_s:
             self._totals.popleft()
+        self._arrived.append((at, arrivals))
+        while len(self._arrived) > 2 and at - self._arrived[1][0] >= 2 * self.window_s:
+            self._arrived.popleft()
         first, last = self._totals[0], self._totals[-1]
         span = last.at - first.at
         rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
@@ -139,7 +145,15 @@ class ClusterReader:
         if done and ttfts:
             p_latency = (last.prefill_latency_s - first.prefill_latency_s) / done
             overhead = max(0.0, (last.ttft_s - first.ttft_s) / ttfts - p_latency)
-        return Observation(at, signals, max(0.0, rate), prompt, output, overhead / self.time_scale)
+        return Observation(
+            at,
+            signals,
+            max(0.0, rate),
+            prompt,
+            output,
+            overhead / self.time_scale,
+            trend(self._arrived),
+        )
 
     async def _worker(
         self, http: aiohttp.ClientSession, listed: dict[str, Any]

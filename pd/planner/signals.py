@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pd.planner.trend import Trend
+
 
 @dataclass(frozen=True)
 class StepSample:
@@ -42,6 +44,7 @@ class Observation:
     output_tokens: float = 0.0  # mean generated tokens a request
     # the TTFT's mean part that no prefill worker serves (router TTFT less P's latency)
     ttft_overhead_s: float = 0.0
+    trend: Trend | None = None  # the arrival rate's trend over two windows (trend.py)
 
     def of(self, role: str) -> list[WorkerSignals]:
         """The ready workers of `role`."""

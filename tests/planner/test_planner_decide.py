@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -23,6 +23,7 @@ from pd.planner import (
     WorkerSignals,
 )
 from pd.planner.queueing import servers_for
+from pd.planner.trend import Trend
 
 # The fluid cluster's true costs (a 70B-like decode step; seconds)
 FIXED, PER_ROW, PER_KV = 0.012, 0.00005, 2e-8
@@ -290,3 +291,18 @@ def test_the_ttfts_part_outside_prefill_counts_in_the_estimate_and_the_floor():
     roomy.observe(obs)
     assert roomy.roles["prefill"].floor == servers_for(7.5, service, SLOS.ttft_s, 0.9, 8)
     assert roomy.roles["prefill"].floor > planner.roles["prefill"].floor
+
+
+def test_a_rising_trend_is_sized_a_start_up_ahead_only_when_asked():
+    fluid = Fluid(prefill=2, decode=1)
+    obs = fluid.observe(0.0, Load(arrivals=5.0))
+    rising = replace(obs, trend=Trend(level=5.0, slope=0.1, sd=0.01))  # 5/s, +0.1/s a second
+    service = obs.prompt_tokens / PREFILL_RATE
+    ahead = Planner(SLOS, knobs=PlannerKnobs(forecast_s=30.0))
+    d = ahead.observe(rising)
+    assert ahead.roles["prefill"].floor == servers_for(8.0, service, SLOS.ttft_s, 0.9, 8) > 2
+    assert d.prefill > 2 and any("rising" in r for r in d.reasons), d.reasons
+    # not asked, or not sure: the rate there is
+    assert Planner(SLOS).observe(rising).prefill == 2
+    unsure = replace(obs, trend=Trend(level=5.0, slope=0.1, sd=0.05))
+    assert Planner(SLOS, knobs=PlannerKnobs(forecast_s=30.0)).observe(unsure).prefill == 2

@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
     p.add_argument("--headroom", type=float, default=0.0,
                    help="the planner's --headroom (the floor sizes for 1 + this x the arrivals)")  # fmt: skip
+    p.add_argument("--forecast", action="store_true",
+                   help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=6)
@@ -144,6 +146,12 @@ class Run:
 def phases_of(args: argparse.Namespace, trace: str | None = None) -> list[Phase]:
     make = TRACES[trace or ("quick" if args.quick else args.trace)]
     return scaled(make(args.base_rate, args.prompt_tokens, args.output_tokens), args.phase_scale)
+
+
+def startup_of(args: argparse.Namespace) -> float:
+    """A new worker's modeled start-up: `--startup-s`, else the profile's."""
+    given = knob(args, "startup_s", 5.0, -1.0)
+    return given if given >= 0 else parse_profile(args.simulate).startup_s
 
 
 def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
@@ -240,6 +248,7 @@ async def _drive(
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=knob(args, "startup_s", 5.0, -1.0), log_dir=log_dir, port=0,
         spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom,
+        forecast_s=startup_of(args) if args.forecast else 0.0,
     )  # fmt: skip
     stop = asyncio.Event()
     service: PlannerService | None = None
