@@ -1,12 +1,16 @@
 """`pd-bench elastic`'s pure parts: the load trace's arrivals follow each phase's rate (a ramp's
 rising), and HPA v2's algorithm scales up at once past its tolerance and down only to the highest
-recommendation of its stabilization window."""
+recommendation of its stabilization window; a bad `--fixed` split is refused."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from pd.bench.elastic.hpa import HPA
+from pd.bench.elastic.run import given_split
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
 
@@ -49,3 +53,13 @@ def test_hpa_scales_up_at_once_and_down_only_after_its_window():
     assert hpa.desired(300, 5, 2) == 5
     assert hpa.desired(316, 5, 2) == 1  # 300 s since the last recommendation of 5
     assert hpa.desired(330, 1, 100) == 8  # bounded
+
+
+@pytest.mark.parametrize("text", ["0,1", "2", "x,1", "1,2,3"])
+def test_a_bad_fixed_split_is_refused_before_anything_starts(text):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pd.bench.cli", "elastic", "--setups", "fixed", "--fixed", text],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--fixed" in proc.stderr, proc.stderr
+    assert given_split("3,1") == (3, 1)

@@ -101,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the planner's --headroom (the floor sizes for 1 + this x the arrivals)")  # fmt: skip
     p.add_argument("--forecast", action="store_true",
                    help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
+    p.add_argument("--fixed", default=None, metavar="P,D",
+                   help="the fixed split to run instead of the discrete-event model's choice")  # fmt: skip
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=6)
@@ -184,6 +186,17 @@ def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int
             ):  # fmt: skip
                 return p, total - p
     return args.max_prefill, args.max_decode
+
+
+def given_split(text: str) -> tuple[int, int]:
+    """`--fixed P,D`."""
+    try:
+        p, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError("--fixed takes P,D: two whole numbers") from None
+    if p < 1 or d < 1:
+        raise ValueError("--fixed needs at least one worker a role")
+    return p, d
 
 
 # ----------------------------------------------------------------------------- one setup
@@ -527,6 +540,12 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"pd-bench elastic: unknown setups {bad} (of {', '.join(SETUPS)})", file=sys.stderr)
         return 2
+    if args.fixed:
+        try:
+            given_split(args.fixed)
+        except ValueError as e:
+            print(f"pd-bench elastic: --fixed {args.fixed!r}: {e}", file=sys.stderr)
+            return 2
     out: dict[str, Any] = {
         "profile": args.simulate,
         "trace": "quick" if args.quick else args.trace, "phase_scale": args.phase_scale,
@@ -540,7 +559,9 @@ def run(args: argparse.Namespace) -> int:
         best = max(out["hpa_tuning"], key=lambda t: (round(t["attainment_4x"], 2), -t["gpu_hours"]))
         args.hpa_prefill_target = best["target"]
         out["hpa_targets"]["prefill"] = best["target"]
-    fixed = fixed_split(args, phases) if "fixed" in setups else None
+    fixed = None
+    if "fixed" in setups:
+        fixed = given_split(args.fixed) if args.fixed else fixed_split(args, phases)
     out["fixed_split"] = {"prefill": fixed[0], "decode": fixed[1]} if fixed else None
     for kind in setups:
         initial = fixed if kind == "fixed" and fixed else (args.min_prefill, args.min_decode)
