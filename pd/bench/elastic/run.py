@@ -489,6 +489,19 @@ def _timeline(samples: list[Sample]) -> list[list[float]]:
     return out
 
 
+def offered_line(phases: list[Phase]) -> tuple[list[float], list[float]]:
+    """The offered rate's corners (seconds, requests a second): held phases flat, a ramp a
+    slope from the rate before it."""
+    ts: list[float] = []
+    rates: list[float] = []
+    before = phases[0].rate if phases else 0.0
+    for (start, end), ph in zip(bounds(phases), phases):
+        ts += [start, end]
+        rates += [before if ph.ramp else ph.rate, ph.rate]
+        before = ph.rate
+    return ts, rates
+
+
 def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[Phase]) -> None:
     import matplotlib
 
@@ -504,9 +517,7 @@ def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[P
         ax.step(t, [p[1] for p in line], where="post", label="prefill workers")
         ax.step(t, [p[2] for p in line], where="post", label="decode workers")
         load = ax.twinx()
-        load.step([s for s, _ in edges] + [edges[-1][1]], [ph.rate for ph in phases]
-                  + [phases[-1].rate], where="post", color="gray", alpha=0.5,
-                  label="offered req/s")  # fmt: skip
+        load.plot(*offered_line(phases), color="gray", alpha=0.5, label="offered req/s")
         load.set_ylabel("req/s", color="gray")
         for (start, _), ph in zip(edges, phases):
             got = out[kind]["phases"].get(ph.name)
