@@ -19,14 +19,12 @@ use_pd_inductor_cache()
 
 E2E = os.path.join("tests", "e2e") + os.sep
 # Tests that start a few real worker processes of their own (no session fixture) and spend
-# most of their time waiting on them (a soak's kills, heartbeats, a planner's cool-down, a
-# network namespace's delays): a group of their own, which runs on the other test process beside the
+# most of their time waiting on them (a soak's kills, heartbeats, a planner's cool-down): a group of their own, which runs on the other test process beside the
 # end-to-end group.
 OWN_WORKERS = {
     ("bench", "test_soak.py"),
     ("bench", "test_routing.py"),
     ("e2e", "test_lifecycle.py"),
-    ("e2e", "test_multihost.py"),
     ("e2e", "test_planner_local.py"),
 }
 
