@@ -10,7 +10,17 @@ import sys
 import pytest
 
 from pd.bench.elastic.hpa import HPA
-from pd.bench.elastic.run import given_split
+from pd.bench.elastic.run import (
+    FULL_PHASE_SCALE,
+    add_arguments,
+    fixed_candidates,
+    given_split,
+    given_splits,
+    meets_peak,
+    phase_scale_of,
+    phases_of,
+    startup_of,
+)
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
 
@@ -63,3 +73,41 @@ def test_a_bad_fixed_split_is_refused_before_anything_starts(text):
     )  # fmt: skip
     assert proc.returncode == 2 and "--fixed" in proc.stderr, proc.stderr
     assert given_split("3,1") == (3, 1)
+
+
+def _args(*argv: str):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_full_trace_is_shrunk_as_a_whole_by_default_and_the_others_are_not():
+    full_args = _args()
+    assert phase_scale_of(full_args) == FULL_PHASE_SCALE
+    assert sum(p.seconds for p in phases_of(full_args)) == pytest.approx(
+        FULL_PHASE_SCALE * sum(p.seconds for p in full(1.0, 4000, 64))
+    )
+    # the start-up shrinks with the phases: a phase keeps its length in start-ups
+    assert startup_of(full_args) == pytest.approx(
+        FULL_PHASE_SCALE * startup_of(_args("--phase-scale", "1"))
+    )
+    assert startup_of(_args("--startup-s", "36")) == 36
+    assert phase_scale_of(_args("--quick")) == 1.0 and startup_of(_args("--quick")) == 5.0
+    assert phase_scale_of(_args("--trace", "plateau")) == 1.0
+
+
+def test_the_fixed_splits_tried_and_the_one_that_meets_the_peak():
+    assert given_splits("5,1/4,1/4,1") == [(4, 1), (5, 1)]  # smallest first, once each
+    assert given_splits("3,1/2,2") == [(2, 2), (3, 1)]  # fewest workers, then fewer prefill
+    with pytest.raises(ValueError):
+        given_splits("4,1/x")
+    assert fixed_candidates(_args("--fixed", "5,1"), []) == [(5, 1)]
+    phases = [Phase("hold", 60, 4.0, 100, 10), Phase("ramp", 60, 8.0, 100, 10, ramp=True),
+              Phase("burst", 60, 8.0, 100, 10)]  # fmt: skip
+    got = {"phases": {"hold": {"attainment": 0.95}, "ramp": {"attainment": 0.2},
+                      "burst": {"attainment": 0.9}}}  # fmt: skip
+    assert meets_peak(got, phases)  # a ramp is not held
+    got["phases"]["burst"]["attainment"] = 0.89
+    assert not meets_peak(got, phases)

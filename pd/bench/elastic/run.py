@@ -1,14 +1,16 @@
 """`pd-bench elastic`: the planner against a fixed split and Kubernetes' HPA, on a simulated GPU
 cluster (real router and workers, steps at the profile's costs x the time scale), one load trace
-(trace.py) for each, in turn.
+(trace.py) for each, every setup its own process, all at once (`--jobs 1`: in turn).
 
 - `planner`: starts at the fewest workers (`--min-prefill`, `--min-decode`); `pd-planner`'s
-  service in this process with the `simulated` connector adds and removes workers, each ready
-  only after its start-up (`--startup-s`, modeled);
-- `fixed`: the smallest split (fewest workers, then fewer prefill) whose SLO attainment on the
-  planner's own discrete-event model (pd/sim/cluster) is at least 90% in every held phase,
-  each held at its rate for two modeled minutes (the peak included: the smallest split that
-  meets the SLOs at the peak);
+  service in the setup's process with the `simulated` connector adds and removes workers, each
+  ready only after its start-up (`--startup-s`, modeled);
+- `fixed`: the smallest split that meets the SLOs at the peak, measured: the splits tried
+  (`--fixed`; by default the discrete-event model's choice and one more prefill worker) run
+  beside the others, and the smallest with 90% attainment in every held phase is `fixed`. The
+  model's choice (pd/sim/cluster, the planner's own: fewest workers, then fewer prefill, 90% in
+  every held phase, each held two modeled minutes at its rate, the peak included) leaves out the
+  TTFT outside prefill (router, transfer, the first decode step), so live it can miss the peak;
 - `hpa`: HPA v2's algorithm (hpa.py) per role on running requests per worker, through the same
   connector.
 
@@ -26,18 +28,20 @@ import argparse
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from pd.bench.elastic.hpa import HPA, PERIOD_S
-from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, plateau, scaled
+from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, scaled
 from pd.bench.pd import _spawn, _wait_healthy
 from pd.bench.plan_search import Search, attainment_at
 from pd.bench.serve.client import RequestRecord, stream_request
@@ -58,6 +62,7 @@ from pd.worker.checkpoint.loader import load_tokenizer
 ADMIN = "pd-bench-elastic-admin"
 SETUPS = ("planner", "fixed", "hpa")
 STEADY_S = 120.0  # modeled seconds each held phase runs in the fixed split's model
+FULL_PHASE_SCALE = 0.4  # the full trace's default: its 3 setups at once in under 30 min here
 SAMPLE_S = 0.5  # real seconds between samples of the workers alive and the targets
 
 
@@ -76,20 +81,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--trace quick (under 5 minutes): the planner adds and removes a worker, "
                    "with a 5 s start-up, 2 s polls and a 10 s cool-down")  # fmt: skip
     p.add_argument("--setups", default=",".join(SETUPS), help="which, in this order")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="setups run at once, each its own process (0: all; 1: in turn, here)")  # fmt: skip
     p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
     p.add_argument(
         "--phase-scale",
         type=float,
-        default=1.0,
-        help="every phase this many times as long (the full trace is ~53 modeled minutes; "
-        "the start-up is not scaled: give --startup-s too)",
+        default=None,
+        help=f"every phase, and the default start-up, this many times as long (the full "
+        f"trace as written is ~53 modeled minutes; default {FULL_PHASE_SCALE} for it, 1 for "
+        f"the others)",
     )
     p.add_argument("--prompt-tokens", type=int, default=4000)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--slo-ttft-ms", type=float, default=1500.0)
     p.add_argument("--slo-itl-ms", type=float, default=25.0)
     p.add_argument("--startup-s", type=float, default=None,
-                   help="a new worker's modeled start-up (default: the profile's; --quick: 5)")  # fmt: skip
+                   help="a new worker's modeled start-up (default: the profile's x the phase "
+                   "scale; --quick: 5)")  # fmt: skip
     p.add_argument("--cooldown-s", type=float, default=None,
                    help="the planner's cool-down (default 60; --quick: 10)")  # fmt: skip
     p.add_argument("--interval-s", type=float, default=None,
@@ -97,25 +106,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=None,
                    help="spare workers a role, started parked before the load and activated at "
                    "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
-    p.add_argument("--headroom", type=float, default=0.0,
-                   help="the planner's --headroom (the floor sizes for 1 + this x the arrivals)")  # fmt: skip
+    p.add_argument("--headroom", type=float, default=0.25,
+                   help="the planner's --headroom (the floor sizes for 1 + this x the "
+                   "arrivals; 0.25: docs/EXPERIMENTS.md section 29)")  # fmt: skip
     p.add_argument("--forecast", action="store_true",
                    help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
-    p.add_argument("--fixed", default=None, metavar="P,D",
-                   help="the fixed split to run instead of the discrete-event model's choice")  # fmt: skip
+    p.add_argument("--fixed", default=None, metavar="P,D[/P,D...]",
+                   help="the fixed splits to try (the smallest meeting the SLOs in every held "
+                   "phase is `fixed`) instead of the discrete-event model's choice and one "
+                   "more prefill worker")  # fmt: skip
     p.add_argument("--min-prefill", type=int, default=1)
     p.add_argument("--min-decode", type=int, default=1)
     p.add_argument("--max-prefill", type=int, default=6)
     p.add_argument("--max-decode", type=int, default=6)
     p.add_argument("--budget", type=int, default=10, help="workers of both roles together")
-    p.add_argument("--hpa-prefill-target", type=float, default=1.0,
-                   help="HPA's target of running requests per prefill worker")  # fmt: skip
+    p.add_argument("--hpa-prefill-target", type=float, default=0.5,
+                   help="HPA's target of running requests per prefill worker (0.5: its best "
+                   "attainment at 4x, docs/EXPERIMENTS.md section 29)")  # fmt: skip
     p.add_argument("--hpa-decode-target", type=float, default=16.0,
                    help="HPA's target of running requests per decode worker")  # fmt: skip
     p.add_argument("--hpa-tune", default=None,
                    help="prefill targets to try first (e.g. 0.5,1,2,4), each on the plateau "
-                   "trace: HPA then runs with the one of the best attainment at 4x (the "
-                   "fewest GPU-hours among equals)")  # fmt: skip
+                   "trace at phase scale 1, at once: HPA then runs with the one of the best "
+                   "attainment at 4x (the fewest GPU-hours among equals)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None, help="worker and router logs here, a folder a setup")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -145,15 +158,29 @@ class Run:
     wall_s: float = 0.0
 
 
+def trace_of(args: argparse.Namespace) -> str:
+    return "quick" if args.quick else str(args.trace)
+
+
+def phase_scale_of(args: argparse.Namespace) -> float:
+    """`--phase-scale`, else `FULL_PHASE_SCALE` for the full trace and 1 for the others."""
+    if args.phase_scale is not None:
+        return float(args.phase_scale)
+    return FULL_PHASE_SCALE if trace_of(args) == "full" else 1.0
+
+
 def phases_of(args: argparse.Namespace, trace: str | None = None) -> list[Phase]:
-    make = TRACES[trace or ("quick" if args.quick else args.trace)]
-    return scaled(make(args.base_rate, args.prompt_tokens, args.output_tokens), args.phase_scale)
+    make = TRACES[trace or trace_of(args)]
+    return scaled(
+        make(args.base_rate, args.prompt_tokens, args.output_tokens), phase_scale_of(args)
+    )
 
 
 def startup_of(args: argparse.Namespace) -> float:
-    """A new worker's modeled start-up: `--startup-s`, else the profile's."""
+    """A new worker's modeled start-up: `--startup-s`, else (`--quick`: 5 s) the profile's x the
+    phase scale (the run shrunk in time as a whole, so a phase keeps its length in start-ups)."""
     given = knob(args, "startup_s", 5.0, -1.0)
-    return given if given >= 0 else parse_profile(args.simulate).startup_s
+    return given if given >= 0 else parse_profile(args.simulate).startup_s * phase_scale_of(args)
 
 
 def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
@@ -189,7 +216,7 @@ def fixed_split(args: argparse.Namespace, phases: list[Phase]) -> tuple[int, int
 
 
 def given_split(text: str) -> tuple[int, int]:
-    """`--fixed P,D`."""
+    """One `P,D` of `--fixed`."""
     try:
         p, d = (int(x) for x in text.split(","))
     except ValueError:
@@ -199,18 +226,79 @@ def given_split(text: str) -> tuple[int, int]:
     return p, d
 
 
+def given_splits(text: str) -> list[tuple[int, int]]:
+    """`--fixed P,D[/P,D...]`, smallest first (fewest workers, then fewer prefill)."""
+    splits = sorted({given_split(part) for part in text.split("/")}, key=lambda s: (sum(s), s))
+    return splits
+
+
+def fixed_candidates(args: argparse.Namespace, phases: list[Phase]) -> list[tuple[int, int]]:
+    """The fixed splits to run: `--fixed`'s, else the model's and one more prefill worker (what
+    the model leaves out, the TTFT outside prefill, is missed in prefill)."""
+    if args.fixed:
+        return given_splits(args.fixed)
+    p, d = fixed_split(args, phases)
+    return [(p, d)] + ([(p + 1, d)] if p + 1 + d <= args.budget else [])
+
+
+def meets_peak(result: dict[str, Any], phases: list[Phase]) -> bool:
+    """90% attainment in every held phase (the peak included)."""
+    held = [ph.name for ph in phases if ph.plateau and ph.name in result["phases"]]
+    return all(result["phases"][name]["attainment"] >= 0.9 for name in held)
+
+
 # ----------------------------------------------------------------------------- one setup
 
 
+@dataclass(frozen=True)
+class Job:
+    """One setup to run: its kind, the name its logs and results go under, its workers at the
+    start, and the arguments and trace it runs with."""
+
+    kind: str
+    name: str
+    initial: tuple[int, int]
+    args: argparse.Namespace
+    phases: list[Phase]
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """One setup from start to summary (in a process of its own under `run_jobs`)."""
+    started = time.perf_counter()
+    print(f"pd-bench elastic: {job.name} ...", file=sys.stderr, flush=True)
+    got = asyncio.run(run_setup(job.kind, job.args, job.phases, job.initial, job.name))
+    print(
+        f"pd-bench elastic: {job.name} done in {time.perf_counter() - started:.0f} s",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    return summary(got, job.args, job.phases)
+
+
+def run_jobs(jobs: list[Job], at_once: int) -> list[dict[str, Any]]:
+    """Every job's summary, in order: `at_once` at a time, each in a fresh process (0: all at
+    once), or in turn in this one (1)."""
+    if at_once == 1 or len(jobs) == 1:
+        return [run_job(job) for job in jobs]
+    spawn = multiprocessing.get_context("spawn")  # no event loop nor thread carried over
+    workers = len(jobs) if at_once <= 0 else min(at_once, len(jobs))
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+        return list(pool.map(run_job, jobs))
+
+
 async def run_setup(
-    kind: str, args: argparse.Namespace, phases: list[Phase], initial: tuple[int, int]
+    kind: str,
+    args: argparse.Namespace,
+    phases: list[Phase],
+    initial: tuple[int, int],
+    name: str | None = None,
 ) -> Run:
     k = args.time_scale
     roles = ["prefill"] * initial[0] + ["decode"] * initial[1]
+    folder = (name or kind).replace(" ", "-").replace(",", "-")
     log_dir = (
-        os.path.join(args.log_dir, kind)
+        os.path.join(args.log_dir, folder)
         if args.log_dir
-        else tempfile.mkdtemp(prefix=f"pd-elastic-{kind}-")
+        else tempfile.mkdtemp(prefix=f"pd-elastic-{folder}-")
     )
     os.makedirs(log_dir, exist_ok=True)
     sim = start_sim_workers(args.simulate, roles, time_scale=k, log_dir=log_dir)
@@ -259,7 +347,7 @@ async def _drive(
         min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
-        startup_s=knob(args, "startup_s", 5.0, -1.0), log_dir=log_dir, port=0,
+        startup_s=startup_of(args), log_dir=log_dir, port=0,
         spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom,
         forecast_s=startup_of(args) if args.forecast else 0.0,
     )  # fmt: skip
@@ -545,6 +633,8 @@ def _tp(profile: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PD_CLUSTER_TOKEN", "pd-bench-elastic")
+    # the arguments alone (no module the command line carries) travel to each setup's process
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
     phases = phases_of(args)
     setups = [s for s in args.setups.split(",") if s]
     bad = [s for s in setups if s not in SETUPS]
@@ -553,32 +643,50 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.fixed:
         try:
-            given_split(args.fixed)
+            given_splits(args.fixed)
         except ValueError as e:
             print(f"pd-bench elastic: --fixed {args.fixed!r}: {e}", file=sys.stderr)
             return 2
     out: dict[str, Any] = {
         "profile": args.simulate,
-        "trace": "quick" if args.quick else args.trace, "phase_scale": args.phase_scale,
+        "trace": trace_of(args), "phase_scale": phase_scale_of(args),
+        "startup_s": round(startup_of(args), 1),
         "time_scale": args.time_scale, "quick": args.quick,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
+        "headroom": args.headroom,
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
     }  # fmt: skip
+    started = time.perf_counter()
     if "hpa" in setups and args.hpa_tune:
         out["hpa_tuning"] = tune_hpa(args)
         best = max(out["hpa_tuning"], key=lambda t: (round(t["attainment_4x"], 2), -t["gpu_hours"]))
         args.hpa_prefill_target = best["target"]
         out["hpa_targets"]["prefill"] = best["target"]
-    fixed = None
-    if "fixed" in setups:
-        fixed = given_split(args.fixed) if args.fixed else fixed_split(args, phases)
-    out["fixed_split"] = {"prefill": fixed[0], "decode": fixed[1]} if fixed else None
+    fixed = fixed_candidates(args, phases) if "fixed" in setups else []
+    start = (args.min_prefill, args.min_decode)
+    jobs = [
+        Job(kind, kind, start, args, phases)
+        for kind in setups if kind != "fixed"
+    ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
+    results = dict(zip((j.name for j in jobs), run_jobs(jobs, args.jobs)))
     for kind in setups:
-        initial = fixed if kind == "fixed" and fixed else (args.min_prefill, args.min_decode)
-        print(f"pd-bench elastic: {kind} ...", file=sys.stderr, flush=True)
-        got = asyncio.run(run_setup(kind, args, phases, initial))
-        out[kind] = summary(got, args, phases)
+        if kind != "fixed":
+            out[kind] = results[kind]
+    if fixed:
+        tried = [(split, results[f"fixed {split[0]},{split[1]}"]) for split in fixed]
+        met = [(split, r) for split, r in tried if meets_peak(r, phases)]
+        split, out["fixed"] = met[0] if met else tried[-1]
+        out["fixed_split"] = {"prefill": split[0], "decode": split[1], "meets_peak": bool(met)}
+        out["fixed_tried"] = [
+            {"prefill": p, "decode": d, "attainment": r["attainment"],
+             "gpu_hours": r["gpu_hours"], "meets_peak": meets_peak(r, phases),
+             "phases": {n: ph["attainment"] for n, ph in r["phases"].items()}}
+            for (p, d), r in tried
+        ]  # fmt: skip
+    else:
+        out["fixed_split"] = None
+    out["wall_s"] = round(time.perf_counter() - started, 1)
     if "fit_error" in out.get("planner", {}):
         out["fit_error"] = out["planner"]["fit_error"]
     if "planner" in out and "fixed" in out and out["fixed"]["gpu_hours"]:
@@ -600,25 +708,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def tune_hpa(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """HPA's prefill target tried on the plateau trace: each target's attainment at 4x."""
-    phases = phases_of(args, plateau.__name__)
-    tried = []
-    for target in (float(t) for t in args.hpa_tune.split(",") if t):
-        args.hpa_prefill_target = target
-        print(f"pd-bench elastic: tuning HPA, target {target:g} ...", file=sys.stderr, flush=True)
-        got = summary(asyncio.run(run_setup("hpa", args, phases, (1, 1))), args, phases)
-        tried.append({
-            "target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
-            "gpu_hours": got["gpu_hours"], "most_workers": got["most_workers"],
-        })  # fmt: skip
-    return tried
+    """HPA's prefill target tried on the plateau trace at phase scale 1 (its 4x plateau longer
+    than five start-ups of the run's), the targets at once: each target's attainment at 4x."""
+    targets = [float(t) for t in args.hpa_tune.split(",") if t]
+    jobs = []
+    for target in targets:
+        tuned = argparse.Namespace(**vars(args))
+        tuned.hpa_prefill_target, tuned.phase_scale = target, 1.0
+        tuned.startup_s = startup_of(args)
+        jobs.append(Job("hpa", f"hpa-tune {target:g}", (1, 1), tuned, phases_of(tuned, "plateau")))
+    return [
+        {"target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
+         "gpu_hours": got["gpu_hours"], "most_workers": got["most_workers"]}
+        for target, got in zip(targets, run_jobs(jobs, args.jobs))
+    ]  # fmt: skip
 
 
 def render(out: dict[str, Any], setups: list[str]) -> str:
     lines = [
-        f"pd-bench elastic: {out['profile']} at time scale {out['time_scale']:g}, SLO TTFT "
-        f"{out['slo']['ttft_ms']:g} ms, ITL {out['slo']['itl_ms']:g} ms; fixed split "
-        f"{out.get('fixed_split')}",
+        f"pd-bench elastic: {out['profile']}, trace {out['trace']} at phase scale "
+        f"{out['phase_scale']:g} (start-up {out['startup_s']:g} s), time scale "
+        f"{out['time_scale']:g}, SLO TTFT {out['slo']['ttft_ms']:g} ms, ITL "
+        f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}; HPA target "
+        f"{out['hpa_targets']['prefill']:g} a P; fixed split {out.get('fixed_split')}; "
+        f"{out['wall_s']:.0f} s in all",
         f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}"
         f" {'overshoot':>9}",
     ]
@@ -634,6 +747,14 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         lines.append(f"{kind}: " + ", ".join(
             f"{name} {p['attainment']:.2f}" for name, p in phases.items()
         ))  # fmt: skip
+    for t in out.get("fixed_tried", []):
+        verdict = "90% in every held phase" if t["meets_peak"] else "under 90% in a held phase"
+        lines.append(
+            f"fixed {t['prefill']} P + {t['decode']} D: {t['attainment']:.3f} at "
+            f"{t['gpu_hours']:.3f} GPU-h, {verdict} ("
+            + ", ".join(f"{n} {a:.2f}" for n, a in t["phases"].items())
+            + ")"
+        )
     if "hpa_tuning" in out:
         lines.append("HPA prefill targets tried at 4x: " + ", ".join(
             f"{t['target']:g}: {t['attainment_4x']:.2f} ({t['gpu_hours']:.3f} GPU-h)"
