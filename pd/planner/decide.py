@@ -230,14 +230,14 @@ class Planner:
             now_est[role] = est
             pressure[role] = (est / slo) if est is not None else 0.0
             target = max(current, low)
-            lead = 1 + self.knobs.headroom
-            state.floor = self.floor(sized, role, lead)
+            load = 1 + self.knobs.headroom  # the arrivals x this, as `floor` takes them
+            state.floor = self.floor(sized, role, load)
             band = self.knobs.floor_band
-            floor = self.floor(sized, role, lead * (1 - band))  # to grow: needed even at 1 - band
+            floor = self.floor(sized, role, load * (1 - band))  # to grow: needed even at 1 - band
             if floor > target:
                 target = floor
                 reasons.append(f"{role}: the arrivals{ahead} need {floor}")
-            floor = self.floor(sized, role, lead * (1 + band))  # to shrink: not even at 1 + band
+            floor = self.floor(sized, role, load * (1 + band))  # to shrink: not even at 1 + band
             # A reactive step waits for the last one: its worker is not ready yet (the load it
             # would take still shows on the others).
             settled = len(obs.of(role)) >= current

@@ -205,7 +205,9 @@ class ClusterReader:
         )
 
     async def _router_counters(self, http: aiohttp.ClientSession) -> tuple[float, float, float]:
-        """The router's arrivals, and its TTFT's sum and count (every route)."""
+        """The router's arrivals, and the sum and count of its TTFTs of requests prefilled on a
+        prefill worker (route `pd`: those served decode-local, or by a `both` worker, have no
+        part in P's latency, which the TTFT outside prefill is taken against)."""
         try:
             async with http.get(
                 f"{self.router_url}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout_s)
@@ -219,8 +221,9 @@ class ClusterReader:
             if family.name == "pd_router_arrivals":
                 arrivals = sum(s.value for s in family.samples if s.name.endswith("_total"))
             elif family.name == "pd_router_ttft_seconds":
-                ttft_s = sum(s.value for s in family.samples if s.name.endswith("_sum"))
-                ttfts = sum(s.value for s in family.samples if s.name.endswith("_count"))
+                pd = [s for s in family.samples if s.labels.get("route") == "pd"]
+                ttft_s = sum(s.value for s in pd if s.name.endswith("_sum"))
+                ttfts = sum(s.value for s in pd if s.name.endswith("_count"))
         return arrivals, ttft_s, ttfts
 
     async def _get_json(self, http: aiohttp.ClientSession, url: str) -> Any:

@@ -13,6 +13,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from pd.config import WorkerConfig
 from pd.planner.observe import ClusterReader
@@ -127,3 +128,32 @@ async def _until_ready(http: aiohttp.ClientSession, router: str) -> None:
     while (await http.get(f"{router}/health")).status != 200:
         assert time.monotonic() < deadline, "the router never saw its workers healthy"
         await asyncio.sleep(0.05)
+
+
+async def test_the_ttft_taken_is_of_requests_a_prefill_worker_served(aiohttp_server):
+    """Requests served decode-local (or by a `both` worker) have no part in P's latency: the
+    TTFT outside prefill is taken over route `pd` alone."""
+    text = "\n".join([
+        "# HELP pd_router_arrivals_total Requests that arrived",
+        "# TYPE pd_router_arrivals_total counter",
+        "pd_router_arrivals_total 12.0",
+        "# HELP pd_router_ttft_seconds Arrival to the first byte",
+        "# TYPE pd_router_ttft_seconds histogram",
+        *[f'pd_router_ttft_seconds_bucket{{le="+Inf",route="{r}"}} {n}' for r, n in
+          (("pd", 4), ("local", 8))],
+        'pd_router_ttft_seconds_count{route="pd"} 4.0',
+        'pd_router_ttft_seconds_sum{route="pd"} 6.0',
+        'pd_router_ttft_seconds_count{route="local"} 8.0',
+        'pd_router_ttft_seconds_sum{route="local"} 0.8',
+        "",
+    ])  # fmt: skip
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=text)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        got = await ClusterReader(url, time_scale=SCALE)._router_counters(http)
+    assert got == (12.0, 6.0, 4.0)
