@@ -46,6 +46,17 @@ class WorkerLoad:
 
 # --------------------------------------------------------------------- kv_transfer_params
 
+
+def _copied(v: Any) -> Any:
+    """A list or dict of lists copied (the values inside them shared: numbers, strings, and the
+    logprobs' small lists, which nobody changes)."""
+    if isinstance(v, list):
+        return list(v)
+    if isinstance(v, dict):
+        return {k: list(x) if isinstance(x, list) else x for k, x in v.items()}
+    return v
+
+
 PD_VERSION = 1
 
 
@@ -62,7 +73,10 @@ class TransferParams:
     lease_ttl_s: float
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON values, each list and dict copied one level down
+        (`dataclasses.asdict` copies every element one by one: 4 ms for a 4000-token prompt's
+        ids, on the event loop of every prefill)."""
+        return {f.name: _copied(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransferParams:

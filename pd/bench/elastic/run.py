@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--setups", default=",".join(SETUPS), help="which, in this order")
     p.add_argument("--jobs", type=int, default=0,
                    help="setups run at once, each its own process (0: all; 1: in turn, here)")  # fmt: skip
+    p.add_argument("--stagger-s", type=float, default=None,
+                   help="real seconds between the starts of setups run at once (default: 1.25 "
+                   "x the shortest held phase, the burst, so that no two meet their peak "
+                   "together)")  # fmt: skip
     p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
     p.add_argument(
         "--phase-scale",
@@ -260,10 +264,22 @@ class Job:
     initial: tuple[int, int]
     args: argparse.Namespace
     phases: list[Phase]
+    delay_s: float = 0.0  # real seconds to wait first (setups at once: `stagger_of`)
+
+
+def stagger_of(args: argparse.Namespace, phases: list[Phase]) -> float:
+    """Real seconds between the starts of setups run at once: `--stagger-s`, else 1.25 x the
+    shortest held phase (the burst), so that no two setups meet their peak together on a
+    machine whose few cores they share."""
+    if args.stagger_s is not None:
+        return float(args.stagger_s)
+    held = [ph.seconds for ph in phases if ph.plateau]
+    return 1.25 * min(held, default=0.0) * args.time_scale
 
 
 def run_job(job: Job) -> dict[str, Any]:
     """One setup from start to summary (in a process of its own under `run_jobs`)."""
+    time.sleep(job.delay_s)
     started = time.perf_counter()
     print(f"pd-bench elastic: {job.name} ...", file=sys.stderr, flush=True)
     got = asyncio.run(run_setup(job.kind, job.args, job.phases, job.initial, job.name))
@@ -274,15 +290,16 @@ def run_job(job: Job) -> dict[str, Any]:
     return summary(got, job.args, job.phases)
 
 
-def run_jobs(jobs: list[Job], at_once: int) -> list[dict[str, Any]]:
+def run_jobs(jobs: list[Job], at_once: int, stagger_s: float = 0.0) -> list[dict[str, Any]]:
     """Every job's summary, in order: `at_once` at a time, each in a fresh process (0: all at
-    once), or in turn in this one (1)."""
+    once), the i-th of those started together `i x stagger_s` later; or in turn in this one (1)."""
     if at_once == 1 or len(jobs) == 1:
         return [run_job(job) for job in jobs]
     spawn = multiprocessing.get_context("spawn")  # no event loop nor thread carried over
     workers = len(jobs) if at_once <= 0 else min(at_once, len(jobs))
+    delayed = [replace(job, delay_s=(i % workers) * stagger_s) for i, job in enumerate(jobs)]
     with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-        return list(pool.map(run_job, jobs))
+        return list(pool.map(run_job, delayed))
 
 
 async def run_setup(
@@ -466,12 +483,14 @@ async def _hpa(
 
 def _prompts(
     args: argparse.Namespace, phases: list[Phase], schedule: list[tuple[float, int]]
-) -> list[str]:
-    """One prompt of its phase's length a request, of random words (nothing shared, nothing
-    cached), exact in the served tokenizer's tokens."""
+) -> list[list[int]]:
+    """One prompt of its phase's length a request, token ids of random words (nothing shared,
+    nothing cached). Ids, not text: the workers model GPUs, and tokenizing 8 prompts of 4000
+    tokens a second would take their host a third of a core that no GPU spends (a setup's
+    CPU at the 8x burst, with three more setups beside it, slowed every simulated step)."""
     text = TokenText(load_tokenizer(default_model_path()))
     rng = random.Random(args.seed)
-    return [text.random(phases[ph].prompt_tokens, rng) for _, ph in schedule]
+    return [text.random_ids(phases[ph].prompt_tokens, rng) for _, ph in schedule]
 
 
 def _scale(r: RequestRecord, k: float) -> None:
@@ -655,6 +674,7 @@ def run(args: argparse.Namespace) -> int:
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
         "headroom": args.headroom,
+        "stagger_s": round(stagger_of(args, phases), 1),
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
     }  # fmt: skip
     started = time.perf_counter()
@@ -669,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
         Job(kind, kind, start, args, phases)
         for kind in setups if kind != "fixed"
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
-    results = dict(zip((j.name for j in jobs), run_jobs(jobs, args.jobs)))
+    results = dict(zip((j.name for j in jobs), run_jobs(jobs, args.jobs, stagger_of(args, phases))))
     for kind in setups:
         if kind != "fixed":
             out[kind] = results[kind]
@@ -720,7 +740,7 @@ def tune_hpa(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [
         {"target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
          "gpu_hours": got["gpu_hours"], "most_workers": got["most_workers"]}
-        for target, got in zip(targets, run_jobs(jobs, args.jobs))
+        for target, got in zip(targets, run_jobs(jobs, args.jobs, stagger_of(args, jobs[0].phases)))
     ]  # fmt: skip
 
 
@@ -731,7 +751,7 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"{out['time_scale']:g}, SLO TTFT {out['slo']['ttft_ms']:g} ms, ITL "
         f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}; HPA target "
         f"{out['hpa_targets']['prefill']:g} a P; fixed split {out.get('fixed_split')}; "
-        f"{out['wall_s']:.0f} s in all",
+        f"setups {out['stagger_s']:g} s apart, {out['wall_s']:.0f} s in all",
         f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}"
         f" {'overshoot':>9}",
     ]

@@ -26,20 +26,27 @@ class TextTokenizer(Protocol):
 class TokenText:
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
-        words = []
+        words, ids = [], []
         for token_id in range(tokenizer.vocab_size):
             text = tokenizer.decode([token_id], False)
             if WORD.fullmatch(text) and tokenizer.encode(text) == [token_id]:
                 words.append(text)
+                ids.append(token_id)
         if len(words) < MIN_WORDS:
             raise ValueError(
                 f"the tokenizer has only {len(words)} plain-word tokens (need {MIN_WORDS}): "
                 "prompts of exact lengths cannot be built from it"
             )
         self.words = words
+        self.word_ids = ids  # each word's token id
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
+
+    def random_ids(self, n: int, rng: random.Random) -> list[int]:
+        """`n` token ids of words drawn from `rng` (the words `random` draws from the same
+        state): a prompt that no server has to tokenize."""
+        return rng.choices(self.word_ids, k=n)
 
     def random(self, n: int, rng: random.Random) -> str:
         """`n` tokens of words drawn from `rng`."""
