@@ -19,6 +19,7 @@ from pd.bench.elastic.run import (
     meets_peak,
     phase_scale_of,
     phases_of,
+    stagger_of,
     startup_of,
 )
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
@@ -111,3 +112,31 @@ def test_the_fixed_splits_tried_and_the_one_that_meets_the_peak():
     assert meets_peak(got, phases)  # a ramp is not held
     got["phases"]["burst"]["attainment"] = 0.89
     assert not meets_peak(got, phases)
+
+
+def test_setups_at_once_start_a_burst_apart():
+    full_args = _args()
+    burst = next(p for p in phases_of(full_args) if p.name == "burst-8x")
+    assert stagger_of(full_args, phases_of(full_args)) == pytest.approx(1.25 * burst.seconds)
+    slower = _args("--time-scale", "2")
+    assert stagger_of(slower, phases_of(slower)) == pytest.approx(2.5 * burst.seconds)  # real s
+    assert stagger_of(_args("--stagger-s", "0"), phases_of(full_args)) == 0
+
+
+def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
+    import time
+
+    from pd.bench.elastic.cpu import CpuWatch, busy_share
+
+    assert busy_share((100, 400), (250, 600)) == pytest.approx(0.75)
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 ...\n")
+    with CpuWatch(window_s=0.05, path=str(stat)) as cpu:
+        time.sleep(0.1)
+        stat.write_text("cpu  250 0 250 800 100 0 0 0 0 0\n")  # 300 busy of 400 more
+        time.sleep(0.15)
+    got = cpu.summary()
+    assert got is not None and got["mean"] == pytest.approx(0.75)
+    assert got["max_window"] == pytest.approx(0.75) and got["over_limit"]
+    assert CpuWatch(path=str(tmp_path / "none")).__enter__().summary() is None

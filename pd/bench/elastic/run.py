@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from pd.bench.elastic.cpu import LIMIT, CpuWatch
 from pd.bench.elastic.hpa import HPA, PERIOD_S
 from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, scaled
 from pd.bench.pd import _spawn, _wait_healthy
@@ -689,7 +690,10 @@ def run(args: argparse.Namespace) -> int:
         Job(kind, kind, start, args, phases)
         for kind in setups if kind != "fixed"
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
-    results = dict(zip((j.name for j in jobs), run_jobs(jobs, args.jobs, stagger_of(args, phases))))
+    with CpuWatch() as cpu:
+        done = run_jobs(jobs, args.jobs, stagger_of(args, phases))
+    results = dict(zip((j.name for j in jobs), done))
+    out["cpu"] = cpu.summary()
     for kind in setups:
         if kind != "fixed":
             out[kind] = results[kind]
@@ -782,6 +786,13 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         ) + f"; chose {out['hpa_targets']['prefill']:g}")  # fmt: skip
     if "fit_error" in out:
         lines.append(f"planner fit error: {out['fit_error']:.3f}")
+    if out.get("cpu"):
+        cpu = out["cpu"]
+        lines.append(
+            f"CPU busy: {100 * cpu['mean']:.0f}% mean, {100 * cpu['max_window']:.0f}% in the "
+            f"busiest {cpu['window_s']:g} s"
+            + (f" (over {100 * LIMIT:.0f}%: raise --time-scale)" if cpu["over_limit"] else "")
+        )
     if math.isfinite(out.get("gpu_hours_vs_fixed", math.nan)):
         lines.append(f"planner GPU-hours / fixed: {out['gpu_hours_vs_fixed']:.3f}")
     return "\n".join(lines)
