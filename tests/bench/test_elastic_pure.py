@@ -4,11 +4,14 @@ recommendation of its stabilization window; a bad `--fixed` split is refused."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+import time
 
 import pytest
 
+from pd.bench.elastic.cpu import CpuWatch, busy_share
 from pd.bench.elastic.hpa import HPA
 from pd.bench.elastic.run import (
     FULL_PHASE_SCALE,
@@ -76,9 +79,7 @@ def test_a_bad_fixed_split_is_refused_before_anything_starts(text):
     assert given_split("3,1") == (3, 1)
 
 
-def _args(*argv: str):
-    import argparse
-
+def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_arguments(p)
     return p.parse_args(list(argv))
@@ -124,10 +125,6 @@ def test_setups_at_once_start_a_burst_apart():
 
 
 def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
-    import time
-
-    from pd.bench.elastic.cpu import CpuWatch, busy_share
-
     assert busy_share((100, 400), (250, 600)) == pytest.approx(0.75)
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal

@@ -233,8 +233,7 @@ def given_split(text: str) -> tuple[int, int]:
 
 def given_splits(text: str) -> list[tuple[int, int]]:
     """`--fixed P,D[/P,D...]`, smallest first (fewest workers, then fewer prefill)."""
-    splits = sorted({given_split(part) for part in text.split("/")}, key=lambda s: (sum(s), s))
-    return splits
+    return sorted({given_split(part) for part in text.split("/")}, key=lambda s: (sum(s), s))
 
 
 def fixed_candidates(args: argparse.Namespace, phases: list[Phase]) -> list[tuple[int, int]]:
@@ -667,6 +666,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"pd-bench elastic: --fixed {args.fixed!r}: {e}", file=sys.stderr)
             return 2
+    stagger = stagger_of(args, phases)
     out: dict[str, Any] = {
         "profile": args.simulate,
         "trace": trace_of(args), "phase_scale": phase_scale_of(args),
@@ -675,7 +675,7 @@ def run(args: argparse.Namespace) -> int:
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
         "headroom": args.headroom,
-        "stagger_s": round(stagger_of(args, phases), 1),
+        "stagger_s": round(stagger, 1),
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
     }  # fmt: skip
     started = time.perf_counter()
@@ -691,7 +691,7 @@ def run(args: argparse.Namespace) -> int:
         for kind in setups if kind != "fixed"
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
-        done = run_jobs(jobs, args.jobs, stagger_of(args, phases))
+        done = run_jobs(jobs, args.jobs, stagger)
     results = dict(zip((j.name for j in jobs), done))
     out["cpu"] = cpu.summary()
     for kind in setups:
