@@ -114,6 +114,7 @@ class _RoleState:
     floor: int = 0  # the predictive floor of the last observation
     needed_at: float = -math.inf  # when one worker fewer last would not have held
     misses: int = 0  # observations in a row whose estimate missed the SLO
+    enough: int = 0  # the most workers the observations since `needed_at` needed
 
 
 class Planner:
@@ -250,19 +251,21 @@ class Planner:
                     f"{name} {est:.3f} s over {slo:.3f}" if est is not None and est > slo else full
                 )
                 reasons.append(f"{role}: {why}")
-            fewer = estimate(obs, current - 1) if current > low else None
-            enough = (
-                target == current > low
-                and floor <= current - 1
-                and fewer is not None
-                and fewer <= self.knobs.down_margin * slo
-                and (role != "decode" or self._kv_room(obs, current - 1))
+            fewest = (
+                self._fewest(obs, role, max(low, floor), current) if target == current else None
             )
-            if not enough:
+            if fewest is None:
                 state.needed_at = obs.at  # the workers there are were all needed, now
-            elif obs.at - max(state.changed_at, state.needed_at) >= self.knobs.cooldown_s:
-                target = current - 1  # one fewer would have held for the whole cool-down
-                reasons.append(f"{role}: {current - 1} would hold {name} {fewer:.3f} s")
+                state.enough = 0
+            else:
+                # Stabilized as HPA's scale-down: the most workers any observation of the
+                # cool-down needed
+                state.enough = max(state.enough, fewest)
+                if obs.at - max(state.changed_at, state.needed_at) >= self.knobs.cooldown_s:
+                    target = state.enough  # so few would have held for the whole cool-down
+                    fewer = estimate(obs, target)
+                    assert fewer is not None
+                    reasons.append(f"{role}: {target} would hold {name} {fewer:.3f} s")
             want[role] = min(max(target, low), high)
         self._within_budget(want, pressure, reasons)
         for role in ROLES:
@@ -291,6 +294,21 @@ class Planner:
             return obs, ""
         words = f" ({ahead:.2f}/s in {self.knobs.forecast_s:g} s, rising)"
         return replace(obs, arrivals_per_s=ahead), words
+
+    def _fewest(self, obs: Observation, role: str, least: int, current: int) -> int | None:
+        """The fewest workers, from `least`, below `current` whose estimate stays within
+        `down_margin` of the SLO (and, for decode, whose pools hold the KV in use with that
+        margin); None: not one fewer."""
+        estimate, slo = (
+            (self.ttft, self.slo.ttft_s) if role == "prefill" else (self.itl, self.slo.itl_s)
+        )
+        for n in range(max(least, 1), current):
+            est = estimate(obs, n)
+            if est is None:
+                return None
+            if est <= self.knobs.down_margin * slo and (role != "decode" or self._kv_room(obs, n)):
+                return n
+        return None
 
     def _kv_full(self, obs: Observation, n: int) -> str | None:
         """Why `n` decode workers' KV pools are too full (None: they are not)."""
@@ -332,6 +350,7 @@ class Planner:
         else:
             state.downs += 1
         state.last_step, state.target, state.changed_at = step, target, now
+        state.enough = 0
 
     @property
     def direction_changes(self) -> int:

@@ -1,6 +1,6 @@
 """The planner's core (pd/planner) against a fluid model of a PD cluster on a fake clock: its fits
 find the model's true costs, a constant load never turns it back and forth, a prefill-heavy load
-grows prefill alone, a fall in load shrinks one worker at a time after the cool-down, and the
+grows prefill alone, a fall in load shrinks after the cool-down to what it needed throughout, and the
 budget is shared."""
 
 from __future__ import annotations
@@ -164,30 +164,34 @@ def test_a_prefill_heavy_load_grows_prefill_alone():
     assert after.ttft_s is not None and after.ttft_s <= SLOS.ttft_s
 
 
-def test_a_fall_in_load_shrinks_one_worker_at_a_time_after_the_cooldown():
+def test_a_fall_in_load_shrinks_after_the_cooldown_to_what_it_needed_throughout():
+    """A fall shrinks a role a whole cool-down after its last need, at once to the most workers
+    any observation of that cool-down needed (stabilized as HPA's scale-down): a step down that
+    passes a level on its way shrinks to that level first."""
     knobs = PlannerKnobs(cooldown_s=60.0)
     planner = Planner(SLOS, knobs=knobs)
     fluid = Fluid(prefill=1, decode=1)
     at = run(planner, fluid, minutes(4, Load(arrivals=12.0)))
     peak = planner.decisions[-1]
-    run(planner, fluid, minutes(8, Load(arrivals=1.0)), at)
+    fell = at
+    at = run(planner, fluid, minutes(0.5, Load(arrivals=6.0)), at)  # half the peak's, 30 s
+    at = run(planner, fluid, minutes(8, Load(arrivals=1.0)), at)
     low = planner.decisions[-1]
-    assert low.prefill < peak.prefill and low.decode <= peak.decode
-    downs = [
+    assert low.prefill == 1 and low.decode == 1 and peak.prefill >= 4
+    changes = [
         (a, b)
         for a, b in zip(planner.decisions, planner.decisions[1:])
-        if (b.prefill, b.decode) != (a.prefill, a.decode) and b.at >= at
+        if (b.prefill, b.decode) != (a.prefill, a.decode) and b.at >= fell
     ]
-    assert downs, "it shrank"
-    for a, b in downs:
-        assert a.prefill - b.prefill <= 1 and a.decode - b.decode <= 1  # one at a time
-    by_role = {"prefill": [], "decode": []}
-    for a, b in downs:
-        for role in by_role:
-            if getattr(b, role) != getattr(a, role):
-                by_role[role].append(b.at)
-    for times in by_role.values():
-        assert all(t2 - t1 >= knobs.cooldown_s for t1, t2 in zip(times, times[1:]))
+    prefill = [(b.at, b.prefill) for a, b in changes if b.prefill != a.prefill]
+    assert len(prefill) == 2, prefill  # to the half load's need, then to one
+    (first_at, first), (second_at, second) = prefill
+    last_peak = fell - INTERVAL  # its last observation at the peak
+    assert first_at - last_peak >= knobs.cooldown_s and second_at - first_at >= knobs.cooldown_s
+    half = Planner(SLOS, knobs=knobs)
+    half.rate_fit = planner.rate_fit
+    assert first == max(2, half.floor(Fluid(first, 1).observe(0, Load(6.0)), "prefill", 1.1))
+    assert second == 1 and first < peak.prefill
     assert planner.direction_changes <= 2  # one turn per role, up then down
     for d in planner.decisions:
         assert d.prefill >= 1 and d.decode >= 1

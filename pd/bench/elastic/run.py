@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from pd.bench.elastic.cpu import LIMIT, CpuWatch
-from pd.bench.elastic.hpa import HPA, PERIOD_S
+from pd.bench.elastic.hpa import HPA, PERIOD_S, STABILIZATION_S
 from pd.bench.elastic.trace import TRACES, Phase, arrivals, bounds, scaled
 from pd.bench.pd import _spawn, _wait_healthy
 from pd.bench.plan_search import Search, attainment_at
@@ -105,9 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a new worker's modeled start-up (default: the profile's x the phase "
                    "scale; --quick: 5)")  # fmt: skip
     p.add_argument("--cooldown-s", type=float, default=None,
-                   help="the planner's cool-down (default 60; --quick: 10)")  # fmt: skip
+                   help="the planner's cool-down (default 60 x the phase scale; --quick: 10)")  # fmt: skip
     p.add_argument("--interval-s", type=float, default=None,
-                   help="the planner's observation interval (default 5; --quick: 2)")  # fmt: skip
+                   help="the planner's observation interval (default 5 x the phase scale; "
+                   "--quick: 2); its arrival window is 12 of them")  # fmt: skip
     p.add_argument("--spares", type=int, default=None,
                    help="spare workers a role, started parked before the load and activated at "
                    "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
@@ -130,6 +131,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "attainment at 4x, docs/EXPERIMENTS.md section 29)")  # fmt: skip
     p.add_argument("--hpa-decode-target", type=float, default=16.0,
                    help="HPA's target of running requests per decode worker")  # fmt: skip
+    p.add_argument("--hpa-period-s", type=float, default=None,
+                   help="HPA's period (default: its 15 s x the phase scale)")  # fmt: skip
+    p.add_argument("--hpa-stabilization-s", type=float, default=None,
+                   help="HPA's scale-down stabilization (default: its 300 s x the phase scale)")  # fmt: skip
     p.add_argument("--hpa-tune", default=None,
                    help="prefill targets to try first (e.g. 0.5,1,2,4), each on the plateau "
                    "trace at phase scale 1, at once: HPA then runs with the one of the best "
@@ -191,6 +196,28 @@ def startup_of(args: argparse.Namespace) -> float:
 def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
     value = getattr(args, name)
     return value if value is not None else (quick_value if args.quick else default)
+
+
+def controller_s(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
+    """A controller's modeled seconds (the planner's interval and cool-down, HPA's period and
+    stabilization): the flag's, else (`--quick`: `quick_value`) its default x the phase scale.
+    The run is the trace shrunk in time as a whole: a phase keeps its length in cool-downs and
+    in HPA periods as it keeps it in start-ups; at phase scale 1 they are the defaults."""
+    return knob(args, name, quick_value, default * phase_scale_of(args))
+
+
+def planner_seconds(args: argparse.Namespace) -> tuple[float, float, float]:
+    """The planner's interval, cool-down and arrival window (12 intervals), modeled seconds."""
+    interval = controller_s(args, "interval_s", 2.0, 5.0)
+    return interval, controller_s(args, "cooldown_s", 10.0, 60.0), 12 * interval
+
+
+def hpa_seconds(args: argparse.Namespace) -> tuple[float, float]:
+    """HPA's period and scale-down stabilization, modeled seconds (its defaults in --quick)."""
+    return (
+        controller_s(args, "hpa_period_s", PERIOD_S, PERIOD_S),
+        controller_s(args, "hpa_stabilization_s", STABILIZATION_S, STABILIZATION_S),
+    )
 
 
 # ----------------------------------------------------------------------------- the fixed split
@@ -357,10 +384,10 @@ async def _drive(
     run: Run,
 ) -> Run:
     k = args.time_scale
+    interval, cooldown, window = planner_seconds(args)
     cfg = PlannerConfig(
         router=url, connector="simulated", slo_ttft_ms=args.slo_ttft_ms,
-        slo_itl_ms=args.slo_itl_ms, interval_s=knob(args, "interval_s", 2.0, 5.0),
-        cooldown_s=knob(args, "cooldown_s", 10.0, 60.0), window_s=knob(args, "interval_s", 2.0, 5.0) * 12,
+        slo_itl_ms=args.slo_itl_ms, interval_s=interval, cooldown_s=cooldown, window_s=window,
         min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
@@ -455,12 +482,17 @@ async def _hpa(
     targets: dict[str, int],
     stop: asyncio.Event,
 ) -> None:
-    """HPA v2 per role every 15 s (modeled) on the router's running requests per worker."""
+    """HPA v2 per role every period (15 s x the phase scale, modeled) on the router's running
+    requests per worker."""
     k = args.time_scale
     reader = ClusterReader(url, k, admin_token=ADMIN)
+    period, stabilization = hpa_seconds(args)
     hpas = {
-        "prefill": HPA(args.hpa_prefill_target, args.min_prefill, args.max_prefill),
-        "decode": HPA(args.hpa_decode_target, args.min_decode, args.max_decode),
+        role: HPA(target, low, high, stabilization_s=stabilization)
+        for role, target, low, high in (
+            ("prefill", args.hpa_prefill_target, args.min_prefill, args.max_prefill),
+            ("decode", args.hpa_decode_target, args.min_decode, args.max_decode),
+        )
     }
     async with aiohttp.ClientSession() as http:
         while not stop.is_set():
@@ -476,7 +508,7 @@ async def _hpa(
                 decision = Decision(obs.at, targets["prefill"], targets["decode"], ("hpa",))
                 await connector.apply(decision, obs)
             try:
-                await asyncio.wait_for(stop.wait(), PERIOD_S * k)
+                await asyncio.wait_for(stop.wait(), period * k)
             except TimeoutError:
                 pass
 
@@ -675,6 +707,8 @@ def run(args: argparse.Namespace) -> int:
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
         "headroom": args.headroom,
+        "planner_s": dict(zip(("interval", "cooldown", "window"), planner_seconds(args))),
+        "hpa_s": dict(zip(("period", "stabilization"), hpa_seconds(args))),
         "stagger_s": round(stagger, 1),
         "hpa_targets": {"prefill": args.hpa_prefill_target, "decode": args.hpa_decode_target},
     }  # fmt: skip
@@ -739,7 +773,8 @@ def tune_hpa(args: argparse.Namespace) -> list[dict[str, Any]]:
     for target in targets:
         tuned = argparse.Namespace(**vars(args))
         tuned.hpa_prefill_target, tuned.phase_scale = target, 1.0
-        tuned.startup_s = startup_of(args)
+        tuned.startup_s = startup_of(args)  # the run's start-up and HPA seconds
+        tuned.hpa_period_s, tuned.hpa_stabilization_s = hpa_seconds(args)
         jobs.append(Job("hpa", f"hpa-tune {target:g}", (1, 1), tuned, phases_of(tuned, "plateau")))
     return [
         {"target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
@@ -753,8 +788,11 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"pd-bench elastic: {out['profile']}, trace {out['trace']} at phase scale "
         f"{out['phase_scale']:g} (start-up {out['startup_s']:g} s), time scale "
         f"{out['time_scale']:g}, SLO TTFT {out['slo']['ttft_ms']:g} ms, ITL "
-        f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}; HPA target "
-        f"{out['hpa_targets']['prefill']:g} a P; fixed split {out.get('fixed_split')}; "
+        f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}, cool-down "
+        f"{out['planner_s']['cooldown']:g} s, window {out['planner_s']['window']:g} s; HPA "
+        f"target {out['hpa_targets']['prefill']:g} a P, period {out['hpa_s']['period']:g} s, "
+        f"stabilization {out['hpa_s']['stabilization']:g} s; fixed split "
+        f"{out.get('fixed_split')}; "
         f"setups {out['stagger_s']:g} s apart, {out['wall_s']:.0f} s in all",
         f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}"
         f" {'overshoot':>9}",
