@@ -18,10 +18,13 @@ more when the estimate misses the SLO (a reactive step). The floor sizes for the
 there; and where the arrival rate's trend rises beyond 3 standard deviations (trend.py), it
 sizes for the trend's line `forecast_s` (a start-up) ahead. The floor has a dead band
 (`floor_band`): it grows a role when the arrivals less 10% need it, and lets a worker go only
-when the arrivals plus 10% do not. A role shrinks by one worker only when its floor allows it, the load spread over one worker fewer still estimates within `down_margin`
-of the SLO, and `cooldown_s` has passed since its last change: so a constant load never turns it
-back and forth. Bounds per role, and a budget of workers both roles share: when the two targets
-exceed it, the role further from its SLO keeps its growth first.
+when the arrivals plus 10% do not. A role shrinks only when, for a whole `cooldown_s` (and a
+`cooldown_s` after its last change), its floor allowed fewer workers and the load spread over
+them still estimated within `down_margin` of the SLO; then at once to the most workers any
+observation of that cool-down needed (HPA's stabilized scale-down, on tokens): so a constant
+load never turns it back and forth, and a fall is followed in one step. Bounds per role, and a
+budget of workers both roles share: when the two targets exceed it, the role further from its
+SLO keeps its growth first.
 """
 
 from __future__ import annotations
@@ -234,10 +237,10 @@ class Planner:
             load = 1 + self.knobs.headroom  # the arrivals x this, as `floor` takes them
             state.floor = self.floor(sized, role, load)
             band = self.knobs.floor_band
-            floor = self.floor(sized, role, load * (1 - band))  # to grow: needed even at 1 - band
-            if floor > target:
-                target = floor
-                reasons.append(f"{role}: the arrivals{ahead} need {floor}")
+            grow = self.floor(sized, role, load * (1 - band))  # to grow: needed even at 1 - band
+            if grow > target:
+                target = grow
+                reasons.append(f"{role}: the arrivals{ahead} need {grow}")
             floor = self.floor(sized, role, load * (1 + band))  # to shrink: not even at 1 + band
             # A reactive step waits for the last one: its worker is not ready yet (the load it
             # would take still shows on the others).

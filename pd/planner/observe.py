@@ -11,7 +11,6 @@ planner's time), not one poll: a few seconds of a bursty load say little of its 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,13 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd.planner.signals import Observation, StepSample, WorkerSignals
 from pd.planner.trend import trend
+from pd.planner.window import Totals, windowed
 
 PLANNED = ("prefill", "decode")  # a co-located ("both") worker is not planned
 # Not ready for these: not a worker of its role yet (or any more).
 NOT_COUNTED = ("starting", "draining", "parked")
-RECENT_POLLS = 3  # the short window a rising arrival rate is read over
-RISE_SIGMAS = 2.0
-RECENT_PROMPTS = 8  # prompts done in the last polls before their mean length counts as a rise  # ... when it is this many standard deviations of its count over the window's
 WINDOW_S = 60.0  # the arrival rate's and mean lengths' window (the planner's seconds)
 
 
@@ -46,20 +43,6 @@ class _Seen:
 
 
 @dataclass
-class _Totals:
-    """The cluster's counters at one poll, for the windowed rates."""
-
-    at: float
-    arrivals: float
-    prefill_tokens: int
-    prefills_done: int
-    sampled_tokens: int
-    prefill_latency_s: float  # arrival to prompt computed, summed over the prefills done
-    ttft_s: float  # the router's TTFT: its sum and count
-    ttfts: float
-
-
-@dataclass
 class ClusterReader:
     router_url: str
     time_scale: float = 1.0
@@ -68,7 +51,7 @@ class ClusterReader:
     admin_token: str | None = None  # the router's: its worker list needs it when it has one
     clock: Callable[[], float] = time.monotonic
     _seen: dict[str, _Seen] = field(default_factory=dict)
-    _totals: deque[_Totals] = field(default_factory=deque)
+    _totals: deque[Totals] = field(default_factory=deque)
     # (at, arrivals) of the polls over two windows: the rate's trend (trend.py)
     _arrived: deque[tuple[float, float]] = field(default_factory=deque)
     _start: float | None = None
@@ -99,7 +82,7 @@ class ClusterReader:
         signals = tuple(s for s in reports if s is not None)
         arrivals, ttft_s, ttfts = await self._router_counters(http)
         self._totals.append(
-            _Totals(
+            Totals(
                 at,
                 arrivals,
                 int(self._counters["tokens"]),
@@ -108,6 +91,7 @@ class ClusterReader:
                 self._counters["latency"],
                 ttft_s,
                 ttfts,
+                sum(s.queued_prefill_tokens for s in signals if s.role == "prefill"),
             )
         )
         while len(self._totals) > 2 and at - self._totals[1].at >= self.window_s:
@@ -115,43 +99,14 @@ class ClusterReader:
         self._arrived.append((at, arrivals))
         while len(self._arrived) > 2 and at - self._arrived[1][0] >= 2 * self.window_s:
             self._arrived.popleft()
-        first, last = self._totals[0], self._totals[-1]
-        span = last.at - first.at
-        rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
-        # A rise shows at once: the rate of the last few polls when it is higher by more than
-        # the noise of their few seconds' count (two standard deviations of a Poisson count), so
-        # that a steady load's fluctuations never read as a rise (a fall waits for the window, as
-        # scale-downs wait for their cool-down).
-        recent = self._totals[-min(len(self._totals), RECENT_POLLS + 1)]
-        short = last.at - recent.at
-        if short > 0:
-            count = last.arrivals - recent.arrivals
-            if count / short - rate > RISE_SIGMAS * math.sqrt(max(count, 1.0)) / short:
-                rate = count / short
-        done = last.prefills_done - first.prefills_done
-        prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
-        # Longer prompts show at once too: the last polls' mean when it is higher, over enough
-        # prompts to be one (a phase of long prompts at the same rate needs more prefill now).
-        lately = last.prefills_done - recent.prefills_done
-        if lately >= RECENT_PROMPTS:
-            prompt = max(prompt, (last.prefill_tokens - recent.prefill_tokens) / lately)
-        # Each request's first token is sampled on P, the others on D.
-        output = (last.sampled_tokens - first.sampled_tokens) / done + 1 if done else 0.0
-        # The TTFT's part that no prefill worker serves (the hops, the KV pull, D's first
-        # token): the router's mean TTFT less the prefill workers' mean arrival-to-prompt-done,
-        # over the window.
-        overhead = 0.0
-        ttfts = last.ttfts - first.ttfts
-        if done and ttfts:
-            p_latency = (last.prefill_latency_s - first.prefill_latency_s) / done
-            overhead = max(0.0, (last.ttft_s - first.ttft_s) / ttfts - p_latency)
+        w = windowed(self._totals)
         return Observation(
             at,
             signals,
-            max(0.0, rate),
-            prompt,
-            output,
-            overhead / self.time_scale,
+            w.arrivals_per_s,
+            w.prompt_tokens,
+            w.output_tokens,
+            w.ttft_overhead_s / self.time_scale,
             trend(self._arrived),
         )
 
