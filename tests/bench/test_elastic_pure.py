@@ -1,6 +1,7 @@
 """`pd-bench elastic`'s pure parts: the load trace's arrivals follow each phase's rate (a ramp's
 rising), and HPA v2's algorithm scales up at once past its tolerance and down only to the highest
-recommendation of its stabilization window; a bad `--fixed` split is refused."""
+recommendation of its stabilization window; the controllers' seconds shrink with the phases; a
+bad `--fixed` split is refused."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from pd.bench.elastic.run import (
     fixed_candidates,
     given_split,
     given_splits,
+    hpa_seconds,
     meets_peak,
     phase_scale_of,
     phases_of,
+    planner_seconds,
     stagger_of,
     startup_of,
 )
@@ -98,6 +101,20 @@ def test_the_full_trace_is_shrunk_as_a_whole_by_default_and_the_others_are_not()
     assert startup_of(_args("--startup-s", "36")) == 36
     assert phase_scale_of(_args("--quick")) == 1.0 and startup_of(_args("--quick")) == 5.0
     assert phase_scale_of(_args("--trace", "plateau")) == 1.0
+
+
+def test_the_controllers_seconds_shrink_with_the_phases_unless_given():
+    """The planner's interval, window and cool-down and HPA's period and stabilization are the
+    trace's seconds too: x the phase scale (the defaults at 1), as given when given."""
+    f = FULL_PHASE_SCALE
+    assert planner_seconds(_args()) == pytest.approx((5 * f, 60 * f, 60 * f))
+    assert hpa_seconds(_args()) == pytest.approx((15 * f, 300 * f))
+    assert planner_seconds(_args("--phase-scale", "1")) == (5.0, 60.0, 60.0)
+    assert hpa_seconds(_args("--phase-scale", "1")) == (15.0, 300.0)
+    assert planner_seconds(_args("--cooldown-s", "45", "--interval-s", "3")) == (3.0, 45.0, 36.0)
+    assert hpa_seconds(_args("--hpa-stabilization-s", "200")) == pytest.approx((15 * f, 200))
+    assert planner_seconds(_args("--quick")) == (2.0, 10.0, 24.0)
+    assert hpa_seconds(_args("--quick")) == (15.0, 300.0)
 
 
 def test_the_fixed_splits_tried_and_the_one_that_meets_the_peak():
