@@ -18,11 +18,11 @@ more when the estimate misses the SLO (a reactive step). The floor sizes for the
 there; and where the arrival rate's trend rises beyond 3 standard deviations (trend.py), it
 sizes for the trend's line `forecast_s` (a start-up) ahead. The floor has a dead band
 (`floor_band`): it grows a role when the arrivals less 10% need it, and lets a worker go only
-when the arrivals plus 10% do not. A role shrinks only when, for a whole `cooldown_s` (and a
-`cooldown_s` after its last change), its floor allowed fewer workers and the load spread over
-them still estimated within `down_margin` of the SLO; then at once to the most workers any
-observation of that cool-down needed (HPA's stabilized scale-down, on tokens): so a constant
-load never turns it back and forth, and a fall is followed in one step. Bounds per role, and a
+when the arrivals plus 10% do not. A role shrinks to the most workers any observation of the
+last `cooldown_s` needed (HPA's stabilization window, on tokens): an observation needs all the
+workers there are (or more, where it grew them) unless its floor allowed fewer and the load
+spread over them estimated within `down_margin` of the SLO, and then the fewest such. So a
+constant load never turns it back and forth, and a fall is followed a cool-down behind it. Bounds per role, and a
 budget of workers both roles share: when the two targets exceed it, the role further from its
 SLO keeps its growth first.
 """
@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from pd.planner.fit import RateFit, StepFit
 from pd.planner.queueing import servers_for
@@ -109,15 +110,16 @@ def _fmt(v: float | None) -> str:
 @dataclass
 class _RoleState:
     target: int | None = None
-    changed_at: float = -math.inf
     last_step: int = 0  # +1 or -1: the direction of its last change
     direction_changes: int = 0
     ups: int = 0  # decisions that grew it, and that shrank it
     downs: int = 0
     floor: int = 0  # the predictive floor of the last observation
-    needed_at: float = -math.inf  # when one worker fewer last would not have held
+    since: float = math.inf  # its first observation
     misses: int = 0  # observations in a row whose estimate missed the SLO
-    enough: int = 0  # the most workers the observations since `needed_at` needed
+    # (at, workers it needed) of each observation of the last cool-down: a shrink goes to
+    # their most (HPA's stabilization window)
+    needs: deque[tuple[float, int]] = field(default_factory=deque)
 
 
 class Planner:
@@ -227,7 +229,7 @@ class Planner:
             current = state.target
             if current is None:  # first sight: it shrinks only after a cool-down seen whole
                 current = state.target = len([w for w in obs.workers if w.role == role])
-                state.needed_at = obs.at
+                state.since = obs.at
             estimate, slo, name = estimates[role]
             low, high = self.bounds.of(role)
             est = estimate(obs, current)
@@ -257,15 +259,15 @@ class Planner:
             fewest = (
                 self._fewest(obs, role, max(low, floor), current) if target == current else None
             )
-            if fewest is None:
-                state.needed_at = obs.at  # the workers there are were all needed, now
-                state.enough = 0
-            else:
-                # Stabilized as HPA's scale-down: the most workers any observation of the
-                # cool-down needed
-                state.enough = max(state.enough, fewest)
-                if obs.at - max(state.changed_at, state.needed_at) >= self.knobs.cooldown_s:
-                    target = state.enough  # so few would have held for the whole cool-down
+            # Stabilized as HPA's scale-down: to the most workers any observation of the last
+            # cool-down needed (all there were, or more, where it could not do with fewer)
+            state.needs.append((obs.at, target if fewest is None else fewest))
+            while state.needs[0][0] <= obs.at - self.knobs.cooldown_s:
+                state.needs.popleft()
+            most = max(n for _, n in state.needs)
+            if fewest is not None and most < current:
+                if obs.at - state.since >= self.knobs.cooldown_s:  # a cool-down seen whole
+                    target = most
                     fewer = estimate(obs, target)
                     assert fewer is not None
                     reasons.append(f"{role}: {target} would hold {name} {fewer:.3f} s")
@@ -352,8 +354,7 @@ class Planner:
             state.ups += 1
         else:
             state.downs += 1
-        state.last_step, state.target, state.changed_at = step, target, now
-        state.enough = 0
+        state.last_step, state.target = step, target
 
     @property
     def direction_changes(self) -> int:

@@ -16,6 +16,8 @@ from pd.bench.elastic.cpu import CpuWatch, busy_share
 from pd.bench.elastic.hpa import HPA
 from pd.bench.elastic.run import (
     FULL_PHASE_SCALE,
+    Run,
+    Sample,
     add_arguments,
     fixed_candidates,
     given_split,
@@ -27,6 +29,7 @@ from pd.bench.elastic.run import (
     planner_seconds,
     stagger_of,
     startup_of,
+    summary,
 )
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
@@ -154,3 +157,18 @@ def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
     assert got is not None and got["mean"] == pytest.approx(0.75)
     assert got["max_window"] == pytest.approx(0.75) and got["over_limit"]
     assert CpuWatch(path=str(tmp_path / "none")).__enter__().summary() is None
+
+
+def test_turns_are_counted_by_phase_and_within_a_phase():
+    """A move into a phase that follows the load is no turn within it; a reversal after a move
+    of the same phase is (the issue's "direction changes per plateau")."""
+    phases = [Phase("a", 100, 1.0, 100, 10), Phase("b", 100, 2.0, 100, 10)]
+    sizes = [(0, 1), (50, 2), (110, 1), (150, 2), (170, 3), (190, 2)]  # (at, prefill)
+    run = Run("planner", samples=[
+        Sample(at, {"prefill": p, "decode": 1}, {"prefill": p, "decode": 1}) for at, p in sizes
+    ])  # fmt: skip
+    got = summary(run, _args(), phases)
+    assert (got["scale_ups"], got["scale_downs"]) == (3, 2)
+    assert got["direction_changes"] == 3
+    assert got["direction_changes_per_phase"] == {"b": 3}
+    assert got["direction_changes_within_phase"] == {"b": 2}  # 110's down followed the load

@@ -560,21 +560,29 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
     for before, after in zip(run.samples, run.samples[1:]):
         gpu_s += (after.at - before.at) * sum(before.workers.values()) * gpus
     ups = downs = 0
-    turns: dict[str, int] = {}
+    turns: dict[str, int] = {}  # every reversal, by the phase it fell in
+    within: dict[str, int] = {}  # reversals between two moves of one phase
     spans = bounds(phases)
+
+    def phase_at(at: float) -> str:
+        i = next((j for j, (s, e) in enumerate(spans) if s <= at < e), len(spans) - 1)
+        return phases[i].name
+
     for role in ("prefill", "decode"):
         series = [(s.at, s.targets[role]) for s in run.samples]
-        last_dir = 0
+        last_dir, last_phase = 0, None
         for (_, was), (at, now) in zip(series, series[1:]):
             if was == now:
                 continue
             step = 1 if now > was else -1
             ups += step > 0
             downs += step < 0
+            phase = phase_at(at)
             if last_dir and step != last_dir:
-                i = next((j for j, (s, e) in enumerate(spans) if s <= at < e), len(spans) - 1)
-                turns[phases[i].name] = turns.get(phases[i].name, 0) + 1
-            last_dir = step
+                turns[phase] = turns.get(phase, 0) + 1
+                if phase == last_phase:
+                    within[phase] = within.get(phase, 0) + 1
+            last_dir, last_phase = step, phase
     per_phase = {}
     for i, ph in enumerate(phases):
         recs = [r for r, p in zip(run.records, run.phase_of) if p == i]
@@ -593,6 +601,9 @@ def summary(run: Run, args: argparse.Namespace, phases: list[Phase]) -> dict[str
         "scale_downs": downs,
         "direction_changes": sum(turns.values()),
         "direction_changes_per_phase": turns,
+        # the "per plateau": a phase's first move follows the load into it; a reversal
+        # after a move of the same phase is the controller turning back on one load
+        "direction_changes_within_phase": within,
         "lost": sum(not r.ok for r in run.records),
         "errors": whole.get("errors", {}),
         "initial": {"prefill": run.initial[0], "decode": run.initial[1]},
@@ -794,14 +805,15 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"stabilization {out['hpa_s']['stabilization']:g} s; fixed split "
         f"{out.get('fixed_split')}; "
         f"setups {out['stagger_s']:g} s apart, {out['wall_s']:.0f} s in all",
-        f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} {'lost':>4}"
-        f" {'overshoot':>9}",
+        f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} "
+        f"{'in-phase':>8} {'lost':>4} {'overshoot':>9}",
     ]
     for kind in setups:
         s = out[kind]
         lines.append(
             f"{kind:8} {s['attainment']:7.3f} {s['gpu_hours']:8.4f} {s['scale_ups']:4d} "
-            f"{s['scale_downs']:5d} {s['direction_changes']:5d} {s['lost']:4d}"
+            f"{s['scale_downs']:5d} {s['direction_changes']:5d} "
+            f"{max(s['direction_changes_within_phase'].values(), default=0):8d} {s['lost']:4d}"
             f" {s['clock_overshoot'] or 0:9.3f}"
         )
     for kind in setups:
