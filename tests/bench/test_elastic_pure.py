@@ -157,6 +157,14 @@ def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
     assert got is not None and got["mean"] == pytest.approx(0.75)
     assert got["max_window"] == pytest.approx(0.75) and got["over_limit"]
     assert CpuWatch(path=str(tmp_path / "none")).__enter__().summary() is None
+    assert cpu.summary(since=time.time() + 60) is None  # no window began that late
+    # the windows from `since` on only: the set-ups before the loads are not the measure
+    cpu.windows = [(100.0, 90, 100), (110.0, 30, 100), (120.0, 50, 100)]
+    cpu.started = 85.0
+    late = cpu.summary(since=100.0)
+    assert late is not None and late["mean"] == pytest.approx(0.4)
+    assert late["max_window"] == pytest.approx(0.5) and not late["over_limit"]
+    assert late["from_s"] == 15.0
 
 
 def test_turns_are_counted_by_phase_and_within_a_phase():

@@ -6,6 +6,7 @@ GPU would (the issue's rule: raise `--time-scale` past 70%)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 WINDOW_S = 10.0
@@ -36,13 +37,16 @@ class CpuWatch:
     def __init__(self, window_s: float = WINDOW_S, path: str = "/proc/stat") -> None:
         self.window_s = window_s
         self.path = path
-        self.windows: list[float] = []
+        # (its end, `time.time()`; busy and all jiffies of all cores)
+        self.windows: list[tuple[float, float, float]] = []
+        self.started = time.time()
         self._first: tuple[float, float] | None = None
         self._last: tuple[float, float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
 
     def __enter__(self) -> CpuWatch:
+        self.started = time.time()
         self._first = self._last = _times(self.path)
         if self._first is not None:
             self._thread.start()
@@ -62,17 +66,24 @@ class CpuWatch:
         now = _times(self.path)
         if now is None or self._last is None:
             return
-        self.windows.append(busy_share(self._last, now))
+        self.windows.append((time.time(), now[0] - self._last[0], now[1] - self._last[1]))
         self._last = now
 
-    def summary(self) -> dict[str, Any] | None:
-        """The mean share busy and the busiest window's (None: not measured here)."""
-        if self._first is None or self._last is None or not self.windows:
+    def summary(self, since: float | None = None) -> dict[str, Any] | None:
+        """The mean share busy and the busiest window's, of the windows that began at `since`
+        (`time.time()`) or later (None: all; None returned: not measured here)."""
+        kept = [
+            (busy, total)
+            for end, busy, total in self.windows
+            if total > 0 and (since is None or end - self.window_s >= since - 1e-6)
+        ]
+        if self._first is None or self._last is None or not kept:
             return None
-        mean = busy_share(self._first, self._last)
+        shares = [busy / total for busy, total in kept]
         return {
-            "mean": round(mean, 3),
-            "max_window": round(max(self.windows), 3),
+            "mean": round(sum(b for b, _ in kept) / sum(t for _, t in kept), 3),
+            "max_window": round(max(shares), 3),
             "window_s": self.window_s,
-            "over_limit": max(self.windows) > LIMIT,
+            "over_limit": max(shares) > LIMIT,
+            "from_s": round((since or self.started) - self.started, 1),
         }

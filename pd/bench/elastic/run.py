@@ -33,8 +33,9 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -85,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=int, default=0,
                    help="setups run at once, each its own process (0: all; 1: in turn, here)")  # fmt: skip
     p.add_argument("--stagger-s", type=float, default=None,
-                   help="real seconds between the starts of setups run at once (default: 1.25 "
+                   help="real seconds between the loads of setups run at once, all set up "
+                   "first (default: 1.25 "
                    "x the shortest held phase, the burst, so that no two meet their peak "
                    "together)")  # fmt: skip
     p.add_argument("--base-rate", type=float, default=1.0, help="requests a second at 1x")
@@ -291,7 +293,10 @@ class Job:
     initial: tuple[int, int]
     args: argparse.Namespace
     phases: list[Phase]
-    delay_s: float = 0.0  # real seconds to wait first (setups at once: `stagger_of`)
+    # Setups at once: every one set up before the first load begins (`ready`, a barrier of
+    # them all and `run_jobs`), the loads `delay_s` apart after it; None: at once when ready
+    ready: Any = None
+    delay_s: float = 0.0
 
 
 def stagger_of(args: argparse.Namespace, phases: list[Phase]) -> float:
@@ -306,10 +311,14 @@ def stagger_of(args: argparse.Namespace, phases: list[Phase]) -> float:
 
 def run_job(job: Job) -> dict[str, Any]:
     """One setup from start to summary (in a process of its own under `run_jobs`)."""
-    time.sleep(job.delay_s)
     started = time.perf_counter()
     print(f"pd-bench elastic: {job.name} ...", file=sys.stderr, flush=True)
-    got = asyncio.run(run_setup(job.kind, job.args, job.phases, job.initial, job.name))
+    try:
+        got = asyncio.run(run_setup(job.kind, job.args, job.phases, job.initial, job.name, job))
+    except BaseException:
+        if job.ready is not None:
+            job.ready.abort()  # the others go on without this one
+        raise
     print(
         f"pd-bench elastic: {job.name} done in {time.perf_counter() - started:.0f} s",
         file=sys.stderr, flush=True,
@@ -317,16 +326,47 @@ def run_job(job: Job) -> dict[str, Any]:
     return summary(got, job.args, job.phases)
 
 
-def run_jobs(jobs: list[Job], at_once: int, stagger_s: float = 0.0) -> list[dict[str, Any]]:
-    """Every job's summary, in order: `at_once` at a time, each in a fresh process (0: all at
-    once), the i-th of those started together `i x stagger_s` later; or in turn in this one (1)."""
+def run_jobs(
+    jobs: list[Job], at_once: int, stagger_s: float = 0.0
+) -> tuple[list[dict[str, Any]], float | None]:
+    """Every job's summary, in order, and when the first load began (`time.time()`; None: in
+    turn): `at_once` at a time, each in a fresh process (0: all at once), the first of those
+    all set up before any load begins (a setup's process starts take the cores a running
+    load's simulated hosts need) and their loads `stagger_s` apart; or in turn in this one (1)."""
     if at_once == 1 or len(jobs) == 1:
-        return [run_job(job) for job in jobs]
+        return [run_job(job) for job in jobs], None
     spawn = multiprocessing.get_context("spawn")  # no event loop nor thread carried over
     workers = len(jobs) if at_once <= 0 else min(at_once, len(jobs))
-    delayed = [replace(job, delay_s=(i % workers) * stagger_s) for i, job in enumerate(jobs)]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-        return list(pool.map(run_job, delayed))
+    with spawn.Manager() as manager, ThreadPoolExecutor(1) as waiter:
+        ready = manager.Barrier(workers + 1)  # the first setups and this process
+        delayed = [
+            replace(job, ready=ready, delay_s=i * stagger_s) if i < workers else job
+            for i, job in enumerate(jobs)
+        ]
+        began = waiter.submit(_began, ready)
+        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+            summaries = list(pool.map(run_job, delayed))
+        return summaries, began.result()
+
+
+def _began(ready: Any) -> float | None:
+    """When every setup was ready (None: one failed before)."""
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        return None
+    return time.time()
+
+
+async def _until_loaded(job: Job | None) -> None:
+    """Wait for the other setups run at once, then this one's share of the stagger."""
+    if job is None or job.ready is None:
+        return
+    try:
+        await asyncio.to_thread(job.ready.wait)
+    except threading.BrokenBarrierError:
+        print(f"pd-bench elastic: {job.name}: a setup beside it failed", file=sys.stderr)
+    await asyncio.sleep(job.delay_s)
 
 
 async def run_setup(
@@ -335,6 +375,7 @@ async def run_setup(
     phases: list[Phase],
     initial: tuple[int, int],
     name: str | None = None,
+    job: Job | None = None,
 ) -> Run:
     k = args.time_scale
     roles = ["prefill"] * initial[0] + ["decode"] * initial[1]
@@ -362,7 +403,7 @@ async def run_setup(
         await _wait_healthy(url, [router, *sim.procs])
         async with aiohttp.ClientSession() as http:
             before = await clock_counters(http, sim.all_urls)
-        run = await _drive(kind, args, phases, url, sim, log_dir, run)
+        run = await _drive(kind, args, phases, url, sim, log_dir, run, job)
         async with aiohttp.ClientSession() as http:
             clock = overshoot(before, await clock_counters(http, sim.all_urls))
         run.overshoot = clock["worst"]
@@ -382,6 +423,7 @@ async def _drive(
     sim: SimWorkers,
     log_dir: str,
     run: Run,
+    job: Job | None = None,
 ) -> Run:
     k = args.time_scale
     interval, cooldown, window = planner_seconds(args)
@@ -405,13 +447,16 @@ async def _drive(
         assert isinstance(service.connector, SimulatedConnector)
         connector = service.connector
         await connector.start()  # its spares, before the load
-        controller = asyncio.create_task(service.run(stop))
     elif kind == "hpa":
         connector = SimulatedConnector(
             url, args.simulate, time_scale=k, startup_s=cfg.startup_s, admin_token=ADMIN,
             cluster_token=cfg.cluster_token, log_dir=log_dir, spares=cfg.spares,
         )  # fmt: skip
         await connector.start()
+    await _until_loaded(job)
+    if service is not None:
+        controller = asyncio.create_task(service.run(stop))
+    elif kind == "hpa" and connector is not None:
         controller = asyncio.create_task(_hpa(args, url, connector, hpa_targets, stop))
 
     def sample(at: float) -> Sample:
@@ -736,9 +781,9 @@ def run(args: argparse.Namespace) -> int:
         for kind in setups if kind != "fixed"
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
-        done = run_jobs(jobs, args.jobs, stagger)
+        done, began = run_jobs(jobs, args.jobs, stagger)
     results = dict(zip((j.name for j in jobs), done))
-    out["cpu"] = cpu.summary()
+    out["cpu"] = cpu.summary(since=began)  # the loads, not the set-ups before them
     for kind in setups:
         if kind != "fixed":
             out[kind] = results[kind]
@@ -790,7 +835,9 @@ def tune_hpa(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [
         {"target": target, "attainment_4x": got["phases"]["hold-4x"]["attainment"],
          "gpu_hours": got["gpu_hours"], "most_workers": got["most_workers"]}
-        for target, got in zip(targets, run_jobs(jobs, args.jobs, stagger_of(args, jobs[0].phases)))
+        for target, got in zip(targets, run_jobs(
+            jobs, args.jobs, stagger_of(args, jobs[0].phases)
+        )[0])
     ]  # fmt: skip
 
 
