@@ -180,3 +180,11 @@ def test_turns_are_counted_by_phase_and_within_a_phase():
     assert got["direction_changes"] == 3
     assert got["direction_changes_per_phase"] == {"b": 3}
     assert got["direction_changes_within_phase"] == {"b": 2}  # 110's down followed the load
+
+
+def test_several_headrooms_are_a_planner_each():
+    assert _args().headroom == [0.25]
+    assert _args("--headroom", "0.25,1").headroom == [0.25, 1.0]
+    for bad in ("-1", "a", ","):
+        with pytest.raises(SystemExit):
+            _args("--headroom", bad)

@@ -114,9 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=None,
                    help="spare workers a role, started parked before the load and activated at "
                    "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
-    p.add_argument("--headroom", type=float, default=0.25,
+    p.add_argument("--headroom", type=headrooms, default=[0.25],
                    help="the planner's --headroom (the floor sizes for 1 + this x the "
-                   "arrivals; 0.25: docs/EXPERIMENTS.md section 29)")  # fmt: skip
+                   "arrivals; 0.25: docs/EXPERIMENTS.md section 29); several (0.25,1): a "
+                   "planner each, beside the others, the first the `planner`")  # fmt: skip
     p.add_argument("--forecast", action="store_true",
                    help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
     p.add_argument("--fixed", default=None, metavar="P,D[/P,D...]",
@@ -168,6 +169,24 @@ class Run:
     overshoot: float | None = None  # the clock check of the workers there from the start
     initial: tuple[int, int] = (1, 1)
     wall_s: float = 0.0
+
+
+def headrooms(text: str) -> list[float]:
+    """`--headroom H[,H...]`: each >= 0."""
+    try:
+        got = [float(h) for h in text.split(",") if h.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--headroom takes numbers, not {text!r}") from None
+    if not got or any(h < 0 for h in got):
+        raise argparse.ArgumentTypeError("--headroom takes one number >= 0 or more")
+    return got
+
+
+def with_headroom(args: argparse.Namespace, headroom: float) -> argparse.Namespace:
+    """`args` for one planner of `--headroom`'s."""
+    one = argparse.Namespace(**vars(args))
+    one.headroom = [headroom]
+    return one
 
 
 def trace_of(args: argparse.Namespace) -> str:
@@ -434,7 +453,7 @@ async def _drive(
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=startup_of(args), log_dir=log_dir, port=0,
-        spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom,
+        spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom[0],
         forecast_s=startup_of(args) if args.forecast else 0.0,
     )  # fmt: skip
     stop = asyncio.Event()
@@ -697,17 +716,32 @@ def offered_line(phases: list[Phase]) -> tuple[list[float], list[float]]:
     return ts, rates
 
 
+def rows_of(out: dict[str, Any], setups: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, summary) of each setup run, the planners beside the first included."""
+    return [(kind, out[kind]) for kind in setups] + [
+        (f"planner {name}", got) for name, got in out.get("planners", {}).items()
+    ]
+
+
+def _without_detail(v: Any) -> Any:
+    """`v` without any `requests_detail` (the per-request figures: --out's file only)."""
+    if isinstance(v, dict):
+        return {k: _without_detail(x) for k, x in v.items() if k != "requests_detail"}
+    return v
+
+
 def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[Phase]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(setups), 1, figsize=(9, 2.6 * len(setups)), sharex=True)
-    axes = [axes] if len(setups) == 1 else list(axes)
+    rows = rows_of(out, setups)
+    fig, axes = plt.subplots(len(rows), 1, figsize=(9, 2.6 * len(rows)), sharex=True)
+    axes = [axes] if len(rows) == 1 else list(axes)
     edges = bounds(phases)
-    for ax, kind in zip(axes, setups):
-        line = out[kind]["timeline"]
+    for ax, (kind, got_kind) in zip(axes, rows):
+        line = got_kind["timeline"]
         t = [p[0] for p in line]
         ax.step(t, [p[1] for p in line], where="post", label="prefill workers")
         ax.step(t, [p[2] for p in line], where="post", label="decode workers")
@@ -715,7 +749,7 @@ def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[P
         load.plot(*offered_line(phases), color="gray", alpha=0.5, label="offered req/s")
         load.set_ylabel("req/s", color="gray")
         for (start, _), ph in zip(edges, phases):
-            got = out[kind]["phases"].get(ph.name)
+            got = got_kind["phases"].get(ph.name)
             if got:
                 ax.text(
                     start + 1, 0.04, f"{ph.name}\n{100 * got['attainment']:.0f}%", fontsize=7,
@@ -723,8 +757,8 @@ def write_plot(path: str, out: dict[str, Any], setups: list[str], phases: list[P
                 )  # fmt: skip
         ax.set_ylabel("workers")
         ax.set_title(
-            f"{kind}: attainment {100 * out[kind]['attainment']:.0f}%, "
-            f"{out[kind]['gpu_hours']:.3f} GPU-h", fontsize=9,
+            f"{kind}: attainment {100 * got_kind['attainment']:.0f}%, "
+            f"{got_kind['gpu_hours']:.3f} GPU-h", fontsize=9,
         )  # fmt: skip
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
@@ -762,7 +796,7 @@ def run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale, "quick": args.quick,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
-        "headroom": args.headroom,
+        "headroom": args.headroom[0],
         "planner_s": dict(zip(("interval", "cooldown", "window"), planner_seconds(args))),
         "hpa_s": dict(zip(("period", "stabilization"), hpa_seconds(args))),
         "stagger_s": round(stagger, 1),
@@ -776,9 +810,12 @@ def run(args: argparse.Namespace) -> int:
         out["hpa_targets"]["prefill"] = best["target"]
     fixed = fixed_candidates(args, phases) if "fixed" in setups else []
     start = (args.min_prefill, args.min_decode)
+    more = args.headroom[1:] if "planner" in setups else []  # planners beside the first
     jobs = [
-        Job(kind, kind, start, args, phases)
+        Job(kind, kind, start, with_headroom(args, args.headroom[0]), phases)
         for kind in setups if kind != "fixed"
+    ] + [
+        Job("planner", f"planner h{h:g}", start, with_headroom(args, h), phases) for h in more
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
         done, began = run_jobs(jobs, args.jobs, stagger)
@@ -787,6 +824,8 @@ def run(args: argparse.Namespace) -> int:
     for kind in setups:
         if kind != "fixed":
             out[kind] = results[kind]
+    if more:
+        out["planners"] = {f"headroom {h:g}": results[f"planner h{h:g}"] for h in more}
     if fixed:
         tried = [(split, results[f"fixed {split[0]},{split[1]}"]) for split in fixed]
         met = [(split, r) for split, r in tried if meets_peak(r, phases)]
@@ -813,9 +852,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(args.plot, out, setups, phases)
     if args.json:  # the per-request detail only in --out's file
-        print(json.dumps({k: v if not isinstance(v, dict) else
-                          {kk: vv for kk, vv in v.items() if kk != "requests_detail"}
-                          for k, v in out.items()}))  # fmt: skip
+        print(json.dumps(_without_detail(out)))
     else:
         print(render(out, setups))
     return 0
@@ -855,18 +892,17 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"{'setup':8} {'attain':>7} {'GPU-h':>8} {'ups':>4} {'downs':>5} {'turns':>5} "
         f"{'in-phase':>8} {'lost':>4} {'overshoot':>9}",
     ]
-    for kind in setups:
-        s = out[kind]
+    rows = rows_of(out, setups)
+    for kind, s in rows:
         lines.append(
             f"{kind:8} {s['attainment']:7.3f} {s['gpu_hours']:8.4f} {s['scale_ups']:4d} "
             f"{s['scale_downs']:5d} {s['direction_changes']:5d} "
             f"{max(s['direction_changes_within_phase'].values(), default=0):8d} {s['lost']:4d}"
             f" {s['clock_overshoot'] or 0:9.3f}"
         )
-    for kind in setups:
-        phases = out[kind]["phases"]
+    for kind, s in rows:
         lines.append(f"{kind}: " + ", ".join(
-            f"{name} {p['attainment']:.2f}" for name, p in phases.items()
+            f"{name} {p['attainment']:.2f}" for name, p in s["phases"].items()
         ))  # fmt: skip
     for t in out.get("fixed_tried", []):
         verdict = "90% in every held phase" if t["meets_peak"] else "under 90% in a held phase"
