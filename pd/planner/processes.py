@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from pd.signing import TOKEN_ENV
 log = logging.getLogger("pd.planner")
 
 FAILED_STARTS_MAX = 3  # in a row, per role: then it stops trying (a broken command line)
+SPARE_NICE = 19  # a spare started again while the load runs, until its activation
 STOP_TIMEOUT_S = 900.0  # a drain's limit before SIGKILL (the worker's own --drain-timeout-s is 600)
 
 
@@ -125,10 +128,12 @@ class ProcessConnector(Connector):
         self.started += 1
         return f"starting {role} worker {m.url}"
 
-    def _spawn(self, role: str, command: Callable[[str, int], list[str]]) -> Managed:
+    def _spawn(self, role: str, command: Callable[[str, int], list[str]], nice: int = 0) -> Managed:
         port = free_port(self.host)
         url = f"http://{self.host}:{port}"
         cmd = command(role, port)
+        if nice and shutil.which("nice"):  # it execs the command: the same process id
+            cmd = ["nice", "-n", str(nice), *cmd]
         if self.log_dir is None:
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=self.env
@@ -269,6 +274,7 @@ class SimulatedConnector(ProcessConnector):
                     log.warning("spare %s worker %s did not activate: %s", role, m.url, e)
                     m.proc.kill()
                     continue
+                _renice(m.proc.pid, 0)  # a spare started again while the load ran: nice no more
                 m.state = "starting"
                 self.workers[m.url] = m
                 self.started += 1
@@ -276,8 +282,12 @@ class SimulatedConnector(ProcessConnector):
         return await super()._start(role)
 
     def stopped(self, role: str) -> None:
+        """A spare started again while the load runs starts at the lowest CPU priority where
+        it can be raised again at its activation: its process start (seconds of CPU) is not
+        the simulated GPUs' work, and on a few cores it would slow every simulated step."""
         if self.spares and len(self.parked[role]) < self.spares:
-            self.parked[role].append(self._spawn(role, self._parked_command))
+            nice = SPARE_NICE if _can_renice() else 0
+            self.parked[role].append(self._spawn(role, self._parked_command, nice))
 
     async def close(self) -> None:
         self.spares = 0  # the workers drained now are not replaced
@@ -288,6 +298,30 @@ class SimulatedConnector(ProcessConnector):
         for m in spares:
             await asyncio.to_thread(m.proc.wait)
         self.parked = {r: [] for r in ROLES}
+
+
+def _can_renice() -> bool:
+    """Whether this process may raise a process's CPU priority back to nice 0 (root, or an
+    RLIMIT_NICE that allows it)."""
+    if sys.platform != "linux":
+        return False
+    if os.geteuid() == 0:
+        return True
+    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+def _renice(pid: int, nice: int) -> None:
+    """Set every thread of `pid` to `nice` (Linux's nice is a thread's; new threads inherit
+    it); where it cannot, nothing."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass
 
 
 async def _serving(http: aiohttp.ClientSession, m: Managed, timeout_s: float = 120.0) -> None:

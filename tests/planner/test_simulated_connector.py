@@ -3,12 +3,13 @@ P and D in this process: told to have two decode workers, it starts a `--simulat
 process (or, with spares, activates a parked one), which registers with the router and answers
 `starting` for its modeled start-up, then takes requests; told to have one again, it has the
 router forget the worker, drains it and the process exits on its own (and a spare is started
-again in its place). It never stops a worker it did not start, and starts none while one is on
+again in its place, at the lowest CPU priority until its activation). It never stops a worker it did not start, and starts none while one is on
 its way."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import aiohttp
@@ -16,7 +17,7 @@ import pytest
 
 from pd.planner import Decision, Observation
 from pd.planner.observe import ClusterReader
-from pd.planner.processes import SimulatedConnector
+from pd.planner.processes import SPARE_NICE, SimulatedConnector, _can_renice, _serving
 from tests.planner.test_observe import PROFILE, TOKEN, completion, router_of, serve
 
 ADMIN = "sim-connector-admin"
@@ -92,6 +93,18 @@ async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
             while len(connector.parked["decode"]) < spares:  # started again in its place
                 assert time.monotonic() < deadline, "no spare in the drained worker's place"
                 await asyncio.sleep(0.05)
+            if spares and _can_renice():
+                # started while the load runs: the lowest CPU priority until it is activated
+                again = connector.parked["decode"][0]
+                await _serving(http, again)
+                assert _nices(again.proc.pid) == {SPARE_NICE}
+                await connector.apply(Decision(0, 1, 2, ()), await reader.observe(http))
+                assert again.state == "starting" and _nices(again.proc.pid) == {0}
         finally:
             await connector.close()
     assert not connector.workers
+
+
+def _nices(pid: int) -> set[int]:
+    """The nice values of `pid`'s threads."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
