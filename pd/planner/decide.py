@@ -22,9 +22,9 @@ when the arrivals plus 10% do not. A role shrinks to the most workers any observ
 last `cooldown_s` needed (HPA's stabilization window, on tokens): an observation needs all the
 workers there are (or more, where it grew them) unless its floor allowed fewer and the load
 spread over them estimated within `down_margin` of the SLO, and then the fewest such. So a
-constant load never turns it back and forth, and a fall is followed a cool-down behind it. Bounds per role, and a
-budget of workers both roles share: when the two targets exceed it, the role further from its
-SLO keeps its growth first.
+constant load never turns it back and forth, and a fall is followed a cool-down behind it.
+Bounds per role, and a budget of workers both roles share: when the two targets exceed it, the
+role further from its SLO keeps its growth first.
 """
 
 from __future__ import annotations

@@ -363,8 +363,12 @@ def run_jobs(
             for i, job in enumerate(jobs)
         ]
         began = waiter.submit(_began, ready)
-        with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
-            summaries = list(pool.map(run_job, delayed))
+        try:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
+                summaries = list(pool.map(run_job, delayed))
+        except BaseException:
+            ready.abort()  # a setup's process died before the barrier: none waits on it
+            raise
         return summaries, began.result()
 
 
