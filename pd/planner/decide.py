@@ -274,7 +274,7 @@ class Planner:
             want[role] = min(max(target, low), high)
         self._within_budget(want, pressure, reasons)
         for role in ROLES:
-            self._record(role, want[role], obs.at)
+            self._record(role, want[role])
         decision = Decision(
             obs.at,
             want["prefill"],
@@ -342,7 +342,7 @@ class Planner:
             want[role] -= 1
             reasons.append(f"{role}: held back by the budget ({self.bounds.budget})")
 
-    def _record(self, role: str, target: int, now: float) -> None:
+    def _record(self, role: str, target: int) -> None:
         state = self.roles[role]
         before = state.target or 0
         if target == before:

@@ -79,7 +79,7 @@ class CpuWatch:
         ]
         if self._first is None or self._last is None or not kept:
             return None
-        shares = [busy / total for busy, total in kept]
+        shares = [busy_share((0, 0), window) for window in kept]
         return {
             "mean": round(sum(b for b, _ in kept) / sum(t for _, t in kept), 3),
             "max_window": round(max(shares), 3),
