@@ -191,6 +191,17 @@ def test_the_table_and_the_plot(tmp_path):
 
 # ------------------------------------------------------------------ a small run
 
+
+def overtakes(records) -> float:
+    """Of the (batch, interactive) pairs in which the batch request was sent first, the share in
+    which the interactive request got its first token first."""
+    done = [r for r in records if r.ttft_s is not None]
+    batch = [r for r in done if r.priority_class == "batch"]
+    pairs = [(b, i) for i in done if i.priority_class == "interactive"
+             for b in batch if b.sent_s < i.sent_s]  # fmt: skip
+    assert pairs, "no batch request was sent before an interactive one"
+    return sum(i.sent_s + i.ttft_s < b.sent_s + b.ttft_s for b, i in pairs) / len(pairs)
+
 PROFILE = "llama-3.1-8b:h100"
 SCALE = 0.5  # modeled steps run twice as fast as on the GPU: the test is about the wiring
 
@@ -242,9 +253,12 @@ async def test_a_small_run_of_every_phase(aiohttp_server, token_text, tmp_path):
     i = out["runs"]["priority"]["classes"]["interactive"]
     assert i["requests"] == n_interactive and i["completed"] == n_interactive
     # A burst of 20x capacity at a budget of 3: first come first served, interactive requests
-    # wait behind the batch ones; classes on, they go first (a large effect: 3-4x here).
-    fcfs = out["runs"]["no-priority"]["classes"]["interactive"]
-    assert i["ttft_ms"]["p50"] < fcfs["ttft_ms"]["p50"], (i["ttft_ms"], fcfs["ttft_ms"])
+    # wait behind the batch ones sent before them; classes on, they go first. Read from the
+    # order of first tokens, not from TTFTs across runs: a stall of the shared CPU (CI runs
+    # other tests beside this one) slows one run's TTFTs, not who is served first.
+    first, fcfs = overtakes(records["priority"]), overtakes(records["no-priority"])
+    print(f"interactive first over earlier batch: priority {first:.2f}, fcfs {fcfs:.2f}")
+    assert first > 0.5 and fcfs < 0.25, (first, fcfs)
     # With --no-priority nothing is preempted; classes on, only batch ever is.
     assert out["runs"]["no-priority"]["classes"]["batch"]["preempted"] == 0
     assert i["preempted"] == 0
