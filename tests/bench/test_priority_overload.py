@@ -202,6 +202,7 @@ def overtakes(records) -> float:
     assert pairs, "no batch request was sent before an interactive one"
     return sum(i.sent_s + i.ttft_s < b.sent_s + b.ttft_s for b, i in pairs) / len(pairs)
 
+
 PROFILE = "llama-3.1-8b:h100"
 SCALE = 0.5  # modeled steps run twice as fast as on the GPU: the test is about the wiring
 
