@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pd.cli_args import add_dataclass_arguments, dataclass_from_args
 from pd.cli_args import flag as _flag
-from pd.planner.decide import SLO, Bounds, PlannerKnobs
+from pd.planner.decide import SLO, TTFT_QUANTILE, Bounds, PlannerKnobs
 from pd.registration import normalize_url
 
 CONNECTORS = ("local", "simulated", "virtual", "kubernetes")
@@ -31,6 +31,10 @@ class PlannerConfig:
         0.0, "the share of the arrival rate the floor keeps workers ready for beyond it (a "
         "burst shorter than a worker's start-up is met only by workers already there; e.g. "
         "0.25: the floor sizes for 1.25x the arrivals)",
+    )  # fmt: skip
+    ttft_quantile: float = _flag(
+        TTFT_QUANTILE, "the share of prompts whose TTFT the prefill floor sizes for (a queue of random "
+        "arrivals, pd/planner/queueing.py; e.g. 0.99: more workers, fewer late first tokens)",
     )  # fmt: skip
     forecast_s: float = _flag(
         0.0, "how far ahead the floor sizes a rising arrival rate (its trend beyond 3 standard "
@@ -97,6 +101,7 @@ class PlannerConfig:
         check(self.interval_s > 0 and self.time_scale > 0, "--interval-s and --time-scale > 0")
         check(self.cooldown_s >= 0 and self.window_s > 0, "--cooldown-s >= 0, --window-s > 0")
         check(self.headroom >= 0 and self.forecast_s >= 0, "--headroom, --forecast-s >= 0")
+        check(0 < self.ttft_quantile < 1, "--ttft-quantile must be > 0 and < 1")
         for role in ("prefill", "decode"):
             low, high = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
             check(0 <= low <= high, f"--min-{role} must be >= 0 and <= --max-{role}")
@@ -130,7 +135,10 @@ class PlannerConfig:
     @property
     def knobs(self) -> PlannerKnobs:
         return PlannerKnobs(
-            cooldown_s=self.cooldown_s, headroom=self.headroom, forecast_s=self.forecast_s
+            cooldown_s=self.cooldown_s,
+            headroom=self.headroom,
+            forecast_s=self.forecast_s,
+            ttft_quantile=self.ttft_quantile,
         )
 
     @classmethod

@@ -66,11 +66,14 @@ class Bounds:
         )
 
 
+TTFT_QUANTILE = 0.9  # the share of prompts whose TTFT the prefill floor sizes for (queueing.py)
+
+
 @dataclass(frozen=True)
 class PlannerKnobs:
     cooldown_s: float = 60.0  # a role shrinks no sooner than this after its last change
     down_margin: float = 0.8  # one worker fewer must estimate within this share of the SLO
-    ttft_quantile: float = 0.9  # the share of prompts the prefill floor sizes for (queueing.py)
+    ttft_quantile: float = TTFT_QUANTILE  # the share of prompts the prefill floor sizes for
     # The floor's dead band: it adds a worker when the arrivals less this share need it, and
     # lets one go only when the arrivals plus this share do not (a load at a boundary, and its
     # noise, never turn it back and forth)

@@ -27,9 +27,11 @@ from pd.bench.elastic.run import (
     phase_scale_of,
     phases_of,
     planner_seconds,
+    planner_variants,
     stagger_of,
     startup_of,
     summary,
+    variant_name,
 )
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
@@ -188,3 +190,19 @@ def test_several_headrooms_are_a_planner_each():
     for bad in ("-1", "a", ","):
         with pytest.raises(SystemExit):
             _args("--headroom", bad)
+
+
+def test_headrooms_and_quantiles_pair_into_planners():
+    assert planner_variants(_args()) == [(0.25, 0.9)]
+    assert planner_variants(_args("--headroom", "0.25,1")) == [(0.25, 0.9), (1.0, 0.9)]
+    both = _args("--headroom", "0.25,1", "--ttft-quantile", "0.9,0.99")
+    assert planner_variants(both) == [(0.25, 0.9), (1.0, 0.99)]
+    assert planner_variants(_args("--ttft-quantile", "0.9,0.99")) == [(0.25, 0.9), (0.25, 0.99)]
+    with pytest.raises(ValueError, match="--headroom has 2 values and --ttft-quantile 3"):
+        planner_variants(_args("--headroom", "0,1", "--ttft-quantile", "0.5,0.9,0.99"))
+    assert [variant_name(*v) for v in planner_variants(both)] == [
+        "headroom 0.25", "headroom 1 quantile 0.99",
+    ]  # fmt: skip
+    for bad in ("1", "0", "x"):
+        with pytest.raises(SystemExit):
+            _args("--ttft-quantile", bad)

@@ -298,6 +298,11 @@ def test_the_ttfts_part_outside_prefill_counts_in_the_estimate_and_the_floor():
     roomy.observe(obs)
     assert roomy.roles["prefill"].floor == servers_for(7.5, service, SLOS.ttft_s, 0.9, 8)
     assert roomy.roles["prefill"].floor > planner.roles["prefill"].floor
+    # Sized for 99% of prompts in time, not 90%: at 6 a second 3 P, not 2
+    six = Fluid(prefill=2, decode=1).observe(0.0, Load(arrivals=6.0))
+    strict, loose = Planner(SLOS, knobs=PlannerKnobs(ttft_quantile=0.99)), Planner(SLOS)
+    assert (strict.observe(six).prefill, loose.observe(six).prefill) == (3, 2)
+    assert strict.roles["prefill"].floor == servers_for(6.0, service, SLOS.ttft_s, 0.99, 8)
 
 
 def test_a_rising_trend_is_sized_a_start_up_ahead_only_when_asked():

@@ -28,6 +28,7 @@ BASE = ["--router", "http://127.0.0.1:1", "--slo-ttft-ms", "1000", "--slo-itl-ms
         ([*BASE, "--connector", "simulated"], "needs --simulate PROFILE"),
         ([*BASE, "--connector", "virtual"], "needs --decision-file"),
         ([*BASE, "--connector", "local", "--worker-args", "'--threads"], "quotation"),
+        ([*BASE, "--ttft-quantile", "1"], "--ttft-quantile must be > 0 and < 1"),
     ],
 )
 def test_bad_flags_exit_2_with_the_reason(argv, said, capsys):
@@ -35,6 +36,13 @@ def test_bad_flags_exit_2_with_the_reason(argv, said, capsys):
         parse_config(argv)
     assert e.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def test_the_floors_knobs_come_from_the_flags():
+    plan = [*BASE, "--decision-file", "plan.json"]
+    knobs = parse_config([*plan, "--headroom", "1", "--ttft-quantile", "0.99"]).knobs
+    assert (knobs.headroom, knobs.ttft_quantile) == (1.0, 0.99)
+    assert parse_config(plan).knobs.ttft_quantile == 0.9
 
 
 async def test_the_service_decides_writes_and_exports(aiohttp_server, tmp_path):

@@ -51,6 +51,7 @@ from pd.bench.serve.metrics import SLO, summarize
 from pd.bench.serve.text import TokenText
 from pd.planner import Decision
 from pd.planner.config import PlannerConfig
+from pd.planner.decide import TTFT_QUANTILE
 from pd.planner.observe import ClusterReader
 from pd.planner.processes import SimulatedConnector
 from pd.planner.service import PlannerService
@@ -118,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the planner's --headroom (the floor sizes for 1 + this x the "
                    "arrivals; 0.25: docs/EXPERIMENTS.md section 29); several (0.25,1): a "
                    "planner each, beside the others, the first the `planner`")  # fmt: skip
+    p.add_argument("--ttft-quantile", type=quantiles, default=[TTFT_QUANTILE],
+                   help="the planner's --ttft-quantile (the share of prompts its prefill floor "
+                   "sizes the TTFT for); several: a planner each, paired with --headroom's "
+                   "(one value of either goes with each of the other's)")  # fmt: skip
     p.add_argument("--forecast", action="store_true",
                    help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
     p.add_argument("--fixed", default=None, metavar="P,D[/P,D...]",
@@ -182,10 +187,37 @@ def headrooms(text: str) -> list[float]:
     return got
 
 
-def with_headroom(args: argparse.Namespace, headroom: float) -> argparse.Namespace:
-    """`args` for one planner of `--headroom`'s."""
+def quantiles(text: str) -> list[float]:
+    """`--ttft-quantile Q[,Q...]`: each > 0 and < 1."""
+    try:
+        got = [float(q) for q in text.split(",") if q.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ttft-quantile takes numbers, not {text!r}") from None
+    if not got or any(not 0 < q < 1 for q in got):
+        raise argparse.ArgumentTypeError("--ttft-quantile takes one number in (0, 1) or more")
+    return got
+
+
+def planner_variants(args: argparse.Namespace) -> list[tuple[float, float]]:
+    """(headroom, TTFT quantile) of each planner run, `--headroom`'s and `--ttft-quantile`'s
+    paired in order (a single value of either goes with each of the other's)."""
+    hs, qs = list(args.headroom), list(args.ttft_quantile)
+    if len(hs) != len(qs) and 1 not in (len(hs), len(qs)):
+        raise ValueError(f"--headroom has {len(hs)} values and --ttft-quantile {len(qs)}")
+    n = max(len(hs), len(qs))
+    return list(zip(hs * n if len(hs) == 1 else hs, qs * n if len(qs) == 1 else qs))
+
+
+def variant_name(headroom: float, quantile: float) -> str:
+    """A planner variant's name beside the first (`headroom 1`, `headroom 1 quantile 0.99`)."""
+    quantile_part = "" if quantile == TTFT_QUANTILE else f" quantile {quantile:g}"
+    return f"headroom {headroom:g}{quantile_part}"
+
+
+def with_variant(args: argparse.Namespace, headroom: float, quantile: float) -> argparse.Namespace:
+    """`args` for one planner of `planner_variants`."""
     one = argparse.Namespace(**vars(args))
-    one.headroom = [headroom]
+    one.headroom, one.ttft_quantile = [headroom], [quantile]
     return one
 
 
@@ -458,6 +490,7 @@ async def _drive(
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=startup_of(args), log_dir=log_dir, port=0,
         spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom[0],
+        ttft_quantile=args.ttft_quantile[0],
         forecast_s=startup_of(args) if args.forecast else 0.0,
     )  # fmt: skip
     stop = asyncio.Event()
@@ -786,6 +819,11 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         print(f"pd-bench elastic: unknown setups {bad} (of {', '.join(SETUPS)})", file=sys.stderr)
         return 2
+    try:
+        variants = planner_variants(args)
+    except ValueError as e:
+        print(f"pd-bench elastic: {e}", file=sys.stderr)
+        return 2
     if args.fixed:
         try:
             given_splits(args.fixed)
@@ -800,7 +838,7 @@ def run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale, "quick": args.quick,
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},
         "phases": [ph.__dict__ for ph in phases],
-        "headroom": args.headroom[0],
+        "headroom": args.headroom[0], "ttft_quantile": args.ttft_quantile[0],
         "planner_s": dict(zip(("interval", "cooldown", "window"), planner_seconds(args))),
         "hpa_s": dict(zip(("period", "stabilization"), hpa_seconds(args))),
         "stagger_s": round(stagger, 1),
@@ -814,12 +852,15 @@ def run(args: argparse.Namespace) -> int:
         out["hpa_targets"]["prefill"] = best["target"]
     fixed = fixed_candidates(args, phases) if "fixed" in setups else []
     start = (args.min_prefill, args.min_decode)
-    more = args.headroom[1:] if "planner" in setups else []  # planners beside the first
+    first, *more = variants
+    if "planner" not in setups:
+        more = []
     jobs = [
-        Job(kind, kind, start, with_headroom(args, args.headroom[0]), phases)
+        Job(kind, kind, start, with_variant(args, *first), phases)
         for kind in setups if kind != "fixed"
     ] + [
-        Job("planner", f"planner h{h:g}", start, with_headroom(args, h), phases) for h in more
+        Job("planner", f"planner {variant_name(*v)}", start, with_variant(args, *v), phases)
+        for v in more
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
         done, began = run_jobs(jobs, args.jobs, stagger)
@@ -829,7 +870,7 @@ def run(args: argparse.Namespace) -> int:
         if kind != "fixed":
             out[kind] = results[kind]
     if more:
-        out["planners"] = {f"headroom {h:g}": results[f"planner h{h:g}"] for h in more}
+        out["planners"] = {variant_name(*v): results[f"planner {variant_name(*v)}"] for v in more}
     if fixed:
         tried = [(split, results[f"fixed {split[0]},{split[1]}"]) for split in fixed]
         met = [(split, r) for split, r in tried if meets_peak(r, phases)]
@@ -887,7 +928,8 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
         f"pd-bench elastic: {out['profile']}, trace {out['trace']} at phase scale "
         f"{out['phase_scale']:g} (start-up {out['startup_s']:g} s), time scale "
         f"{out['time_scale']:g}, SLO TTFT {out['slo']['ttft_ms']:g} ms, ITL "
-        f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}, cool-down "
+        f"{out['slo']['itl_ms']:g} ms; planner headroom {out['headroom']:g}, TTFT quantile "
+        f"{out.get('ttft_quantile', TTFT_QUANTILE):g}, cool-down "
         f"{out['planner_s']['cooldown']:g} s, window {out['planner_s']['window']:g} s; HPA "
         f"target {out['hpa_targets']['prefill']:g} a P, period {out['hpa_s']['period']:g} s, "
         f"stabilization {out['hpa_s']['stabilization']:g} s; fixed split "
