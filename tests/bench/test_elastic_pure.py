@@ -167,6 +167,8 @@ def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
     assert late is not None and late["mean"] == pytest.approx(0.4)
     assert late["max_window"] == pytest.approx(0.5) and not late["over_limit"]
     assert late["from_s"] == 15.0
+    assert (late["max_window_end_s"], late["windows_over_limit"], late["windows"]) == (20.0, 0, 2)
+    assert cpu.summary()["windows_over_limit"] == 1  # the first, 90% busy
 
 
 def test_turns_are_counted_by_phase_and_within_a_phase():

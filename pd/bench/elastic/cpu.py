@@ -72,18 +72,24 @@ class CpuWatch:
     def summary(self, since: float | None = None) -> dict[str, Any] | None:
         """The mean share busy and the busiest window's, of the windows that began at `since`
         (`time.time()`) or later (None: all; None returned: not measured here)."""
+        start = self.started if since is None else since
         kept = [
-            (busy, total)
+            (end, busy, total)
             for end, busy, total in self.windows
             if total > 0 and (since is None or end - self.window_s >= since - 1e-6)
         ]
         if self._first is None or self._last is None or not kept:
             return None
-        shares = [busy_share((0, 0), window) for window in kept]
+        shares = [busy_share((0, 0), (busy, total)) for _, busy, total in kept]
+        busiest = max(range(len(kept)), key=shares.__getitem__)
         return {
-            "mean": round(sum(b for b, _ in kept) / sum(t for _, t in kept), 3),
-            "max_window": round(max(shares), 3),
+            "mean": round(sum(b for _, b, _ in kept) / sum(t for _, _, t in kept), 3),
+            "max_window": round(shares[busiest], 3),
             "window_s": self.window_s,
-            "over_limit": max(shares) > LIMIT,
-            "from_s": round((since or self.started) - self.started, 1),
+            "over_limit": shares[busiest] > LIMIT,
+            "from_s": round(start - self.started, 1),
+            # where the busiest window ended and how many were over the line: one peak, or many
+            "max_window_end_s": round(kept[busiest][0] - start, 1),
+            "windows_over_limit": sum(share > LIMIT for share in shares),
+            "windows": len(kept),
         }

@@ -971,6 +971,12 @@ def render(out: dict[str, Any], setups: list[str]) -> str:
             f"CPU busy: {100 * cpu['mean']:.0f}% mean, {100 * cpu['max_window']:.0f}% in the "
             f"busiest {cpu['window_s']:g} s"
             + (f" (over {100 * LIMIT:.0f}%: raise --time-scale)" if cpu["over_limit"] else "")
+            + (
+                f", ending {cpu['max_window_end_s']:g} s into the loads; "
+                f"{cpu['windows_over_limit']} of {cpu['windows']} windows over the line"
+                if "windows" in cpu
+                else ""
+            )
         )
     if math.isfinite(out.get("gpu_hours_vs_fixed", math.nan)):
         lines.append(f"planner GPU-hours / fixed: {out['gpu_hours_vs_fixed']:.3f}")
