@@ -41,6 +41,18 @@ class _Seen:
     sampled_tokens: int = 0
     prefill_latency_s: float = 0.0
 
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> _Seen:
+        """The counters of a worker's `/steps` answer."""
+        return cls(
+            record["steps"],
+            record["prefill_tokens"],
+            record["prefill_busy_s"],
+            record["prefills_done"],
+            record["sampled_tokens"],
+            float(record.get("prefill_latency_s", 0.0)),
+        )
+
 
 @dataclass
 class ClusterReader:
@@ -51,6 +63,7 @@ class ClusterReader:
     admin_token: str | None = None  # the router's: its worker list needs it when it has one
     clock: Callable[[], float] = time.monotonic
     _seen: dict[str, _Seen] = field(default_factory=dict)
+    _listed: set[str] = field(default_factory=set)  # the workers of the last poll
     _totals: deque[Totals] = field(default_factory=deque)
     # (at, arrivals) of the polls over two windows: the rate's trend (trend.py)
     _arrived: deque[tuple[float, float]] = field(default_factory=deque)
@@ -78,7 +91,12 @@ class ClusterReader:
                 raise RuntimeError(f"the router's /workers answered {r.status}: {await r.text()}")
             listed = await r.json()
         workers = [w for w in (listed or {}).get("workers", []) if w.get("role") in PLANNED]
-        reports = await asyncio.gather(*(self._worker(http, w) for w in workers))
+        urls = {w["url"] for w in workers}
+        # One seen before but not at the last poll (a spare parked and activated again): what
+        # it did while out of the list is not this poll's
+        back = {url for url in urls - self._listed if url in self._seen}
+        self._listed = urls
+        reports = await asyncio.gather(*(self._worker(http, w, w["url"] in back) for w in workers))
         signals = tuple(s for s in reports if s is not None)
         arrivals, ttft_s, ttfts = await self._router_counters(http)
         self._totals.append(
@@ -111,33 +129,30 @@ class ClusterReader:
         )
 
     async def _worker(
-        self, http: aiohttp.ClientSession, listed: dict[str, Any]
+        self, http: aiohttp.ClientSession, listed: dict[str, Any], back: bool = False
     ) -> WorkerSignals | None:
         url, role = listed["url"], listed["role"]
         health = await self._get_json(http, f"{url}/health")
         seen = self._seen.setdefault(url, _Seen())
         record = await self._get_json(http, f"{url}/steps?after={seen.steps}")
         if health is None or record is None:
+            if back:  # its counters are read again from the next poll on, not from before
+                self._listed.discard(url)
             return None  # unreachable: not a worker this poll
         k = self.time_scale
+        now = _Seen.of(record)
         if record["steps"] < seen.steps:  # it restarted: its counters too
-            seen = self._seen[url] = _Seen()
-        tokens = record["prefill_tokens"] - seen.prefill_tokens
-        busy = record["prefill_busy_s"] - seen.prefill_busy_s
+            seen = _Seen()
+        elif back:  # counted from now: its counters as they are, its steps so far read
+            seen, record = now, {**record, "samples": []}
+        tokens = now.prefill_tokens - seen.prefill_tokens
+        busy = now.prefill_busy_s - seen.prefill_busy_s
         self._counters["tokens"] += tokens
-        self._counters["done"] += record["prefills_done"] - seen.prefills_done
-        latency = float(record.get("prefill_latency_s", 0.0))
-        self._counters["latency"] += latency - seen.prefill_latency_s
+        self._counters["done"] += now.prefills_done - seen.prefills_done
+        self._counters["latency"] += now.prefill_latency_s - seen.prefill_latency_s
         if role == "decode":
-            self._counters["sampled"] += record["sampled_tokens"] - seen.sampled_tokens
-        self._seen[url] = _Seen(
-            record["steps"],
-            record["prefill_tokens"],
-            record["prefill_busy_s"],
-            record["prefills_done"],
-            record["sampled_tokens"],
-            latency,
-        )
+            self._counters["sampled"] += now.sampled_tokens - seen.sampled_tokens
+        self._seen[url] = now
         load = health.get("load") or {}
         why = health.get("not_ready_reason")
         running = int(load.get("running", 0))

@@ -49,6 +49,7 @@ class Managed:
     url: str
     proc: subprocess.Popen[bytes]
     state: str = "starting"  # -> "ready" -> "leaving"
+    parkable: bool = False  # started with --park: a drain can park it again (POST /park)
 
 
 class ProcessConnector(Connector):
@@ -143,7 +144,7 @@ class ProcessConnector(Connector):
             with open(self.log_dir / f"{role}-{port}.log", "wb") as out:  # the child keeps it
                 proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         log.info("starting %s worker %s: %s", role, url, " ".join(cmd))
-        return Managed(role, url, proc)
+        return Managed(role, url, proc, parkable="--park" in cmd)
 
     def _reap(self, actions: list[str]) -> None:
         """Forget processes that exited: a start that failed counts against its role."""
@@ -159,11 +160,19 @@ class ProcessConnector(Connector):
                 actions.append(f"{m.role} worker {url} exited (status {code})")
 
     async def _stop(self, m: Managed) -> None:
+        """Drain `m` and let it exit: the router forgets it first."""
+        await self._leave_router(m)
+        await self._terminate(m)
+
+    async def _leave_router(self, m: Managed) -> None:
         async with aiohttp.ClientSession() as http:
             try:
                 await deregister_from_router(self.router_url, m.url, self.admin_token, http)
             except RegistrationError as e:  # the drain still ends its streams well
                 log.warning("router did not forget %s: %s", m.url, e)
+
+    async def _terminate(self, m: Managed) -> None:
+        """SIGTERM: `m` drains and exits (SIGKILL after `STOP_TIMEOUT_S`)."""
         m.proc.send_signal(signal.SIGTERM)
         try:
             code = await asyncio.wait_for(asyncio.to_thread(m.proc.wait), STOP_TIMEOUT_S)
@@ -280,6 +289,30 @@ class SimulatedConnector(ProcessConnector):
                 self.started += 1
                 return f"activating spare {role} worker {m.url}"
         return await super()._start(role)
+
+    async def _stop(self, m: Managed) -> None:
+        """A worker that was a spare drains back into the pool (`POST /park`: no process starts
+        while the load runs) where the pool lacks spares; else, or where that fails, it drains
+        and exits."""
+        if not (m.parkable and len(self.parked[m.role]) < self.spares):
+            return await super()._stop(m)
+        await self._leave_router(m)
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(
+                    f"{m.url}/park", timeout=aiohttp.ClientTimeout(total=STOP_TIMEOUT_S)
+                ) as r:
+                    r.raise_for_status()
+                    parked = await r.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("%s worker %s did not park (%s): stopped instead", m.role, m.url, e)
+            return await self._terminate(m)
+        log.info("%s worker %s drained and parked: %s", m.role, m.url, parked)
+        self.workers.pop(m.url, None)
+        if len(self.parked[m.role]) < self.spares:
+            self.parked[m.role].append(m)
+        else:  # the pool filled meanwhile
+            await self._terminate(m)
 
     def stopped(self, role: str) -> None:
         """A spare started again while the load runs starts at the lowest CPU priority where

@@ -4,6 +4,7 @@ its PD side with its transfer manager. The HTTP app only starts and stops what i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -116,6 +117,24 @@ class Worker:
 
     def check_integrity(self) -> None:
         self.engine.scheduler.check_integrity()
+
+    def begin_drain(self) -> int:
+        """Refuse new requests (503, not ready) and migrate the router's streams (each ends with
+        `: pd-migrate`; the router continues it elsewhere); the others finish. Returns how many
+        streams migrate."""
+        self.draining = True
+        return self.migrate_streams()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until nothing is in flight (P's pinned pages pulled or released too): True, or
+        False after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.engine.handles or not self.engine.idle:
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def migrate_streams(self) -> int:
         """Drain by migration (docs/migration.md §2): abort the requests of every stream opened

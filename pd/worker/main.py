@@ -98,20 +98,15 @@ async def serve(cfg: WorkerConfig, stop: asyncio.Event | None = None) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    # Drain: refuse new requests (503), migrate the router's streams, let the others finish,
-    # then exit.
-    worker.draining = True
-    # The router's streams end now with `: pd-migrate` (it continues them elsewhere); the
-    # others finish (docs/migration.md §2).
-    migrated = worker.migrate_streams()
+    # Drain: refuse new requests (503), migrate the router's streams, let the others finish
+    # (docs/migration.md §2), then exit.
+    migrated = worker.begin_drain()
     if cfg.register_with:
         await _register(cfg, my_url, leave=True)
     log.info(
         "draining: %d requests in flight, %d streams migrated", len(worker.engine.handles), migrated
     )
-    deadline = loop.time() + cfg.drain_timeout_s
-    while (worker.engine.handles or not worker.engine.idle) and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await worker.drained(cfg.drain_timeout_s)
     await asyncio.sleep(0.05)  # let the last responses flush
     await runner.cleanup()
 

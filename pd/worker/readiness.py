@@ -36,6 +36,12 @@ class Readiness:
         self.starting_until = now + startup_s
         self._starting = startup_s > 0
 
+    def park(self) -> None:
+        """A spare node's worker, drained, goes back to the pool: parked until activated."""
+        self.parked = True
+        self.starting_until = 0.0
+        self._starting = False
+
     def update(self, now: float, blocker: str | None) -> None:
         """The admission condition now: None (a request could be admitted) or what blocks."""
         self._starting = now < self.starting_until

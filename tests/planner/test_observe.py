@@ -157,3 +157,54 @@ async def test_the_ttft_taken_is_of_requests_a_prefill_worker_served(aiohttp_ser
     async with aiohttp.ClientSession() as http:
         got = await ClusterReader(url, time_scale=SCALE)._router_counters(http)
     assert got == (12.0, 6.0, 4.0)
+
+
+async def test_a_worker_back_in_the_list_counts_from_its_return(aiohttp_server):
+    """A spare parked and activated again keeps its process and its counters: what it did out of
+    the router's list (its drain's last prefills) is not counted at its return, nor its steps
+    of then read again. A fake router and P: the counters are the test's."""
+    state = {"listed": True, "tokens": 0, "steps": 0}
+
+    async def workers(request):
+        listed = [{"url": p_url, "role": "prefill"}] if state["listed"] else []
+        return web.json_response({"workers": listed})
+
+    async def health(request):
+        return web.json_response({"load": {}, "not_ready_reason": None})
+
+    async def no_metrics(request):
+        return web.Response(text="")
+
+    async def steps(request):
+        after = int(request.query.get("after", 0))
+        return web.json_response({
+            "steps": state["steps"], "prefill_tokens": state["tokens"],
+            "prefill_busy_s": state["tokens"] / 1000, "prefills_done": state["tokens"] // 100,
+            "sampled_tokens": 0, "samples": [[1, 100, 0.01]] * (state["steps"] - after),
+        })  # fmt: skip
+
+    worker_app = web.Application()
+    worker_app.router.add_get("/health", health)
+    worker_app.router.add_get("/steps", steps)
+    p_url = str((await aiohttp_server(worker_app)).make_url("")).rstrip("/")
+    router_app = web.Application()
+    router_app.router.add_get("/workers", workers)
+    router_app.router.add_get("/metrics", no_metrics)
+    reader = ClusterReader(str((await aiohttp_server(router_app)).make_url("")).rstrip("/"))
+
+    async with aiohttp.ClientSession() as http:
+
+        async def counted() -> tuple[int, int]:
+            (w,) = (await reader.observe(http)).of("prefill")
+            return w.prefill_tokens, len(w.steps)
+
+        state.update(tokens=500, steps=2)
+        assert await counted() == (500, 2)  # first sight: all of it (a new worker's is 0)
+        state.update(tokens=800, steps=3)
+        assert await counted() == (300, 1)
+        state.update(listed=False, tokens=1200, steps=5)  # its drain's last prefills, unlisted
+        assert (await reader.observe(http)).workers == ()
+        state.update(listed=True)
+        assert await counted() == (0, 0)  # back: counted from here
+        state.update(tokens=1500, steps=6)
+        assert await counted() == (300, 1)

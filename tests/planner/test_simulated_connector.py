@@ -2,8 +2,10 @@
 P and D in this process: told to have two decode workers, it starts a `--simulate` worker
 process (or, with spares, activates a parked one), which registers with the router and answers
 `starting` for its modeled start-up, then takes requests; told to have one again, it has the
-router forget the worker, drains it and the process exits on its own (and a spare is started
-again in its place, at the lowest CPU priority until its activation). It never stops a worker it did not start, and starts none while one is on
+router forget the worker and drains it: the process exits on its own, or, a spare, parks again
+(`POST /park`: no process starts while the load runs) and serves again when activated. A spare
+started again in the place of one that exited runs at the lowest CPU priority until its
+activation. It never stops a worker it did not start, and starts none while one is on
 its way."""
 
 from __future__ import annotations
@@ -57,52 +59,75 @@ async def test_it_starts_a_worker_that_takes_load_once_ready_and_drains_it(
             # On its way: the same decision starts no other, and nothing is drained.
             assert await connector.apply(Decision(0, 1, 2, ()), await observe()) == []
             assert connector.pending()["decode"] == {"starting": 1, "leaving": 0}
-            seen_starting = False
             deadline = time.monotonic() + 90
-            while True:
-                assert m.proc.poll() is None, (
-                    tmp_path / f"decode-{m.url.rsplit(':', 1)[1]}.log"
-                ).read_text()
-                assert time.monotonic() < deadline, "the new worker never became ready"
-                obs = await observe()
-                mine = [w for w in obs.workers if w.url == m.url]
-                if mine and not mine[0].ready:
-                    seen_starting = True
-                done = await connector.apply(Decision(0, 1, 2, ()), obs)
-                if m.state == "ready":
-                    assert done == [f"decode worker {m.url} is ready"]
-                    break
-                await asyncio.sleep(0.2)
-            assert seen_starting, "the router listed it while it started, not ready"
-            # Load-aware picks the cheaper of two at random, and ties (both idle) go either way:
-            # rounds of six until the new worker has served, at most five (1 in 2^30 by chance).
-            for rnd in range(5):
-                await asyncio.gather(*(completion(http, router, 6 * rnd + i, 8) for i in range(6)))
-                record = await (await http.get(f"{m.url}/steps")).json()
-                if record["sampled_tokens"] > 0:
-                    break
-            assert record["sampled_tokens"] > 0, "the new worker took none of the requests"
+            assert await _until_ready(connector, reader, http, m, deadline, tmp_path)
+            await _until_served(http, router, m)
             # Down to one: ours goes (the router forgets it first), the one we did not start stays.
             (draining,) = await connector.apply(Decision(0, 1, 1, ()), await observe())
             assert draining == f"draining decode worker {m.url}"
-            code = await asyncio.wait_for(asyncio.to_thread(m.proc.wait), 60)
-            assert code == 0
+            if not spares:
+                code = await asyncio.wait_for(asyncio.to_thread(m.proc.wait), 60)
+                assert code == 0
+            else:  # back in the pool: the same process, parked, its pages all free
+                while connector.parked["decode"] != [m]:
+                    assert time.monotonic() < deadline, "the drained spare never parked again"
+                    await asyncio.sleep(0.05)
+                assert m.proc.poll() is None
+                health = await (await http.get(f"{m.url}/health")).json()
+                assert health["not_ready_reason"] == "parked"
+                walk = await (await http.get(f"{m.url}/integrity")).json()
+                assert walk == {"integrity": "ok"}
             listed = await reader.observe(http)
             assert {w.url for w in listed.workers} == {p, d}
             assert await connector.apply(Decision(0, 1, 1, ()), listed) == []
-            while len(connector.parked["decode"]) < spares:  # started again in its place
-                assert time.monotonic() < deadline, "no spare in the drained worker's place"
-                await asyncio.sleep(0.05)
+            if spares:
+                # Wanted again: activated, it starts again, joins the router and serves
+                (started,) = await connector.apply(Decision(0, 1, 2, ()), listed)
+                assert started == f"activating spare decode worker {m.url}"
+                assert await _until_ready(connector, reader, http, m, deadline + 60, tmp_path)
+                await _until_served(http, router, m)
             if spares and _can_renice():
-                # started while the load runs: the lowest CPU priority until it is activated
-                again = connector.parked["decode"][0]
+                # A worker that exits (not parked again) is replaced by a spare started while
+                # the load runs: the lowest CPU priority until it is activated
+                connector.stopped("decode")
+                (again,) = connector.parked["decode"]
                 await _serving(http, again)
                 assert _nices(again.proc.pid) == {SPARE_NICE}
-                await connector.apply(Decision(0, 1, 2, ()), await reader.observe(http))
+                await connector.apply(Decision(0, 1, 3, ()), await reader.observe(http))
                 assert again.state == "starting" and _nices(again.proc.pid) == {0}
         finally:
             await connector.close()
     assert not connector.workers
+
+
+async def _until_ready(connector, reader, http, m, deadline, logs) -> bool:
+    """Decisions of one P and two D until `m` is ready; whether the router listed it not ready
+    (starting) on the way."""
+    seen_starting = False
+    while True:
+        assert m.proc.poll() is None, (logs / f"decode-{m.url.rsplit(':', 1)[1]}.log").read_text()
+        assert time.monotonic() < deadline, "the new worker never became ready"
+        obs = await reader.observe(http)
+        mine = [w for w in obs.workers if w.url == m.url]
+        if mine and not mine[0].ready:
+            seen_starting = True
+        done = await connector.apply(Decision(0, 1, 2, ()), obs)
+        if m.state == "ready":
+            assert done == [f"decode worker {m.url} is ready"]
+            return seen_starting
+        await asyncio.sleep(0.2)
+
+
+async def _until_served(http, router, m) -> None:
+    """Load-aware picks the cheaper of two at random, and ties (both idle) go either way: rounds
+    of six until `m` has sampled more tokens, at most five (1 in 2^30 by chance)."""
+    before = (await (await http.get(f"{m.url}/steps")).json())["sampled_tokens"]
+    for rnd in range(5):
+        await asyncio.gather(*(completion(http, router, 6 * rnd + i, 8) for i in range(6)))
+        record = await (await http.get(f"{m.url}/steps")).json()
+        if record["sampled_tokens"] > before:
+            return
+    raise AssertionError("the new worker took none of the requests")
 
 
 def _nices(pid: int) -> set[int]:

@@ -46,3 +46,12 @@ def test_a_parked_worker_is_not_ready_until_activated_then_starts():
     assert r.state(False) == (False, "starting")
     r.update(6.0, None)
     assert r.state(False) == (True, None)
+    # Drained back into the pool: parked, and a start-up again at the next activation
+    r.park()
+    r.update(7.0, None)
+    assert r.state(False) == (False, "parked")
+    r.activate(8.0, startup_s=1.0)
+    r.update(8.5, None)
+    assert r.state(False) == (False, "starting")
+    r.update(9.0, None)
+    assert r.state(False) == (True, None)

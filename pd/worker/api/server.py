@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -165,6 +166,7 @@ def make_app(worker: Worker) -> web.Application:
     app.router.add_get("/steps", steps)
     if worker.config.park:
         app.router.add_post("/activate", activate)
+        app.router.add_post("/park", park)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     for path, serve in worker.role.routes().items():  # the role's own
         app.router.add_post(path, _role_route(serve))
@@ -242,6 +244,37 @@ async def activate(request: web.Request) -> web.Response:
             worker.on_activate()
     ready, why = readiness.state(worker.draining)
     return json_response({"activated": True, "ready": ready, "reason": why})
+
+
+async def park(request: web.Request) -> web.Response:
+    """`--park`: this spare node, activated, goes back to the pool. It drains as on SIGTERM
+    (refuses new requests, migrates the router's streams, lets the others finish, P's pinned
+    pages pulled or released) and is parked until the next `POST /activate`, its prefix cache
+    dropped and its instance new, as a node started again would be. Its caller removes it from
+    its router first (pd-planner's connector does). 504 where the drain outlasts
+    `--drain-timeout-s` (it then stays draining)."""
+    worker = request.app[WORKER]
+    _check_auth(worker, request)
+    readiness = request.app[READINESS]
+    if readiness.parked:
+        return json_response({"parked": True, "migrated": 0})
+    if worker.draining:
+        raise APIError(409, "the worker is draining already", code="draining")
+    migrated = worker.begin_drain()
+    if not await worker.drained(worker.config.drain_timeout_s):
+        raise APIError(
+            504,
+            f"requests still in flight after {worker.config.drain_timeout_s:g} s of drain",
+            "timeout_error",
+            code="drain_timeout",
+        )
+    worker.engine.reset_prefix_cache()
+    integrity = worker.engine.check_integrity()  # every page back in the pool: "ok"
+    worker.instance_id = uuid.uuid4().hex[:16]
+    readiness.park()
+    worker.draining = False
+    log.info("parked after its drain: %d streams migrated, integrity %s", migrated, integrity)
+    return json_response({"parked": True, "migrated": migrated, "integrity": integrity})
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
