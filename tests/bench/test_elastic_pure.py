@@ -28,6 +28,7 @@ from pd.bench.elastic.run import (
     phases_of,
     planner_seconds,
     planner_variants,
+    spares_of,
     stagger_of,
     startup_of,
     summary,
@@ -192,6 +193,12 @@ def test_several_headrooms_are_a_planner_each():
     for bad in ("-1", "a", ","):
         with pytest.raises(SystemExit):
             _args("--headroom", bad)
+
+
+def test_spares_cover_a_roles_growth_unless_given():
+    assert spares_of(_args()) == 5  # 1 to 6 workers a role
+    assert spares_of(_args("--max-prefill", "9")) == 8
+    assert spares_of(_args("--quick")) == 2 and spares_of(_args("--spares", "0")) == 0
 
 
 def test_headrooms_and_quantiles_pair_into_planners():

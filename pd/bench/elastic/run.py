@@ -113,8 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the planner's observation interval (default 5 x the phase scale; "
                    "--quick: 2); its arrival window is 12 of them")  # fmt: skip
     p.add_argument("--spares", type=int, default=None,
-                   help="spare workers a role, started parked before the load and activated at "
-                   "a scale-up (default: 2; 0: a process starts at each scale-up)")  # fmt: skip
+                   help="spare workers a role, started parked before the load, activated at "
+                   "a scale-up and parked again after a drain (default: as many as a role can "
+                   "grow by, --max less --min; --quick: 2; 0: a process starts at each "
+                   "scale-up)")  # fmt: skip
     p.add_argument("--headroom", type=headrooms, default=[0.25],
                    help="the planner's --headroom (the floor sizes for 1 + this x the "
                    "arrivals; 0.25: docs/EXPERIMENTS.md section 29); several (0.25,1): a "
@@ -249,6 +251,14 @@ def startup_of(args: argparse.Namespace) -> float:
 def knob(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
     value = getattr(args, name)
     return value if value is not None else (quick_value if args.quick else default)
+
+
+def spares_of(args: argparse.Namespace) -> int:
+    """Spare workers a role, started parked before the load: `--spares`, else (full runs) as
+    many as a role can grow by, so that no process starts while the load runs (a drained one
+    parks again); `--quick`: 2."""
+    most = max(args.max_prefill - args.min_prefill, args.max_decode - args.min_decode)
+    return int(knob(args, "spares", 2, most))
 
 
 def controller_s(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
@@ -489,7 +499,7 @@ async def _drive(
         max_decode=args.max_decode, budget=args.budget, time_scale=k, admin_token=ADMIN,
         cluster_token=os.environ["PD_CLUSTER_TOKEN"], simulate=args.simulate,
         startup_s=startup_of(args), log_dir=log_dir, port=0,
-        spares=int(knob(args, "spares", 2, 2)), headroom=args.headroom[0],
+        spares=spares_of(args), headroom=args.headroom[0],
         ttft_quantile=args.ttft_quantile[0],
         forecast_s=startup_of(args) if args.forecast else 0.0,
     )  # fmt: skip
