@@ -3,7 +3,7 @@ cluster's counters at each poll (`Totals`), oldest first.
 
 A few seconds of a bursty load say little of its rate, so the rate and the lengths are the
 window's; a rise shows at once (the last polls' rate when it is higher beyond the noise of their
-count, and their mean prompt when it is longer), a fall waits for the window, as scale-downs
+count at two polls in a row, and their mean prompt when it is longer), a fall waits for the window, as scale-downs
 wait for their cool-down. A longer prompt read at once keeps the prompt tokens a second that P
 receives (computed, plus the change of its queue): a phase of longer prompts at a lower rate is
 not more tokens, where the window's rate times the last polls' length would read it as more.
@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 RECENT_POLLS = 3  # the short window a rise is read over
 RISE_SIGMAS = 2.0  # ... when it is this many standard deviations of its Poisson count
+# ... at this many polls in a row: one poll's chance excess is not a rise (at 4 a second, one
+# poll in 250 read one, a worker started and let go; two in a row: one in 1700)
+RISE_POLLS = 2
 RECENT_PROMPTS = 8  # prompts done in the last polls before their mean length counts as a rise
 
 
@@ -53,17 +56,36 @@ def _tokens_in(a: Totals, b: Totals) -> float:
     ) / span
 
 
+def _rate(a: Totals, b: Totals) -> float:
+    span = b.at - a.at
+    return (b.arrivals - a.arrivals) / span if span > 0 else 0.0
+
+
+def _risen(totals: Sequence[Totals]) -> float | None:
+    """The last polls' arrival rate where it is above the window's beyond the noise of their
+    count (None: not, or too few polls)."""
+    if len(totals) < 2:
+        return None
+    last, recent = totals[-1], totals[-min(len(totals), RECENT_POLLS + 1)]
+    short = last.at - recent.at
+    if short <= 0:
+        return None
+    count = last.arrivals - recent.arrivals
+    if count / short - _rate(totals[0], last) > RISE_SIGMAS * math.sqrt(max(count, 1.0)) / short:
+        return count / short
+    return None
+
+
 def windowed(totals: Sequence[Totals]) -> Windowed:
     """The rate and lengths over `totals` (the window's polls, oldest first; at least one)."""
+    totals = list(totals)  # a deque's slices
     first, last = totals[0], totals[-1]
-    span = last.at - first.at
-    rate = (last.arrivals - first.arrivals) / span if span > 0 else 0.0
     recent = totals[-min(len(totals), RECENT_POLLS + 1)]
-    short = last.at - recent.at
-    if short > 0:
-        count = last.arrivals - recent.arrivals
-        if count / short - rate > RISE_SIGMAS * math.sqrt(max(count, 1.0)) / short:
-            rate = count / short
+    rate = _rate(first, last)
+    rise = _risen(totals)
+    earlier = (_risen(totals[: len(totals) - k]) for k in range(1, RISE_POLLS))
+    if rise is not None and all(r is not None for r in earlier):
+        rate = rise
     done = last.prefills_done - first.prefills_done
     prompt = (last.prefill_tokens - first.prefill_tokens) / done if done else 0.0
     lately = last.prefills_done - recent.prefills_done

@@ -4,6 +4,9 @@ rate read as the same tokens a second, not more."""
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from pd.planner.window import Totals, windowed
@@ -46,6 +49,40 @@ def test_a_rise_in_the_rate_shows_at_once_and_a_fall_waits():
     assert rise.arrivals_per_s == pytest.approx(8.0)
     fall = windowed(polls([(8.0, 4000)] * 9 + [(2.0, 4000)] * 3))
     assert fall.arrivals_per_s == pytest.approx((8 * 9 + 2 * 3) / 12)
+
+
+def test_one_polls_excess_is_not_a_rise_two_in_a_row_are():
+    spike = windowed(polls([(4.0, 4000)] * 11 + [(20.0, 4000)]))  # beyond the noise, once
+    assert spike.arrivals_per_s == pytest.approx((4 * 11 + 20) / 12)
+    step = windowed(polls([(4.0, 4000)] * 10 + [(20.0, 4000)] * 2))
+    assert step.arrivals_per_s == pytest.approx((4 + 20 + 20) / 3)
+
+
+def test_a_steady_random_load_seldom_reads_as_a_rise():
+    """Poisson arrivals at 4 a second, polls every 2 s, a window of 12: the last polls' count
+    beyond two standard deviations twice in a row (a worker started for nothing) in fewer than
+    1 poll in 1000 (one poll alone: 1 in 250)."""
+    rng = random.Random(7)
+    counts: list[int] = []
+    risen = 0
+    for _ in range(5000):
+        counts = [*counts[-11:], _poisson(rng, 8.0)]
+        totals = [Totals(0.0, 0, 0, 0, 0, 0.0, 0.0, 0)]
+        for n in counts:
+            last = totals[-1]
+            totals.append(Totals(last.at + POLL_S, last.arrivals + n, 0, 0, 0, 0.0, 0.0, 0))
+        got = windowed(totals).arrivals_per_s
+        risen += got > sum(counts) / (POLL_S * len(counts)) + 1e-9
+    assert risen < 5, risen
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    """Knuth's: the arrivals of one poll."""
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
 
 
 def test_longer_prompts_at_the_same_rate_show_at_once():
