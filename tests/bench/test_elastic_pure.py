@@ -170,6 +170,9 @@ def test_the_cpu_watch_reads_the_share_of_all_cores_busy(tmp_path):
     assert late["from_s"] == 15.0
     assert (late["max_window_end_s"], late["windows_over_limit"], late["windows"]) == (20.0, 0, 2)
     assert cpu.summary()["windows_over_limit"] == 1  # the first, 90% busy
+    # ... and those that ended by `until`: the tear-downs after the loads are not either
+    early = cpu.summary(since=100.0, until=115.0)
+    assert early is not None and early["windows"] == 1 and early["mean"] == pytest.approx(0.3)
 
 
 def test_turns_are_counted_by_phase_and_within_a_phase():
@@ -198,7 +201,7 @@ def test_several_headrooms_are_a_planner_each():
 def test_spares_cover_a_roles_growth_unless_given():
     assert spares_of(_args()) == 5  # 1 to 6 workers a role
     assert spares_of(_args("--max-prefill", "9")) == 8
-    assert spares_of(_args("--quick")) == 2 and spares_of(_args("--spares", "0")) == 0
+    assert spares_of(_args("--quick")) == 5 and spares_of(_args("--spares", "0")) == 0
 
 
 def test_headrooms_and_quantiles_pair_into_planners():

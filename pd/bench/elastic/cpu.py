@@ -69,14 +69,19 @@ class CpuWatch:
         self.windows.append((time.time(), now[0] - self._last[0], now[1] - self._last[1]))
         self._last = now
 
-    def summary(self, since: float | None = None) -> dict[str, Any] | None:
+    def summary(
+        self, since: float | None = None, until: float | None = None
+    ) -> dict[str, Any] | None:
         """The mean share busy and the busiest window's, of the windows that began at `since`
-        (`time.time()`) or later (None: all; None returned: not measured here)."""
+        (`time.time()`) or later and ended by `until` (None: all; None returned: not measured
+        here)."""
         start = self.started if since is None else since
         kept = [
             (end, busy, total)
             for end, busy, total in self.windows
-            if total > 0 and (since is None or end - self.window_s >= since - 1e-6)
+            if total > 0
+            and (since is None or end - self.window_s >= since - 1e-6)
+            and (until is None or end <= until + 1e-6)
         ]
         if self._first is None or self._last is None or not kept:
             return None

@@ -115,8 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spares", type=int, default=None,
                    help="spare workers a role, started parked before the load, activated at "
                    "a scale-up and parked again after a drain (default: as many as a role can "
-                   "grow by, --max less --min; --quick: 2; 0: a process starts at each "
-                   "scale-up)")  # fmt: skip
+                   "grow by, --max less --min; 0: a process starts at each scale-up)")  # fmt: skip
     p.add_argument("--headroom", type=headrooms, default=[0.25],
                    help="the planner's --headroom (the floor sizes for 1 + this x the "
                    "arrivals; 0.25: docs/EXPERIMENTS.md section 29); several (0.25,1): a "
@@ -254,11 +253,11 @@ def knob(args: argparse.Namespace, name: str, quick_value: float, default: float
 
 
 def spares_of(args: argparse.Namespace) -> int:
-    """Spare workers a role, started parked before the load: `--spares`, else (full runs) as
-    many as a role can grow by, so that no process starts while the load runs (a drained one
-    parks again); `--quick`: 2."""
+    """Spare workers a role, started parked before the load: `--spares`, else as many as a
+    role can grow by, so that no process starts while the load runs (a drained one parks
+    again)."""
     most = max(args.max_prefill - args.min_prefill, args.max_decode - args.min_decode)
-    return int(knob(args, "spares", 2, most))
+    return int(args.spares if args.spares is not None else most)
 
 
 def controller_s(args: argparse.Namespace, name: str, quick_value: float, default: float) -> float:
@@ -358,6 +357,9 @@ class Job:
     # them all and `run_jobs`), the loads `delay_s` apart after it; None: at once when ready
     ready: Any = None
     delay_s: float = 0.0
+    # ... and none torn down before every load has ended (`done`: its process exits, spares
+    # stop, a summary is built: CPU on the cores a later load still runs on)
+    done: Any = None
 
 
 def stagger_of(args: argparse.Namespace, phases: list[Phase]) -> float:
@@ -377,8 +379,9 @@ def run_job(job: Job) -> dict[str, Any]:
     try:
         got = asyncio.run(run_setup(job.kind, job.args, job.phases, job.initial, job.name, job))
     except BaseException:
-        if job.ready is not None:
-            job.ready.abort()  # the others go on without this one
+        for barrier in (job.ready, job.done):
+            if barrier is not None:
+                barrier.abort()  # the others go on without this one
         raise
     print(
         f"pd-bench elastic: {job.name} done in {time.perf_counter() - started:.0f} s",
@@ -389,35 +392,39 @@ def run_job(job: Job) -> dict[str, Any]:
 
 def run_jobs(
     jobs: list[Job], at_once: int, stagger_s: float = 0.0
-) -> tuple[list[dict[str, Any]], float | None]:
-    """Every job's summary, in order, and when the first load began (`time.time()`; None: in
-    turn): `at_once` at a time, each in a fresh process (0: all at once), the first of those
-    all set up before any load begins (a setup's process starts take the cores a running
-    load's simulated hosts need) and their loads `stagger_s` apart; or in turn in this one (1)."""
+) -> tuple[list[dict[str, Any]], tuple[float | None, float | None]]:
+    """Every job's summary, in order, and when the first load began and the last ended
+    (`time.time()`; None: in turn): `at_once` at a time, each in a fresh process (0: all at
+    once), the first of those all set up before any load begins and torn down after every
+    load ended (a setup's process starts and stops take the cores a running load's simulated
+    hosts need), their loads `stagger_s` apart; or in turn in this one (1)."""
     if at_once == 1 or len(jobs) == 1:
-        return [run_job(job) for job in jobs], None
+        return [run_job(job) for job in jobs], (None, None)
     spawn = multiprocessing.get_context("spawn")  # no event loop nor thread carried over
     workers = len(jobs) if at_once <= 0 else min(at_once, len(jobs))
     with spawn.Manager() as manager, ThreadPoolExecutor(1) as waiter:
-        ready = manager.Barrier(workers + 1)  # the first setups and this process
+        # the first setups and this process: all set up, then all loads ended
+        ready, done = manager.Barrier(workers + 1), manager.Barrier(workers + 1)
         delayed = [
-            replace(job, ready=ready, delay_s=i * stagger_s) if i < workers else job
+            replace(job, ready=ready, delay_s=i * stagger_s, done=done) if i < workers else job
             for i, job in enumerate(jobs)
         ]
-        began = waiter.submit(_began, ready)
+        began = waiter.submit(_passed, ready)
+        ended = waiter.submit(_passed, done)  # after `began`: one thread
         try:
             with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
                 summaries = list(pool.map(run_job, delayed))
         except BaseException:
-            ready.abort()  # a setup's process died before the barrier: none waits on it
+            ready.abort()  # a setup's process died before a barrier: none waits on it
+            done.abort()
             raise
-        return summaries, began.result()
+        return summaries, (began.result(), ended.result())
 
 
-def _began(ready: Any) -> float | None:
-    """When every setup was ready (None: one failed before)."""
+def _passed(barrier: Any) -> float | None:
+    """When every setup passed `barrier` (None: one failed before)."""
     try:
-        ready.wait()
+        barrier.wait()
     except threading.BrokenBarrierError:
         return None
     return time.time()
@@ -427,11 +434,21 @@ async def _until_loaded(job: Job | None) -> None:
     """Wait for the other setups run at once, then this one's share of the stagger."""
     if job is None or job.ready is None:
         return
+    await _wait(job, job.ready)
+    await asyncio.sleep(job.delay_s)
+
+
+async def _until_unloaded(job: Job | None) -> None:
+    """Wait until the loads of the other setups run at once have ended too."""
+    if job is not None and job.done is not None:
+        await _wait(job, job.done)
+
+
+async def _wait(job: Job, barrier: Any) -> None:
     try:
-        await asyncio.to_thread(job.ready.wait)
+        await asyncio.to_thread(barrier.wait)
     except threading.BrokenBarrierError:
         print(f"pd-bench elastic: {job.name}: a setup beside it failed", file=sys.stderr)
-    await asyncio.sleep(job.delay_s)
 
 
 async def run_setup(
@@ -569,13 +586,14 @@ async def _drive(
         )
         run.phase_of = [ph for _, ph in schedule]
     run.wall_s = time.perf_counter() - t0
+    sampling.cancel()
+    run.samples.append(sample((time.perf_counter() - t0) / k))
+    await _until_unloaded(job)  # the workers it holds from here on are not counted
     stop.set()
     if controller is not None:
         await controller
     if kind == "hpa" and connector is not None:
         await connector.close()
-    sampling.cancel()
-    run.samples.append(sample((time.perf_counter() - t0) / k))
     if service is not None:
         run.fit_error = fit_error(service, args.simulate)
         run.decisions = [
@@ -873,9 +891,9 @@ def run(args: argparse.Namespace) -> int:
         for v in more
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
-        done, began = run_jobs(jobs, args.jobs, stagger)
+        done, (began, ended) = run_jobs(jobs, args.jobs, stagger)
     results = dict(zip((j.name for j in jobs), done))
-    out["cpu"] = cpu.summary(since=began)  # the loads, not the set-ups before them
+    out["cpu"] = cpu.summary(since=began, until=ended)  # the loads, not the set-ups and after
     for kind in setups:
         if kind != "fixed":
             out[kind] = results[kind]
