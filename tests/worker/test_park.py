@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from pd.config import WorkerConfig
 from pd.worker.api.server import make_app
@@ -52,3 +53,23 @@ async def test_a_drained_spare_parks_and_serves_again_when_activated(aiohttp_ser
         served = await http.post(f"{url}/v1/completions", json={**body, "stream": False})
         assert served.status == 200
         assert (await served.json())["usage"]["completion_tokens"] == 40
+
+
+async def test_a_caller_that_leaves_mid_drain_still_gets_it_parked(aiohttp_server):
+    cfg = WorkerConfig(simulate="llama-3.1-8b:h100", time_scale=1.0, role="both", port=0,
+                       kv_pages=256, park=True)  # fmt: skip
+    url = str((await aiohttp_server(make_app(build_worker(cfg)))).make_url("")).rstrip("/")
+    body = {"prompt": "Write about the sea.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        await http.post(f"{url}/activate")
+        resp = await http.post(f"{url}/v1/completions", json=body)
+        await resp.content.readline()
+        with pytest.raises(TimeoutError):
+            await http.post(f"{url}/park", timeout=aiohttp.ClientTimeout(total=0.1))
+        assert (await resp.content.read()).rstrip().endswith(b"data: [DONE]")
+        for _ in range(100):
+            health = await (await http.get(f"{url}/health")).json()
+            if health["not_ready_reason"] == "parked":
+                break
+            await asyncio.sleep(0.05)
+        assert health["not_ready_reason"] == "parked" and health["status"] == "ok"

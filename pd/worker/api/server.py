@@ -257,24 +257,35 @@ async def park(request: web.Request) -> web.Response:
     _check_auth(worker, request)
     readiness = request.app[READINESS]
     if readiness.parked:
-        return json_response({"parked": True, "migrated": 0})
+        return json_response(
+            {"parked": True, "migrated": 0, "integrity": worker.engine.check_integrity()}
+        )
     if worker.draining:
         raise APIError(409, "the worker is draining already", code="draining")
-    migrated = worker.begin_drain()
-    if not await worker.drained(worker.config.drain_timeout_s):
+    # A caller that leaves mid-drain does not leave the worker draining for good
+    body = await asyncio.shield(_park(worker, readiness))
+    if body is None:
         raise APIError(
             504,
             f"requests still in flight after {worker.config.drain_timeout_s:g} s of drain",
             "timeout_error",
             code="drain_timeout",
         )
+    return json_response(body)
+
+
+async def _park(worker: Worker, readiness: Readiness) -> dict[str, Any] | None:
+    """`park`'s drain, then parked: its answer (None: the drain timed out; still draining)."""
+    migrated = worker.begin_drain()
+    if not await worker.drained(worker.config.drain_timeout_s):
+        return None
     worker.engine.reset_prefix_cache()
     integrity = worker.engine.check_integrity()  # every page back in the pool: "ok"
     worker.instance_id = uuid.uuid4().hex[:16]
     readiness.park()
     worker.draining = False
     log.info("parked after its drain: %d streams migrated, integrity %s", migrated, integrity)
-    return json_response({"parked": True, "migrated": migrated, "integrity": integrity})
+    return {"parked": True, "migrated": migrated, "integrity": integrity}
 
 
 async def _transfer_ctx(app: web.Application) -> AsyncIterator[None]:
