@@ -14,12 +14,18 @@ from pd.config import WorkerConfig
 from pd.worker.api.server import make_app
 from pd.worker.build import build_worker
 
+BODY = {"prompt": "Write about the sea.", "max_tokens": 40, "ignore_eos": True, "stream": True}
 
-async def test_a_drained_spare_parks_and_serves_again_when_activated(aiohttp_server):
+
+async def spare(aiohttp_server) -> str:
+    """A simulated worker started as a spare node's (`--park`), served in this process."""
     cfg = WorkerConfig(simulate="llama-3.1-8b:h100", time_scale=1.0, role="both", port=0,
                        kv_pages=256, park=True)  # fmt: skip
-    url = str((await aiohttp_server(make_app(build_worker(cfg)))).make_url("")).rstrip("/")
-    body = {"prompt": "Write about the sea.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    return str((await aiohttp_server(make_app(build_worker(cfg)))).make_url("")).rstrip("/")
+
+
+async def test_a_drained_spare_parks_and_serves_again_when_activated(aiohttp_server):
+    url = await spare(aiohttp_server)
     async with aiohttp.ClientSession() as http:
 
         async def health() -> dict:
@@ -28,13 +34,13 @@ async def test_a_drained_spare_parks_and_serves_again_when_activated(aiohttp_ser
         assert (await health())["not_ready_reason"] == "parked"
         await http.post(f"{url}/activate")
         first = (await health())["instance"]
-        resp = await http.post(f"{url}/v1/completions", json=body)
+        resp = await http.post(f"{url}/v1/completions", json=BODY)
         assert resp.status == 200
         head = await resp.content.readline()
         assert head.startswith(b"data: ")
         park = asyncio.create_task(http.post(f"{url}/park"))
         await asyncio.sleep(0.1)
-        refused = await http.post(f"{url}/v1/completions", json={**body, "stream": False})
+        refused = await http.post(f"{url}/v1/completions", json={**BODY, "stream": False})
         assert refused.status == 503 and (await refused.json())["error"]["code"] == "draining"
         again = await http.post(f"{url}/park")  # a second drain at once is refused
         assert again.status == 409 and (await again.json())["error"]["code"] == "draining"
@@ -50,19 +56,16 @@ async def test_a_drained_spare_parks_and_serves_again_when_activated(aiohttp_ser
         assert (await (await http.post(f"{url}/park")).json())["parked"]  # parked: nothing to do
         await http.post(f"{url}/activate")
         assert (await health())["not_ready_reason"] is None  # --startup-s 0: ready at once
-        served = await http.post(f"{url}/v1/completions", json={**body, "stream": False})
+        served = await http.post(f"{url}/v1/completions", json={**BODY, "stream": False})
         assert served.status == 200
         assert (await served.json())["usage"]["completion_tokens"] == 40
 
 
 async def test_a_caller_that_leaves_mid_drain_still_gets_it_parked(aiohttp_server):
-    cfg = WorkerConfig(simulate="llama-3.1-8b:h100", time_scale=1.0, role="both", port=0,
-                       kv_pages=256, park=True)  # fmt: skip
-    url = str((await aiohttp_server(make_app(build_worker(cfg)))).make_url("")).rstrip("/")
-    body = {"prompt": "Write about the sea.", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    url = await spare(aiohttp_server)
     async with aiohttp.ClientSession() as http:
         await http.post(f"{url}/activate")
-        resp = await http.post(f"{url}/v1/completions", json=body)
+        resp = await http.post(f"{url}/v1/completions", json=BODY)
         await resp.content.readline()
         with pytest.raises(TimeoutError):
             await http.post(f"{url}/park", timeout=aiohttp.ClientTimeout(total=0.1))
