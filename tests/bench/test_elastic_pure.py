@@ -18,7 +18,9 @@ from pd.bench.elastic.run import (
     FULL_PHASE_SCALE,
     Run,
     Sample,
+    Variant,
     add_arguments,
+    fewest,
     fixed_candidates,
     given_split,
     given_splits,
@@ -32,7 +34,7 @@ from pd.bench.elastic.run import (
     stagger_of,
     startup_of,
     summary,
-    variant_name,
+    with_variant,
 )
 from pd.bench.elastic.trace import Phase, arrivals, bounds, full, quick, scaled
 
@@ -205,16 +207,53 @@ def test_spares_cover_a_roles_growth_unless_given():
 
 
 def test_headrooms_and_quantiles_pair_into_planners():
-    assert planner_variants(_args()) == [(0.25, 0.9)]
-    assert planner_variants(_args("--headroom", "0.25,1")) == [(0.25, 0.9), (1.0, 0.9)]
+    assert planner_variants(_args()) == [Variant(0.25, 0.9)]
+    assert planner_variants(_args("--headroom", "0.25,1")) == [
+        Variant(0.25, 0.9),
+        Variant(1.0, 0.9),
+    ]
     both = _args("--headroom", "0.25,1", "--ttft-quantile", "0.9,0.99")
-    assert planner_variants(both) == [(0.25, 0.9), (1.0, 0.99)]
-    assert planner_variants(_args("--ttft-quantile", "0.9,0.99")) == [(0.25, 0.9), (0.25, 0.99)]
+    assert planner_variants(both) == [Variant(0.25, 0.9), Variant(1.0, 0.99)]
+    assert planner_variants(_args("--ttft-quantile", "0.9,0.99")) == [
+        Variant(0.25, 0.9), Variant(0.25, 0.99),
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="--headroom has 2 values and --ttft-quantile 3"):
         planner_variants(_args("--headroom", "0,1", "--ttft-quantile", "0.5,0.9,0.99"))
-    assert [variant_name(*v) for v in planner_variants(both)] == [
+    assert [v.name for v in planner_variants(both)] == [
         "headroom 0.25", "headroom 1 quantile 0.99",
     ]  # fmt: skip
     for bad in ("1", "0", "x"):
         with pytest.raises(SystemExit):
             _args("--ttft-quantile", bad)
+
+
+def test_a_planner_spec_adds_a_planner_with_its_own_knobs():
+    args = _args("--planner", "headroom=1,quantile=0.99,cooldown-s=120,min-prefill=2",
+                 "--planner", "quantile=0.99")  # fmt: skip
+    first, own, plain = planner_variants(args)
+    assert first == Variant(0.25, 0.9)
+    assert own == Variant(1.0, 0.99, 120.0, 2)
+    assert own.name == "headroom 1 quantile 0.99 cool-down 120 s min-prefill 2"
+    assert plain == Variant(0.25, 0.99)  # keys not given: the first planner's
+    one = with_variant(args, own)
+    assert (one.headroom, one.ttft_quantile, one.cooldown_s, one.min_prefill) == (
+        [1.0],
+        [0.99],
+        120.0,
+        2,
+    )
+    assert (args.cooldown_s, args.min_prefill) == (None, 1)  # the run's, for the others
+    assert planner_seconds(one)[1] == 120.0 and planner_seconds(args)[1] == 60 * 0.4
+    assert fewest(one) == (2, 1) and fewest(args) == (1, 1)
+    for bad in (
+        "headroom=-1",
+        "quantile=1",
+        "min-prefill=1.5",
+        "speed=2",
+        "headroom",
+        "cooldown-s=x",
+    ):
+        with pytest.raises(SystemExit):
+            _args("--planner", bad)
+    with pytest.raises(ValueError, match="two planners are the same"):
+        planner_variants(_args("--planner", "headroom=0.25"))

@@ -124,6 +124,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the planner's --ttft-quantile (the share of prompts its prefill floor "
                    "sizes the TTFT for); several: a planner each, paired with --headroom's "
                    "(one value of either goes with each of the other's)")  # fmt: skip
+    p.add_argument("--planner", type=planner_spec, action="append", metavar="KEY=VALUE[,...]",
+                   help="one more planner beside the others (repeatable): its headroom, "
+                   "quantile, cooldown-s (modeled) and min-prefill where not the first "
+                   "planner's, e.g. headroom=1,quantile=0.99,cooldown-s=120,min-prefill=2")  # fmt: skip
     p.add_argument("--forecast", action="store_true",
                    help="the planner's --forecast-s at the start-up (a rising rate sized ahead)")  # fmt: skip
     p.add_argument("--fixed", default=None, metavar="P,D[/P,D...]",
@@ -199,27 +203,100 @@ def quantiles(text: str) -> list[float]:
     return got
 
 
-def planner_variants(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(headroom, TTFT quantile) of each planner run, `--headroom`'s and `--ttft-quantile`'s
-    paired in order (a single value of either goes with each of the other's)."""
+@dataclass(frozen=True)
+class Variant:
+    """One planner of the run: its headroom and TTFT quantile, and where it has its own, its
+    cool-down (modeled seconds) and fewest prefill workers (None: the run's)."""
+
+    headroom: float
+    quantile: float
+    cooldown_s: float | None = None
+    min_prefill: int | None = None
+
+    @property
+    def name(self) -> str:
+        """Its name beside the first planner (`headroom 1 quantile 0.99 min-prefill 2`)."""
+        parts = [f"headroom {self.headroom:g}"]
+        if self.quantile != TTFT_QUANTILE:
+            parts.append(f"quantile {self.quantile:g}")
+        if self.cooldown_s is not None:
+            parts.append(f"cool-down {self.cooldown_s:g} s")
+        if self.min_prefill is not None:
+            parts.append(f"min-prefill {self.min_prefill}")
+        return " ".join(parts)
+
+
+SPEC_KEYS = ("headroom", "quantile", "cooldown-s", "min-prefill")
+
+
+def planner_spec(text: str) -> dict[str, float]:
+    """`--planner KEY=VALUE[,KEY=VALUE...]`, keys of `SPEC_KEYS`."""
+    got: dict[str, float] = {}
+    for part in (p.strip() for p in text.split(",")):
+        key, eq, value = part.partition("=")
+        if not eq or key not in SPEC_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"--planner takes KEY=VALUE pairs of {', '.join(SPEC_KEYS)}, not {part!r}"
+            )
+        try:
+            got[key] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--planner {key} takes a number, not {value!r}"
+            ) from None
+    bad = (
+        got.get("headroom", 0) < 0
+        or not 0 < got.get("quantile", 0.5) < 1
+        or got.get("cooldown-s", 0) < 0
+        or got.get("min-prefill", 0) < 0
+        or got.get("min-prefill", 0) != int(got.get("min-prefill", 0))
+    )
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"--planner {text!r}: headroom >= 0, 0 < quantile < 1, cooldown-s >= 0, "
+            "min-prefill a whole number >= 0"
+        )
+    return got
+
+
+def planner_variants(args: argparse.Namespace) -> list[Variant]:
+    """Each planner of the run: `--headroom`'s and `--ttft-quantile`'s paired in order (a single
+    value of either goes with each of the other's), then each `--planner`'s (its keys not given:
+    the first planner's)."""
     hs, qs = list(args.headroom), list(args.ttft_quantile)
     if len(hs) != len(qs) and 1 not in (len(hs), len(qs)):
         raise ValueError(f"--headroom has {len(hs)} values and --ttft-quantile {len(qs)}")
     n = max(len(hs), len(qs))
-    return list(zip(hs * n if len(hs) == 1 else hs, qs * n if len(qs) == 1 else qs))
+    paired = [
+        Variant(h, q)
+        for h, q in zip(hs * n if len(hs) == 1 else hs, qs * n if len(qs) == 1 else qs)
+    ]
+    for spec in args.planner or []:
+        cooldown, least = spec.get("cooldown-s"), spec.get("min-prefill")
+        paired.append(Variant(
+            spec.get("headroom", hs[0]), spec.get("quantile", qs[0]),
+            cooldown, None if least is None else int(least),
+        ))  # fmt: skip
+    names = [v.name for v in paired]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two planners are the same: {names}")
+    return paired
 
 
-def variant_name(headroom: float, quantile: float) -> str:
-    """A planner variant's name beside the first (`headroom 1`, `headroom 1 quantile 0.99`)."""
-    quantile_part = "" if quantile == TTFT_QUANTILE else f" quantile {quantile:g}"
-    return f"headroom {headroom:g}{quantile_part}"
-
-
-def with_variant(args: argparse.Namespace, headroom: float, quantile: float) -> argparse.Namespace:
+def with_variant(args: argparse.Namespace, variant: Variant) -> argparse.Namespace:
     """`args` for one planner of `planner_variants`."""
     one = argparse.Namespace(**vars(args))
-    one.headroom, one.ttft_quantile = [headroom], [quantile]
+    one.headroom, one.ttft_quantile = [variant.headroom], [variant.quantile]
+    if variant.cooldown_s is not None:
+        one.cooldown_s = variant.cooldown_s
+    if variant.min_prefill is not None:
+        one.min_prefill = variant.min_prefill
     return one
+
+
+def fewest(args: argparse.Namespace) -> tuple[int, int]:
+    """The workers a scaling setup starts at: the fewest a role (`--min-prefill`, `--min-decode`)."""
+    return args.min_prefill, args.min_decode
 
 
 def trace_of(args: argparse.Namespace) -> str:
@@ -879,16 +956,15 @@ def run(args: argparse.Namespace) -> int:
         args.hpa_prefill_target = best["target"]
         out["hpa_targets"]["prefill"] = best["target"]
     fixed = fixed_candidates(args, phases) if "fixed" in setups else []
-    start = (args.min_prefill, args.min_decode)
     first, *more = variants
     if "planner" not in setups:
         more = []
     jobs = [
-        Job(kind, kind, start, with_variant(args, *first), phases)
+        Job(kind, kind, fewest(args), with_variant(args, first), phases)
         for kind in setups if kind != "fixed"
     ] + [
-        Job("planner", f"planner {variant_name(*v)}", start, with_variant(args, *v), phases)
-        for v in more
+        Job("planner", f"planner {v.name}", fewest(one), one, phases)
+        for v, one in ((v, with_variant(args, v)) for v in more)
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
         done, (began, ended) = run_jobs(jobs, args.jobs, stagger)
@@ -898,7 +974,7 @@ def run(args: argparse.Namespace) -> int:
         if kind != "fixed":
             out[kind] = results[kind]
     if more:
-        out["planners"] = {variant_name(*v): results[f"planner {variant_name(*v)}"] for v in more}
+        out["planners"] = {v.name: results[f"planner {v.name}"] for v in more}
     if fixed:
         tried = [(split, results[f"fixed {split[0]},{split[1]}"]) for split in fixed]
         met = [(split, r) for split, r in tried if meets_peak(r, phases)]
