@@ -12,7 +12,11 @@ from collections.abc import Iterable
 
 from pd.planner.signals import StepSample
 
-WINDOW = 512  # decode steps a fit keeps (the most recent: a worker's costs may drift)
+# Decode steps a fit keeps, the most recent (a worker's costs may drift): about a minute of one
+# decode worker's steps (~60 a second), so that a loaded host's few seconds of late steps are a
+# few percent of them, which the trim drops (512, eight seconds, let one read a step 2.4x its
+# cost: EXPERIMENTS §32 run 3, §33)
+WINDOW = 4096
 SPREAD_ROWS = 4  # distinct batch sizes before the fit's slope is extrapolated (`spread`)
 SPREAD_MAX_ROWS = 8
 TRIM_MADS = 3.0  # a step this many median absolute deviations over the fit ran late (`_trimmed`)

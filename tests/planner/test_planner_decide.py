@@ -112,6 +112,29 @@ def test_the_step_fit_finds_a_linear_step():
     assert fit.predict(32, 2e5) == pytest.approx(true_step(32, 2e5), rel=0.01)
 
 
+def test_a_host_stall_of_a_few_seconds_does_not_move_the_step_fit():
+    """A loaded host runs every step late for a while (§32 run 3: a stretch of late simulated
+    steps read as decode cost, 4 D taken for 31 s): the fit keeps a minute of steps at one
+    decode worker's pace (~60 a second), so a stall of 4 polls' steps is a few percent of them,
+    which the trim drops. Delays only add, as a host's do."""
+    rng = random.Random(7)
+
+    def poll(n: int, late: float = 1.0) -> list[StepSample]:
+        out = []
+        for _ in range(n):
+            rows = rng.randint(1, 48)
+            kv = rows * rng.randint(500, 5000)
+            out.append(StepSample(rows, kv, true_step(rows, kv) * late + rng.expovariate(2000)))
+        return out
+
+    fit = StepFit()
+    for _ in range(30):  # a minute of 2-s polls at ~60 steps a second
+        fit.add(poll(120))
+    for _ in range(4):  # 8 s of a stalled host: every step 2.5x its cost
+        fit.add(poll(120, late=2.5))
+    assert fit.predict(32, 32 * 2500) == pytest.approx(true_step(32, 32 * 2500), rel=0.1)
+
+
 def test_the_rate_fit_weighs_tokens_over_busy_time():
     fit = RateFit()
     assert fit.tokens_per_s is None
