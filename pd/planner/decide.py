@@ -216,8 +216,8 @@ class Planner:
         for w in obs.workers:
             if w.role == "prefill":
                 self.rate_fit.add(w.prefill_tokens, w.prefill_busy_s)
-            elif w.role == "decode":
-                self.step_fit.add(w.steps)
+        # every decode worker's steps, starting or draining too, in one refit a poll
+        self.step_fit.add(s for w in obs.workers if w.role == "decode" for s in w.steps)
         reasons: list[str] = []
         want: dict[str, int] = {}
         pressure: dict[str, float] = {}

@@ -32,7 +32,10 @@ class StepFit:
         self.coefficients: tuple[float, float, float] | None = None
 
     def add(self, samples: Iterable[StepSample]) -> None:
-        self.samples.extend(s for s in samples if s.rows > 0 and s.seconds > 0)
+        new = [s for s in samples if s.rows > 0 and s.seconds > 0]
+        if not new:
+            return  # nothing new: the coefficients stand
+        self.samples.extend(new)
         if len(self.samples) >= 3:
             self.coefficients = _trimmed(list(self.samples))
 

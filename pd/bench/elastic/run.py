@@ -959,12 +959,12 @@ def run(args: argparse.Namespace) -> int:
     first, *more = variants
     if "planner" not in setups:
         more = []
+    beside = [(v, with_variant(args, v)) for v in more]
     jobs = [
         Job(kind, kind, fewest(args), with_variant(args, first), phases)
         for kind in setups if kind != "fixed"
     ] + [
-        Job("planner", f"planner {v.name}", fewest(one), one, phases)
-        for v, one in ((v, with_variant(args, v)) for v in more)
+        Job("planner", f"planner {v.name}", fewest(one), one, phases) for v, one in beside
     ] + [Job("fixed", f"fixed {p},{d}", (p, d), args, phases) for p, d in fixed]  # fmt: skip
     with CpuWatch() as cpu:
         done, (began, ended) = run_jobs(jobs, args.jobs, stagger)
